@@ -1,0 +1,59 @@
+"""kvshm: a KV-cache store for LLM inference.
+
+One store server per host owns a pre-allocated POSIX shared-memory pool; clients on the
+same host copy straight into and out of it, remote clients use RDMA or TCP, and ZeroMQ
+messages carry the control (see DESIGN.md in the repository).
+"""
+
+from __future__ import annotations
+
+try:
+    from kvshm._bitmap import BitmapAllocator
+    from kvshm._pool import Pool
+except ImportError as _exc:  # pragma: no cover - exercised only on a broken install
+    raise ImportError(
+        "kvshm's compiled core (kvshm._bitmap, kvshm._pool) is not built: "
+        f"{_exc}. Install the package with `pip install .` (or `pip install -e .` for "
+        "development), or build in place with `python setup.py build_ext --inplace`."
+    ) from _exc
+
+from kvshm.errors import (
+    CorruptValue,
+    InvalidKey,
+    InvalidRequest,
+    KeyNotFound,
+    KvshmError,
+    LeaseExpired,
+    PoolFull,
+    ProtocolError,
+    QuotaExceeded,
+    ServerUnavailable,
+    TransportError,
+    ValueTooLarge,
+)
+
+from kvshm.client import Client
+from kvshm.server import Server, ServerConfig
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Client",
+    "Server",
+    "ServerConfig",
+    "BitmapAllocator",
+    "Pool",
+    "KvshmError",
+    "KeyNotFound",
+    "PoolFull",
+    "ValueTooLarge",
+    "InvalidKey",
+    "InvalidRequest",
+    "ServerUnavailable",
+    "ProtocolError",
+    "LeaseExpired",
+    "QuotaExceeded",
+    "CorruptValue",
+    "TransportError",
+    "__version__",
+]

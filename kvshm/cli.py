@@ -1,0 +1,236 @@
+"""The ``kvshm`` command: serve, ctl, replay.
+
+Bad flag values are usage errors: one message naming the flag, exit status 2, no
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from typing import Any, Callable, Sequence
+
+__all__ = ["main"]
+
+log = logging.getLogger("kvshm")
+
+
+def _typed(conv: Callable[[str], Any], check: Callable[[Any], bool], what: str
+           ) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            v = conv(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not check(v):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return v
+
+    parse.__name__ = what
+    return parse
+
+
+port_t = _typed(int, lambda v: 0 <= v <= 65535, "a port number (0-65535)")
+pos_float = _typed(float, lambda v: v > 0, "a number > 0")
+ratio_t = _typed(float, lambda v: 0.0 <= v <= 1.0, "a ratio in [0, 1]")
+block_kib_t = _typed(int, lambda v: v >= 4 and v % 4 == 0, "a block size in KiB (>= 4, multiple of 4)")
+pos_int = _typed(int, lambda v: v > 0, "an integer > 0")
+nonneg_int = _typed(int, lambda v: v >= 0, "an integer >= 0")
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+
+
+# ---------------------------------------------------------------------- serve
+
+def add_server_flags(p: argparse.ArgumentParser) -> None:
+    """Flags of `kvshm serve` (InfiniStore's names where it has them)."""
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address every socket binds (default 127.0.0.1)")
+    p.add_argument("--service-port", type=port_t, default=12345,
+                   help="ZeroMQ service port (0: a free port; default 12345)")
+    p.add_argument("--manage-port", type=port_t, default=18080,
+                   help="HTTP management port (0: a free port; default 18080)")
+    p.add_argument("--no-manage", action="store_true", help="do not serve the management port")
+    p.add_argument("--prealloc-size", type=pos_float, default=1.0,
+                   help="pool size in GiB, fractions allowed (default 1)")
+    p.add_argument("--block-size", type=block_kib_t, default=64,
+                   help="block size in KiB (>= 4; default 64)")
+    p.add_argument("--lease-timeout", type=pos_float, default=10.0,
+                   help="seconds before an uncommitted write or unreleased pin is reclaimed")
+    p.add_argument("--enable-periodic-evict", action="store_true",
+                   help="evict periodically when usage passes --evict-max-threshold")
+    p.add_argument("--evict-interval", type=pos_float, default=5.0,
+                   help="seconds between periodic eviction checks (default 5)")
+    p.add_argument("--evict-min-threshold", type=ratio_t, default=0.6,
+                   help="periodic eviction evicts down to this usage (default 0.6)")
+    p.add_argument("--evict-max-threshold", type=ratio_t, default=0.8,
+                   help="periodic eviction starts above this usage (default 0.8)")
+    p.add_argument("--shm-name", default=None, help="shared-memory segment name (default: unique)")
+    p.add_argument("--no-ipc", action="store_true", help="do not serve the ipc:// endpoint")
+    p.add_argument("--max-key-bytes", type=pos_int, default=4096, help="longest key (default 4096)")
+    p.add_argument("--max-batch", type=pos_int, default=1_000_000,
+                   help="most keys per request (default 1000000)")
+    p.add_argument("--max-client-pending", type=nonneg_int, default=0,
+                   help="bytes one client may hold in uncommitted writes (0: no limit)")
+    p.add_argument("--max-client-pinned", type=nonneg_int, default=0,
+                   help="bytes one client may hold pinned (0: no limit)")
+    p.add_argument("--log-level", default="INFO",
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "debug", "info", "warning",
+                            "error"], help="log level (default INFO)")
+
+
+def config_from_args(args: argparse.Namespace) -> Any:
+    from kvshm.server import ServerConfig
+
+    return ServerConfig(
+        host=args.host,
+        service_port=args.service_port,
+        manage_port=None if args.no_manage else args.manage_port,
+        prealloc_size=args.prealloc_size,
+        block_size=args.block_size,
+        lease_timeout=args.lease_timeout,
+        enable_periodic_evict=args.enable_periodic_evict,
+        evict_interval=args.evict_interval,
+        evict_min_threshold=args.evict_min_threshold,
+        evict_max_threshold=args.evict_max_threshold,
+        ipc=not args.no_ipc,
+        shm_name=args.shm_name,
+        max_key_bytes=args.max_key_bytes,
+        max_batch=args.max_batch,
+        max_client_pending_bytes=args.max_client_pending,
+        max_client_pinned_bytes=args.max_client_pinned,
+    )
+
+
+def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from kvshm.server import ConfigError, Server
+
+    _setup_logging(args.log_level)
+    try:
+        server = Server(config_from_args(args))
+    except ConfigError as exc:
+        parser.error(f"argument --{exc.option.replace('_', '-')}: {exc.message}")
+
+    def on_signal(signum: int, frame: Any) -> None:
+        log.info("signal %d: stopping", signum)
+        server.stop()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+
+    def ready(srv: Any) -> None:
+        print(srv.ready_line(), flush=True)
+
+    try:
+        server.serve_forever(ready=ready)
+    except OSError as exc:
+        print(f"kvshm serve: {exc}", file=sys.stderr)
+        return 1
+    log.info("stopped; segment removed")
+    return 0
+
+
+# ---------------------------------------------------------------------- ctl
+
+def cmd_ctl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from kvshm import segments
+    from kvshm.errors import KvshmError
+
+    _setup_logging("WARNING")
+    if args.action == "cleanup":
+        removed = segments.cleanup(args.prefix, dry_run=args.dry_run)
+        for name in removed:
+            print(("would remove " if args.dry_run else "removed ") + name)
+        if not removed:
+            print("nothing to remove")
+        return 0
+    if args.action == "segments":
+        for name, held in segments.list_segments(args.prefix):
+            print(f"{name}\t{'in use' if held else 'orphaned'}")
+        return 0
+    from kvshm.client import Client
+
+    try:
+        with Client(args.address, transport="tcp", timeout=args.timeout) as c:
+            if args.action == "stats":
+                print(json.dumps(c.stats(verify=args.verify), indent=2, sort_keys=True))
+            elif args.action == "evict":
+                print(c.evict(args.ratio))
+            elif args.action == "purge":
+                print(c.purge())
+            elif args.action == "delete":
+                print(c.delete(args.keys))
+            elif args.action == "exists":
+                for k, found in zip(args.keys, c.exists_batch(args.keys)):
+                    print(f"{k}\t{'yes' if found else 'no'}")
+            elif args.action == "ping":
+                info = c.ping()
+                print(json.dumps({"epoch": info["epoch"], "pool": info["pool"]["name"],
+                                  "size": info["pool"]["size"],
+                                  "block_size": info["pool"]["block_size"],
+                                  "server": info["server"]}, indent=2))
+    except KvshmError as exc:
+        print(f"kvshm ctl: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# ---------------------------------------------------------------------- main
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvshm", description="kvshm KV-cache store")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("serve", help="run a store server on this host")
+    add_server_flags(s)
+    s.set_defaults(func=cmd_serve, parser=s)
+
+    c = sub.add_parser("ctl", help="drive a running server (stats, evict, purge, ...)")
+    c.add_argument("--address", default="127.0.0.1:12345",
+                   help="server host:port (default 127.0.0.1:12345)")
+    c.add_argument("--timeout", type=pos_float, default=5.0, help="seconds to wait (default 5)")
+    csub = c.add_subparsers(dest="action", required=True, metavar="ACTION")
+    st = csub.add_parser("stats", help="print the server's statistics as JSON")
+    st.add_argument("--verify", action="store_true", help="add the accounting check")
+    ev = csub.add_parser("evict", help="evict LRU entries down to RATIO of the pool")
+    ev.add_argument("ratio", type=ratio_t)
+    csub.add_parser("purge", help="remove every entry")
+    de = csub.add_parser("delete", help="delete keys")
+    de.add_argument("keys", nargs="+")
+    ex = csub.add_parser("exists", help="check keys")
+    ex.add_argument("keys", nargs="+")
+    csub.add_parser("ping", help="HELLO: print the server's pool and identity")
+    cl = csub.add_parser("cleanup", help="remove segments left by dead servers")
+    cl.add_argument("--prefix", default="kvshm-", help="segment name prefix (default kvshm-)")
+    cl.add_argument("--dry-run", action="store_true")
+    sg = csub.add_parser("segments", help="list kvshm segments in /dev/shm")
+    sg.add_argument("--prefix", default="kvshm-")
+    c.set_defaults(func=cmd_ctl, parser=c)
+
+    try:
+        from kvshm import replay
+    except ImportError:  # pragma: no cover
+        pass
+    else:
+        replay.add_parser(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args, args.parser) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,662 @@
+"""kvshm clients.
+
+:class:`Client` is the synchronous client. Each operation is written once, as a
+generator that yields the requests it needs and receives their replies (the protocol
+logic knows nothing of sockets); :class:`Client` drives these generators over a blocking
+:class:`~kvshm.zmq_ctrl.channel.Channel`, and :class:`kvshm.aio.AsyncClient` drives the
+same generators with asyncio.
+
+Movers: ``transport="shm"`` copies through the server's segment mapped here,
+``"tcp"`` carries the bytes in the messages, ``"rdma"`` uses one-sided RDMA verbs, and
+``"auto"`` picks shm when the segment can be attached, else RDMA when both sides have a
+device, else TCP.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from typing import Any, Callable, Generator, Iterable, NamedTuple, Sequence
+
+import xxhash
+import zmq
+
+from kvshm._buffers import byte_view
+from kvshm._pool import Pool
+from kvshm.errors import (
+    CorruptValue,
+    InvalidKey,
+    KeyNotFound,
+    KvshmError,
+    LeaseExpired,
+    ProtocolError,
+    ServerUnavailable,
+    TransportError,
+    ValueTooLarge,
+)
+from kvshm.movers import OneSidedMover, ShmMover
+from kvshm.zmq_ctrl.channel import Channel, endpoint_of
+from kvshm.zmq_ctrl.protocol import PROTOCOL_VERSION, Limits, Op, Status, error_for
+
+__all__ = ["Client", "Key", "TRANSPORTS"]
+
+log = logging.getLogger(__name__)
+
+Key = str | bytes
+TRANSPORTS = ("auto", "shm", "tcp", "rdma")
+
+
+class _Req(NamedTuple):
+    op: int
+    body: dict[str, Any]
+    frames: Sequence[Any] = ()
+    stateful: bool = False      # offsets/grants involved: needs this server instance
+    retry_stale: bool = True    # after a server restart, say HELLO and resend
+
+
+class _Reply(NamedTuple):
+    req_id: int
+    status: int
+    body: dict[str, Any]
+    frames: list[Any]
+
+
+class _Restarted(ServerUnavailable):
+    """The server restarted between two steps of one operation."""
+
+
+OpGen = Generator[_Req, _Reply, Any]
+
+
+def _check(r: _Reply, what: str) -> None:
+    if r.status != Status.OK:
+        msg = r.body.get("error", Status(r.status).name if r.status in Status._value2member_map_
+                         else str(r.status))
+        raise error_for(r.status, f"{what}: {msg}")
+
+
+def _xxh(view: memoryview) -> int:
+    return xxhash.xxh64_intdigest(view)
+
+
+class _Session:
+    """Per-connection state shared by the sync and async clients (no I/O here)."""
+
+    def __init__(self, transport: str, lazy_commit: bool) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        self.transport = transport
+        self.lazy_commit = lazy_commit
+        self.epoch = 0
+        self.hello: dict[str, Any] = {}
+        self.limits = Limits()
+        self.capacity = 0
+        self.mover: OneSidedMover | None = None
+        self.commits: list[int] = []
+        self.aborts: list[int] = []
+        self.releases: list[int] = []
+        self.need_hello = True
+        self._retired: list[OneSidedMover] = []
+
+    # ---------------------------------------------------------------- keys
+
+    def keys(self, keys: Iterable[Key]) -> list[bytes]:
+        out = [k.encode() if type(k) is str else k for k in keys]
+        limit = self.limits.max_key_bytes
+        for i, k in enumerate(out):
+            if type(k) is not bytes:
+                if isinstance(k, (bytearray, memoryview)):
+                    out[i] = k = bytes(k)
+                else:
+                    raise InvalidKey(f"a key must be str or bytes, got {type(k).__name__}")
+            if not k:
+                raise InvalidKey("empty key")
+            if len(k) > limit:
+                raise InvalidKey(f"key of {len(k)} bytes exceeds the server's limit of "
+                                 f"{limit} bytes: {k[:32]!r}...")
+        if len(out) > self.limits.max_batch:
+            raise KvshmError(f"batch of {len(out)} keys exceeds the server's limit of "
+                             f"{self.limits.max_batch}")
+        return out
+
+    # ---------------------------------------------------------------- piggyback
+
+    def take_piggyback(self, body: dict[str, Any]) -> dict[str, Any]:
+        if not (self.commits or self.aborts or self.releases) or not self.epoch:
+            return body
+        body = dict(body)
+        for name, q in (("commit", self.commits), ("abort", self.aborts),
+                        ("release", self.releases)):
+            if q:
+                body[name] = body.get(name, []) + q[:]
+                q.clear()
+        return body
+
+    def piggyback_pending(self) -> bool:
+        return bool(self.commits or self.aborts or self.releases)
+
+    # ---------------------------------------------------------------- HELLO
+
+    def hello_body(self) -> dict[str, Any]:
+        return {"client": f"{socket.gethostname()}:{os.getpid()}",
+                "version": PROTOCOL_VERSION, "transport": self.transport}
+
+    def apply_hello(self, r: _Reply, address: str) -> None:
+        _check(r, f"HELLO to {address}")
+        h = r.body
+        self.hello = h
+        self.epoch = int(h["epoch"])
+        self.limits = Limits.from_wire(h["limits"])
+        self.capacity = int(h["pool"]["size"])
+        self.commits.clear()
+        self.aborts.clear()
+        self.releases.clear()
+        self._retire_mover()
+        self.mover = self._pick_mover(h, address)
+        self.need_hello = False
+
+    def _pick_mover(self, h: dict[str, Any], address: str) -> OneSidedMover | None:
+        t = self.transport
+        if t in ("auto", "shm"):
+            pool_info = h["pool"]
+            try:
+                pool = Pool.attach(pool_info["name"])
+            except (OSError, ValueError) as exc:
+                if t == "shm":
+                    raise TransportError(
+                        f"cannot attach the server's shared memory {pool_info['name']} "
+                        f"({exc}); is the server at {address} on this host?") from None
+                log.debug("shm attach failed (%s); trying the next mover", exc)
+            else:
+                if pool.token == pool_info["token"]:
+                    return ShmMover(pool)
+                pool.close()
+                if t == "shm":
+                    raise TransportError(
+                        f"segment {pool_info['name']} here is not the one the server at "
+                        f"{address} uses (another host?)")
+        if t in ("auto", "rdma"):
+            from kvshm import rdma
+
+            mover = rdma.client_mover(h, address, required=(t == "rdma"))
+            if mover is not None:
+                return mover
+        return None
+
+    def _retire_mover(self) -> None:
+        if self.mover is not None:
+            m, self.mover = self.mover, None
+            try:
+                m.close()
+            except BufferError:
+                self._retired.append(m)
+
+    def close(self) -> None:
+        self._retire_mover()
+        for m in self._retired:
+            try:
+                m.close()
+            except BufferError:
+                pass
+        self._retired.clear()
+
+    @property
+    def transport_name(self) -> str:
+        return self.mover.name if self.mover is not None else "tcp"
+
+    # ---------------------------------------------------------------- operations
+
+    def _values(self, keys: list[bytes], values: Sequence[Any]) -> list[memoryview]:
+        if len(values) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        views = [byte_view(v, what=f"value for key {k!r}") for k, v in zip(keys, values)]
+        for k, v in zip(keys, views):
+            if v.nbytes > self.capacity or (self.limits.max_value_bytes and
+                                            v.nbytes > self.limits.max_value_bytes):
+                raise ValueTooLarge(f"value for key {k!r} is {v.nbytes} bytes; the server "
+                                    f"takes at most {self.limits.max_value_bytes or self.capacity}")
+        return views
+
+    @staticmethod
+    def raise_failures(keys: Sequence[bytes], statuses: Sequence[int], what: str) -> None:
+        failed = {keys[i]: Status(s) for i, s in enumerate(statuses) if s != Status.OK}
+        if not failed:
+            return
+        first_key, first = next(iter(failed.items()))
+        more = f" (and {len(failed) - 1} more keys)" if len(failed) > 1 else ""
+        exc = error_for(first, f"{what} of key {first_key!r} failed: {first.name}{more}")
+        exc.failed = failed  # type: ignore[attr-defined]
+        raise exc
+
+    def op_put_batch(self, keys: Iterable[Key], values: Sequence[Any],
+                     checksum: bool) -> OpGen:
+        bkeys = self.keys(keys)
+        views = self._values(bkeys, values)
+        if not bkeys:
+            return None
+        body: dict[str, Any] = {"keys": bkeys}
+        if checksum:
+            body["sums"] = [_xxh(v) for v in views]
+        for attempt in range(2):
+            mover = self.mover
+            if mover is None:
+                r = yield _Req(Op.PUT, body, views)
+                _check(r, "put")
+                self.raise_failures(bkeys, r.body["st"], "put")
+                return None
+            body["sizes"] = [v.nbytes for v in views]
+            r = yield _Req(Op.ALLOC, body, stateful=True)
+            _check(r, "put")
+            if self.mover is not mover:     # HELLO again in between: new segment
+                self.aborts.append(r.req_id)
+                continue
+            st, offsets = r.body["st"], r.body["offsets"]
+            ok = [i for i, s in enumerate(st) if s == Status.OK]
+            if ok:
+                try:
+                    mover.write([offsets[i] for i in ok], [views[i] for i in ok],
+                                [bkeys[i] for i in ok])
+                except BaseException:
+                    self.aborts.append(r.req_id)
+                    raise
+                self.commits.append(r.req_id)
+                if not self.lazy_commit:
+                    try:
+                        c = yield _Req(Op.COMMIT, {}, stateful=True, retry_stale=False)
+                    except _Restarted:
+                        if attempt:
+                            raise
+                        continue
+                    _check(c, "commit")
+                    if r.req_id in c.body.get("commit_failed", ()):
+                        raise LeaseExpired(
+                            f"the write of {len(ok)} keys was reclaimed before COMMIT "
+                            "(lease timeout); nothing was stored")
+            self.raise_failures(bkeys, st, "put")
+            return None
+        raise ServerUnavailable("the server restarted twice during one put; retry")
+
+    def op_lookup_copy(self, keys: Iterable[Key], outs: Sequence[Any] | None,
+                       verify: bool) -> OpGen:
+        """Shared read path: returns (sizes, data) where data is bytes per hit or None."""
+        bkeys = self.keys(keys)
+        views = None
+        if outs is not None:
+            if len(outs) != len(bkeys):
+                raise ValueError(f"{len(bkeys)} keys but {len(outs)} output buffers")
+            views = [byte_view(o, writable=True, what=f"output for key {k!r}")
+                     for k, o in zip(bkeys, outs)]
+        if not bkeys:
+            return [], []
+        mover = self.mover
+        if mover is None:
+            r = yield _Req(Op.GET, {"keys": bkeys})
+            _check(r, "get")
+            sizes = r.body["sizes"]
+            frames = r.frames
+            if len(frames) != sum(1 for s in sizes if s >= 0):
+                raise ProtocolError("GET reply has a frame count that does not match")
+            data: list[Any] = [None] * len(sizes)
+            j = 0
+            for i, sz in enumerate(sizes):
+                if sz < 0:
+                    continue
+                f = frames[j]
+                j += 1
+                if views is not None:
+                    self._check_out(bkeys[i], views[i], sz)
+                    views[i][:sz] = f.buffer
+                    data[i] = views[i][:sz]
+                else:
+                    data[i] = f.bytes
+            if verify:
+                self._verify(bkeys, sizes, r.body.get("sums"), data)
+            return sizes, data
+        r = yield _Req(Op.LOOKUP, {"keys": bkeys}, stateful=True)
+        _check(r, "get")
+        offsets, sizes = r.body["offsets"], r.body["sizes"]
+        hits = [i for i, o in enumerate(offsets) if o >= 0]
+        data = [None] * len(sizes)
+        if not hits:
+            return sizes, data
+        try:
+            if self.mover is not mover:
+                raise _Restarted("the server restarted during a get; retry")
+            ho = [offsets[i] for i in hits]
+            hs = [sizes[i] for i in hits]
+            hk = [bkeys[i] for i in hits]
+            if views is not None:
+                hv = [views[i] for i in hits]
+                for k, v, s in zip(hk, hv, hs):
+                    self._check_out(k, v, s)
+                mover.read_into(ho, hs, hv, hk)
+                for i in hits:
+                    data[i] = views[i][:sizes[i]]
+            else:
+                for i, b in zip(hits, mover.read_bytes(ho, hs, hk)):
+                    data[i] = b
+        finally:
+            # The pins go only after the copy: until then the blocks cannot be reused.
+            self.releases.append(r.req_id)
+        if verify:
+            self._verify(bkeys, sizes, r.body.get("sums"), data)
+        return sizes, data
+
+    @staticmethod
+    def _check_out(key: bytes, view: memoryview, size: int) -> None:
+        if view.nbytes < size:
+            raise ValueError(f"output buffer for key {key!r} holds {view.nbytes} bytes; "
+                             f"the value is {size} bytes")
+
+    @staticmethod
+    def _verify(keys: Sequence[bytes], sizes: Sequence[int], sums: Sequence[Any] | None,
+                data: Sequence[Any]) -> None:
+        for i, d in enumerate(data):
+            if d is None:
+                continue
+            want = sums[i] if sums else None
+            if want is None:
+                raise CorruptValue(f"key {keys[i]!r} was stored without a checksum; "
+                                   "put it with checksum=True to verify it")
+            if _xxh(memoryview(d)[:sizes[i]]) != want:
+                raise CorruptValue(f"value of key {keys[i]!r} does not match its checksum")
+
+    def op_simple(self, op: int, body: dict[str, Any], what: str) -> OpGen:
+        r = yield _Req(op, body)
+        _check(r, what)
+        return r.body
+
+    def op_commit_flush(self) -> OpGen:
+        pending = list(self.commits)
+        r = yield _Req(Op.COMMIT, {}, stateful=True, retry_stale=False)
+        _check(r, "flush")
+        failed = [rid for rid in r.body.get("commit_failed", ()) if rid in pending]
+        if failed:
+            raise LeaseExpired(f"{len(failed)} lazily committed writes were reclaimed "
+                               "before their COMMIT arrived")
+        return None
+
+
+class Client:
+    """Synchronous kvshm client.
+
+    Parameters
+    ----------
+    address : str
+        ``host:port`` of the server's service port (``tcp://``/``ipc://`` endpoints too).
+    transport : {"auto", "shm", "tcp", "rdma"}
+        How bytes move (see the module docstring).
+    timeout : float
+        Seconds to wait for any one reply; every wait is bounded by it and a timeout
+        raises :class:`~kvshm.errors.ServerUnavailable` naming the server.
+    lazy_commit : bool
+        Let COMMIT ride on the next request instead of its own round trip: a write is
+        then visible to other clients only after this client's next request or
+        :meth:`flush`.
+    curve_server_key : bytes, optional
+        The server's CurveZMQ public key (Z85), required when the server runs with CURVE.
+    curve_keypair : (public, secret), optional
+        This client's CurveZMQ key pair (Z85); generated when not given.
+    connect : bool
+        Say HELLO now (default); otherwise on the first call.
+
+    Raises
+    ------
+    ServerUnavailable
+        The server did not answer HELLO within ``timeout``.
+    TransportError
+        ``transport="shm"`` or ``"rdma"`` was asked and cannot be used.
+
+    Notes
+    -----
+    One client may be shared by threads: requests are serialized on its connection,
+    copies run in parallel with the GIL released. RELEASE (and COMMIT with
+    ``lazy_commit``) ride on the next request; :meth:`flush` sends them now.
+    """
+
+    def __init__(self, address: str = "127.0.0.1:12345", transport: str = "auto",
+                 timeout: float = 5.0, *, lazy_commit: bool = False,
+                 curve_server_key: bytes | str | None = None,
+                 curve_keypair: tuple[bytes, bytes] | None = None,
+                 connect: bool = True, context: zmq.Context | None = None) -> None:
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0, got {timeout}")
+        self.address = address
+        self._base_endpoint = endpoint_of(address)
+        self._session = _Session(transport, lazy_commit)
+        self._chan = Channel(self._base_endpoint, timeout, context=context,
+                             socket_setup=_curve_setup(curve_server_key, curve_keypair))
+        self._closed = False
+        if connect:
+            with self._chan.lock:
+                self._hello_locked()
+
+    # ---------------------------------------------------------------- plumbing
+
+    def _hello_locked(self) -> None:
+        s = self._session
+        s.need_hello = True
+        self._chan.reset(self._base_endpoint)
+        rid, st, body, frames = self._chan.request(Op.HELLO, s.hello_body())
+        s.apply_hello(_Reply(rid, st, body, frames), self.address)
+        ipc = s.hello.get("ipc")
+        if s.mover is not None and s.mover.name == "shm" and ipc:
+            path = ipc[len("ipc://"):]
+            if os.path.exists(path):
+                self._chan.reset(ipc)
+
+    def _roundtrip(self, req: _Req) -> _Reply:
+        if self._closed:
+            raise KvshmError("client is closed")
+        s = self._session
+        with self._chan.lock:
+            try:
+                if s.need_hello:
+                    self._hello_locked()
+                body = s.take_piggyback(req.body)
+                rid, st, rbody, frames = self._chan.request(req.op, body, req.frames,
+                                                            epoch=s.epoch)
+                if st == Status.STALE_EPOCH and req.stateful:
+                    self._hello_locked()
+                    if not req.retry_stale:
+                        raise _Restarted(f"kvshm server at {self.address} restarted "
+                                         "during the operation")
+                    rid, st, rbody, frames = self._chan.request(req.op, req.body, req.frames,
+                                                                epoch=s.epoch)
+            except ServerUnavailable:
+                s.need_hello = True
+                raise
+        return _Reply(rid, st, rbody, frames)
+
+    def _run(self, gen: OpGen) -> Any:
+        try:
+            req = next(gen)
+            while True:
+                try:
+                    reply = self._roundtrip(req)
+                except _Restarted as exc:
+                    req = gen.throw(exc)
+                    continue
+                req = gen.send(reply)
+        except StopIteration as stop:
+            return stop.value
+
+    # ---------------------------------------------------------------- writes
+
+    def put(self, key: Key, value: Any, *, checksum: bool = False) -> None:
+        """Store ``value`` (any buffer or CPU tensor) under ``key``.
+
+        Raises
+        ------
+        ValueTooLarge, InvalidKey, PoolFull, QuotaExceeded, ServerUnavailable
+        """
+        self._run(self._session.op_put_batch([key], [value], checksum))
+
+    def put_batch(self, keys: Sequence[Key], values: Sequence[Any], *,
+                  checksum: bool = False) -> None:
+        """Store many values with one ALLOC and one COMMIT (or one PUT over TCP).
+
+        Keys that could be placed are stored even when others fail; the first failure
+        is then raised, its ``failed`` attribute mapping each failed key to its Status.
+        ``checksum=True`` stores an xxh64 of each value for ``get(..., verify=True)``.
+        """
+        self._run(self._session.op_put_batch(keys, values, checksum))
+
+    # ---------------------------------------------------------------- reads
+
+    def get(self, key: Key, *, verify: bool = False) -> bytes:
+        """The value of ``key``. Raises KeyNotFound on a miss, CorruptValue on a checksum
+        mismatch with ``verify``."""
+        sizes, data = self._run(self._session.op_lookup_copy([key], None, verify))
+        if sizes[0] < 0:
+            raise KeyNotFound(f"key {key!r} not found")
+        return data[0]  # type: ignore[no-any-return]
+
+    def get_into(self, key: Key, out: Any, *, verify: bool = False) -> int:
+        """Copy the value of ``key`` into ``out`` (a writable buffer or CPU tensor).
+
+        Returns the value's size in bytes. Raises KeyNotFound, or ValueError when
+        ``out`` is smaller than the value.
+        """
+        sizes, _ = self._run(self._session.op_lookup_copy([key], [out], verify))
+        if sizes[0] < 0:
+            raise KeyNotFound(f"key {key!r} not found")
+        return sizes[0]  # type: ignore[no-any-return]
+
+    def get_batch(self, keys: Sequence[Key], *, verify: bool = False) -> list[bytes | None]:
+        """Values of ``keys``, None for each miss (a miss never fails the batch)."""
+        _, data = self._run(self._session.op_lookup_copy(keys, None, verify))
+        return data  # type: ignore[no-any-return]
+
+    def get_batch_into(self, keys: Sequence[Key], outs: Sequence[Any], *,
+                       verify: bool = False) -> list[int]:
+        """Copy each value into ``outs[i]``; returns sizes in bytes, -1 for a miss."""
+        sizes, _ = self._run(self._session.op_lookup_copy(keys, outs, verify))
+        return sizes  # type: ignore[no-any-return]
+
+    # ---------------------------------------------------------------- queries
+
+    def exists(self, key: Key) -> bool:
+        return self.exists_batch([key])[0]
+
+    def exists_batch(self, keys: Sequence[Key]) -> list[bool]:
+        """Whether each key is present (committed)."""
+        bkeys = self._session.keys(keys)
+        if not bkeys:
+            return []
+        return self._run(self._session.op_simple(Op.EXISTS, {"keys": bkeys}, "exists"))["found"]  # type: ignore[no-any-return]
+
+    def match_prefix(self, keys: Sequence[Key]) -> int:
+        """How many leading keys of ``keys`` the store holds (a prefix match)."""
+        bkeys = self._session.keys(keys)
+        if not bkeys:
+            return 0
+        return self._run(self._session.op_simple(Op.MATCH_PREFIX, {"keys": bkeys},
+                                                 "match_prefix"))["n"]  # type: ignore[no-any-return]
+
+    def delete(self, keys: Key | Sequence[Key]) -> int:
+        """Remove keys (a readers' pin keeps its bytes until released). Returns removed."""
+        if isinstance(keys, (str, bytes)):
+            keys = [keys]
+        bkeys = self._session.keys(keys)
+        if not bkeys:
+            return 0
+        return self._run(self._session.op_simple(Op.DELETE, {"keys": bkeys}, "delete"))["n"]  # type: ignore[no-any-return]
+
+    def evict(self, to_ratio: float) -> int:
+        """Evict LRU entries until usage <= ``to_ratio`` (0..1). Returns entries evicted."""
+        if not 0.0 <= to_ratio <= 1.0:
+            raise ValueError(f"to_ratio must be in [0, 1], got {to_ratio}")
+        return self._run(self._session.op_simple(Op.EVICT, {"ratio": float(to_ratio)},
+                                                 "evict"))["n"]  # type: ignore[no-any-return]
+
+    def purge(self) -> int:
+        """Remove every entry. Returns entries removed."""
+        return self._run(self._session.op_simple(Op.PURGE, {}, "purge"))["n"]  # type: ignore[no-any-return]
+
+    def stats(self, *, verify: bool = False, latency: bool = False) -> dict[str, Any]:
+        """Server statistics (see :meth:`kvshm.store.Store.stats` for the keys).
+
+        ``verify`` adds the accounting check (entry_blocks, accounting_ok); ``latency``
+        the per-op latency histograms.
+        """
+        body = {"verify": verify, "latency": latency}
+        return self._run(self._session.op_simple(Op.STATS, body, "stats"))["stats"]  # type: ignore[no-any-return]
+
+    def flush(self) -> None:
+        """Send queued RELEASE/COMMIT now (one round trip). Raises LeaseExpired if a lazy
+        commit came too late."""
+        if self._session.piggyback_pending():
+            self._run(self._session.op_commit_flush())
+
+    def ping(self) -> dict[str, Any]:
+        """Say HELLO again; returns the server's HELLO reply."""
+        with self._chan.lock:
+            self._hello_locked()
+        return dict(self._session.hello)
+
+    # ---------------------------------------------------------------- misc
+
+    @property
+    def transport(self) -> str:
+        """The mover in use: "shm", "rdma" or "tcp"."""
+        return self._session.transport_name
+
+    @property
+    def server_info(self) -> dict[str, Any]:
+        """The server's last HELLO reply."""
+        return dict(self._session.hello)
+
+    def close(self) -> None:
+        """Send queued releases/commits (best effort), unmap the pool, close the socket.
+
+        Idempotent.
+        """
+        if self._closed:
+            return
+        try:
+            if self._session.piggyback_pending() and not self._session.need_hello:
+                self._run(self._session.op_commit_flush())
+        except KvshmError as exc:
+            log.debug("flush at close failed: %s", exc)
+        self._closed = True
+        with self._chan.lock:
+            self._session.close()
+            self._chan.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            try:
+                self._session.close()
+                self._chan.close()
+            except Exception:
+                pass
+
+    def __repr__(self) -> str:
+        return f"<kvshm.Client {self.address} transport={self.transport}>"
+
+
+def _curve_setup(server_key: bytes | str | None, keypair: tuple[bytes, bytes] | None
+                 ) -> Callable[[zmq.Socket], None] | None:
+    if server_key is None:
+        return None
+    if isinstance(server_key, str):
+        server_key = server_key.encode()
+    if keypair is None:
+        keypair = zmq.curve_keypair()
+    pub, sec = keypair
+
+    def setup(s: zmq.Socket) -> None:
+        s.curve_serverkey = server_key
+        s.curve_publickey = pub
+        s.curve_secretkey = sec
+
+    return setup

@@ -1,0 +1,73 @@
+"""Exceptions raised by kvshm.
+
+One base, :class:`KvshmError`; each specific error also inherits the builtin it refines,
+so ``except KeyError`` or ``except MemoryError`` keep working (msgpack's habit).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "KvshmError",
+    "KeyNotFound",
+    "PoolFull",
+    "ValueTooLarge",
+    "InvalidKey",
+    "InvalidRequest",
+    "ServerUnavailable",
+    "ProtocolError",
+    "LeaseExpired",
+    "QuotaExceeded",
+    "CorruptValue",
+    "TransportError",
+]
+
+
+class KvshmError(Exception):
+    """Base of every kvshm error."""
+
+
+class KeyNotFound(KvshmError, KeyError):
+    """The key is not in the store (never written, deleted, evicted or still pending)."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else "key not found"
+
+
+class PoolFull(KvshmError, MemoryError):
+    """No space could be made for a value: every entry left is pinned or pending."""
+
+
+class ValueTooLarge(KvshmError, ValueError):
+    """A value larger than the pool (or the server's per-value limit)."""
+
+
+class InvalidKey(KvshmError, ValueError):
+    """An empty key, a key longer than the server's limit, or a key of the wrong type."""
+
+
+class InvalidRequest(KvshmError, ValueError):
+    """A request the server refused as malformed (bad batch size, bad argument)."""
+
+
+class ServerUnavailable(KvshmError, ConnectionError):
+    """No answer from the server within the timeout, or the server went away."""
+
+
+class ProtocolError(KvshmError):
+    """A reply that does not follow the protocol, or a protocol version mismatch."""
+
+
+class LeaseExpired(KvshmError):
+    """A pending write was reclaimed before COMMIT (its lease ran out)."""
+
+
+class QuotaExceeded(KvshmError, MemoryError):
+    """The client holds more pending bytes or pins than the server allows one client."""
+
+
+class CorruptValue(KvshmError, ValueError):
+    """A value failed its end-to-end checksum."""
+
+
+class TransportError(KvshmError, OSError):
+    """A mover failed (RDMA completion error, shm attach failure) for a reason it names."""

@@ -1,0 +1,389 @@
+"""The kvshm server: a Store behind the ZeroMQ loop, plus the management port.
+
+Start it from the command line (``kvshm serve``) or from Python::
+
+    with kvshm.Server(service_port=0, manage_port=0, prealloc_size=0.25) as srv:
+        c = kvshm.Client(srv.address)
+
+Both take the same options (:class:`ServerConfig`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import ipaddress
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from kvshm import segments
+from kvshm._pool import Pool
+from kvshm.store import Store, StoreConfig
+from kvshm.zmq_ctrl.protocol import PROTOCOL_VERSION, Limits
+from kvshm.zmq_ctrl.router import ServiceLoop
+
+__all__ = ["Server", "ServerConfig", "ConfigError", "GiB", "KiB"]
+
+log = logging.getLogger(__name__)
+
+KiB = 1024
+GiB = 1024 ** 3
+
+
+class ConfigError(ValueError):
+    """A bad server option; ``option`` names it (the CLI flag is ``--`` + dashes)."""
+
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(f"{option}: {message}")
+        self.option = option
+        self.message = message
+
+
+@dataclass
+class ServerConfig:
+    """Options of a kvshm server; the CLI flags map one to one (``--service-port``, ...).
+
+    Attributes
+    ----------
+    host : str
+        Address every socket binds (service and management). Default 127.0.0.1.
+    service_port : int
+        ZeroMQ ROUTER port (tcp). 0 picks a free port. Default 12345 (as InfiniStore).
+    manage_port : int or None
+        HTTP management port; 0 picks a free port; None disables it. Default 18080.
+    prealloc_size : float
+        Pool size in GiB (fractions allowed), rounded down to whole blocks.
+    block_size : int
+        Block size in KiB, >= 4 and a multiple of 4. Default 64.
+    lease_timeout : float
+        Seconds before an uncommitted write or an unreleased pin is reclaimed.
+    enable_periodic_evict, evict_interval, evict_min_threshold, evict_max_threshold
+        Every ``evict_interval`` s, when usage passes ``evict_max_threshold`` (0..1),
+        evict LRU entries down to ``evict_min_threshold``.
+    ipc : bool
+        Also serve an ``ipc://`` endpoint (in a private 0700 directory) for same-host
+        clients.
+    shm_name : str, optional
+        Segment name; default ``kvshm-<port>-<pid>-<random>``.
+    max_key_bytes, max_batch : int
+        Request limits (see :class:`~kvshm.zmq_ctrl.protocol.Limits`).
+    max_client_pending_bytes, max_client_pinned_bytes : int, optional
+        Per-client limits in bytes; None or 0: no limit.
+    """
+
+    host: str = "127.0.0.1"
+    service_port: int = 12345
+    manage_port: int | None = 18080
+    prealloc_size: float = 1.0
+    block_size: int = 64
+    lease_timeout: float = 10.0
+    enable_periodic_evict: bool = False
+    evict_interval: float = 5.0
+    evict_min_threshold: float = 0.6
+    evict_max_threshold: float = 0.8
+    ipc: bool = True
+    shm_name: str | None = None
+    max_key_bytes: int = 4096
+    max_batch: int = 1_000_000
+    max_client_pending_bytes: int | None = None
+    max_client_pinned_bytes: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def pool_bytes(self) -> int:
+        bs = self.block_size * KiB
+        return int(self.prealloc_size * GiB) // bs * bs
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first bad option."""
+        try:
+            ipaddress.ip_address(self.host)
+        except ValueError:
+            if self.host != "localhost":
+                try:
+                    socket.getaddrinfo(self.host, None)
+                except OSError:
+                    raise ConfigError("host", f"cannot resolve {self.host!r}") from None
+        for name in ("service_port", "manage_port"):
+            v = getattr(self, name)
+            if v is None and name == "manage_port":
+                continue
+            if type(v) is not int or not 0 <= v <= 65535:
+                raise ConfigError(name, f"must be a port number 0-65535, got {v!r}")
+        if not self.prealloc_size > 0:
+            raise ConfigError("prealloc_size", f"must be > 0 GiB, got {self.prealloc_size}")
+        if type(self.block_size) is not int or self.block_size < 4 or self.block_size % 4:
+            raise ConfigError("block_size",
+                              f"must be a multiple of 4 KiB, >= 4, got {self.block_size}")
+        if self.pool_bytes < self.block_size * KiB:
+            raise ConfigError("prealloc_size", "is smaller than one block")
+        if not self.lease_timeout > 0:
+            raise ConfigError("lease_timeout", f"must be > 0 s, got {self.lease_timeout}")
+        if not self.evict_interval > 0:
+            raise ConfigError("evict_interval", f"must be > 0 s, got {self.evict_interval}")
+        for name in ("evict_min_threshold", "evict_max_threshold"):
+            v = getattr(self, name)
+            if not 0.0 <= v <= 1.0:
+                raise ConfigError(name, f"must be in [0, 1], got {v}")
+        if self.evict_min_threshold > self.evict_max_threshold:
+            raise ConfigError("evict_min_threshold", "must not exceed evict_max_threshold")
+        if self.max_key_bytes < 1:
+            raise ConfigError("max_key_bytes", "must be >= 1")
+        if self.max_batch < 1:
+            raise ConfigError("max_batch", "must be >= 1")
+
+
+class Server:
+    """A kvshm store server.
+
+    Parameters
+    ----------
+    config : ServerConfig, optional
+    **options
+        Fields of :class:`ServerConfig`, overriding ``config``.
+
+    Raises
+    ------
+    ConfigError
+        A bad option (at construction).
+    OSError
+        At :meth:`start`: the pool does not fit in /dev/shm (ENOSPC), a port is taken.
+    """
+
+    def __init__(self, config: ServerConfig | None = None, **options: Any) -> None:
+        cfg = dataclasses.replace(config) if config else ServerConfig()
+        for k, v in options.items():
+            if not hasattr(cfg, k):
+                raise TypeError(f"unknown server option {k!r}")
+            setattr(cfg, k, v)
+        cfg.validate()
+        self.config = cfg
+        self.pool: Pool | None = None
+        self.store: Store | None = None
+        self.loop: ServiceLoop | None = None
+        self.manage: Any = None
+        self._ctx: zmq.Context | None = None
+        self._thread: threading.Thread | None = None
+        self._lock_fd = -1
+        self._ipc_dir: str | None = None
+        self._started = False
+        self._stopped = False
+        self.epoch = int.from_bytes(os.urandom(6), "little") | 1
+
+    # ------------------------------------------------------------------ set-up
+
+    def _setup(self) -> None:
+        if self._started:
+            raise RuntimeError("server already started")
+        self._started = True
+        cfg = self.config
+        removed = segments.cleanup()
+        if removed:
+            log.info("removed %d segment(s) left by dead servers: %s", len(removed),
+                     ", ".join(removed))
+        try:
+            self._ctx = zmq.Context()
+            endpoints = [f"tcp://{_bracket(cfg.host)}:{cfg.service_port}"]
+            if cfg.ipc:
+                self._ipc_dir = tempfile.mkdtemp(prefix="kvshm-ipc-")
+                endpoints.append(f"ipc://{self._ipc_dir}/service.sock")
+            # Bind first so a taken port fails before the pool is allocated.
+            store_cfg = StoreConfig(
+                lease_timeout=cfg.lease_timeout,
+                limits=Limits(cfg.max_key_bytes, cfg.max_batch, 0),
+            )
+            self._pool_create()
+            assert self.pool is not None
+            pool_bytes = self.pool.size
+            store_cfg.max_client_pending_bytes = _default(cfg.max_client_pending_bytes,
+                                                          pool_bytes)
+            store_cfg.max_client_pinned_bytes = _default(cfg.max_client_pinned_bytes,
+                                                         pool_bytes)
+            self.store = Store(self.pool, store_cfg)
+            hello = {
+                "version": PROTOCOL_VERSION,
+                "pool": {"name": self.pool.name, "size": self.pool.size,
+                         "block_size": self.pool.block_size, "token": self.pool.token},
+                "limits": store_cfg.limits.to_wire(),
+                "lease_timeout": cfg.lease_timeout,
+                "server": {"pid": os.getpid(), "host": socket.gethostname()},
+                "ipc": None,
+            }
+            periodic = None
+            if cfg.enable_periodic_evict:
+                periodic = (cfg.evict_interval, cfg.evict_min_threshold,
+                            cfg.evict_max_threshold)
+            self.loop = ServiceLoop(self.store, endpoints, hello, self.epoch,
+                                    periodic_evict=periodic, context=self._ctx,
+                                    max_frame_bytes=max(pool_bytes, 256 << 20) + (1 << 20))
+            if cfg.ipc:
+                self.loop.hello["ipc"] = self.loop.endpoints[1]
+            if cfg.manage_port is not None:
+                from kvshm.manage import ManageServer
+
+                self.manage = ManageServer(cfg.host, cfg.manage_port, self.endpoint,
+                                           context=self._ctx)
+                self.manage.start()
+        except BaseException:
+            self._teardown()
+            raise
+
+    def _pool_create(self) -> None:
+        cfg = self.config
+        name = cfg.shm_name or (f"{segments.DEFAULT_PREFIX}{cfg.service_port}-{os.getpid()}-"
+                                f"{os.urandom(4).hex()}")
+        self.pool = Pool.create(name, cfg.pool_bytes, cfg.block_size * KiB)
+        try:
+            self._lock_fd = segments.hold(self.pool.name)
+        except OSError as exc:
+            log.warning("cannot lock segment %s (%s); `kvshm ctl cleanup` may remove it",
+                        self.pool.name, exc)
+
+    # ------------------------------------------------------------------ running
+
+    def start(self) -> "Server":
+        """Set up and serve in a background thread; returns when ready."""
+        self._setup()
+        assert self.loop is not None
+        self._thread = threading.Thread(target=self._run_loop, name="kvshm-server",
+                                        daemon=True)
+        self._thread.start()
+        _live.add(self)
+        return self
+
+    def _run_loop(self) -> None:
+        assert self.loop is not None
+        try:
+            self.loop.run()
+        except Exception:
+            log.exception("server loop crashed")
+
+    def serve_forever(self, ready: Any = None) -> None:
+        """Set up and serve in this thread until :meth:`stop` (e.g. from a signal
+        handler); tears everything down before returning. ``ready`` is called once
+        serving."""
+        self._setup()
+        assert self.loop is not None
+        try:
+            if ready is not None:
+                ready(self)
+            self.loop.run()
+        finally:
+            self._teardown()
+
+    def stop(self) -> None:
+        """Stop serving, unlink the segment, close every socket. Idempotent; safe from a
+        signal handler when serving with :meth:`serve_forever`."""
+        if self.loop is not None:
+            self.loop.stop()
+        if self._thread is not None:
+            if self._thread is not threading.current_thread():
+                self._thread.join(timeout=30)
+            self._thread = None
+            self._teardown()
+
+    def _teardown(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        _live.discard(self)
+        if self.manage is not None:
+            try:
+                self.manage.stop()
+            except Exception:
+                log.exception("stopping the management port failed")
+            self.manage = None
+        if self.loop is not None:
+            self.loop.close()
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        if self.pool is not None:
+            try:
+                self.pool.unlink()
+            except OSError as exc:
+                log.warning("unlink of %s failed: %s", self.pool.name, exc)
+            try:
+                self.pool.close()
+            except BufferError:
+                log.debug("pool still exported at shutdown; the process exit unmaps it")
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            self._ipc_dir = None
+
+    # ------------------------------------------------------------------ info
+
+    @property
+    def service_port(self) -> int:
+        assert self.loop is not None, "server not started"
+        return int(self.loop.endpoints[0].rsplit(":", 1)[1])
+
+    @property
+    def manage_port(self) -> int | None:
+        return self.manage.port if self.manage is not None else None
+
+    @property
+    def address(self) -> str:
+        """``host:port`` of the service port, for :class:`kvshm.Client`."""
+        host = self.config.host
+        return f"{_bracket(host)}:{self.service_port}"
+
+    @property
+    def endpoint(self) -> str:
+        assert self.loop is not None, "server not started"
+        return self.loop.endpoints[0]
+
+    def ready_line(self) -> str:
+        """The one line the CLI prints when serving."""
+        assert self.loop is not None and self.pool is not None
+        parts = [f"kvshm ready: service {self.loop.endpoints[0]}"]
+        if len(self.loop.endpoints) > 1:
+            parts.append(f"ipc {self.loop.endpoints[1]}")
+        if self.manage is not None:
+            parts.append(f"manage http://{_bracket(self.config.host)}:{self.manage.port}")
+        parts.append(f"pool {self.pool.name} {self.pool.size / GiB:.3g} GiB")
+        parts.append(f"block {self.pool.block_size // KiB} KiB")
+        parts.append(f"pid {os.getpid()}")
+        return ", ".join(parts)
+
+    def __enter__(self) -> "Server":
+        if not self._started:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# Servers started in a background thread; stopped at interpreter exit so that an
+# exception that ends the program still removes their segments.
+_live: "weakref.WeakSet[Server]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for srv in list(_live):
+        try:
+            srv.stop()
+        except Exception:
+            pass
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def _default(v: int | None, pool_bytes: int) -> int:
+    return 0 if v is None else v

@@ -1,0 +1,148 @@
+"""The client's side of the control channel: a DEALER socket with timeouts.
+
+:class:`Channel` sends one request and waits for the reply with the same request id,
+never longer than its timeout. On a timeout the socket is closed and a fresh one is made
+for the next call, so a late reply or a queued request of a dead exchange can never be
+mistaken for a new one. The routing id stays the same for the life of the channel, so
+the server can name this client's grants across reconnects.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import zmq
+
+from kvshm.errors import ProtocolError, ServerUnavailable
+from kvshm.zmq_ctrl.protocol import DecodeError, decode_reply, encode_request
+
+__all__ = ["Channel", "endpoint_of"]
+
+
+def endpoint_of(address: str) -> str:
+    """ZeroMQ endpoint for an address: ``host:port``, ``tcp://...`` or ``ipc://...``.
+
+    Raises
+    ------
+    ValueError
+        Not one of those forms.
+    """
+    if address.startswith(("tcp://", "ipc://", "inproc://")):
+        return address
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"address must be 'host:port', 'tcp://host:port' or "
+                         f"'ipc://path', got {address!r}")
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"tcp://{host}:{port}"
+
+
+class Channel:
+    """A request/reply channel to one server endpoint.
+
+    Parameters
+    ----------
+    endpoint : str
+        ZeroMQ endpoint (see :func:`endpoint_of`).
+    timeout : float
+        Seconds to wait for each reply.
+    context : zmq.Context, optional
+    socket_setup : callable, optional
+        Applied to every new socket before connect (CURVE client keys, ...).
+    """
+
+    def __init__(self, endpoint: str, timeout: float, *, context: zmq.Context | None = None,
+                 socket_setup: Callable[[zmq.Socket], None] | None = None) -> None:
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self.routing_id = os.urandom(16)
+        self._ctx = context or zmq.Context.instance()
+        self._setup = socket_setup
+        self._sock: zmq.Socket | None = None
+        self._poller: zmq.Poller | None = None
+        self._next_id = 1
+        self.lock = threading.Lock()
+        self._pid = os.getpid()
+
+    def _socket(self) -> zmq.Socket:
+        if self._pid != os.getpid():   # forked: never touch the parent's socket
+            self._sock = None
+            self._pid = os.getpid()
+        if self._sock is None:
+            s = self._ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.ROUTING_ID, self.routing_id)
+            if self._setup is not None:
+                self._setup(s)
+            s.connect(self.endpoint)
+            self._sock = s
+            self._poller = zmq.Poller()
+            self._poller.register(s, zmq.POLLIN)
+        return self._sock
+
+    def reset(self, endpoint: str | None = None) -> None:
+        """Drop the socket (and anything queued on it); optionally move to ``endpoint``."""
+        if self._sock is not None and self._pid == os.getpid():
+            self._sock.close(0)
+        self._sock = None
+        self._poller = None
+        if endpoint is not None:
+            self.endpoint = endpoint
+
+    def close(self) -> None:
+        self.reset()
+
+    def new_id(self) -> int:
+        rid = self._next_id
+        self._next_id += 1
+        return rid
+
+    def request(self, op: int, body: dict[str, Any], frames: Sequence[Any] = (), *,
+                epoch: int = 0, req_id: int | None = None, timeout: float | None = None
+                ) -> tuple[int, int, dict[str, Any], list[zmq.Frame]]:
+        """Send one request and wait for its reply. Call with :attr:`lock` held.
+
+        Returns
+        -------
+        (req_id, status, body, frames)
+
+        Raises
+        ------
+        ServerUnavailable
+            No reply within the timeout (the socket is then reset).
+        ProtocolError
+            An undecodable reply.
+        """
+        if req_id is None:
+            req_id = self.new_id()
+        sock = self._socket()
+        header = encode_request(op, req_id, epoch, body)
+        wait = self.timeout if timeout is None else timeout
+        try:
+            sock.send_multipart([header, *frames], copy=False)
+        except zmq.ZMQError as exc:
+            self.reset()
+            raise ServerUnavailable(f"cannot send to {self.endpoint}: {exc}") from None
+        deadline = time.monotonic() + wait
+        assert self._poller is not None
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._poller.poll(max(1, int(left * 1000))):
+                if time.monotonic() < deadline:
+                    continue
+                self.reset()
+                raise ServerUnavailable(
+                    f"no reply from kvshm server at {self.endpoint} within {wait:g} s")
+            msg = sock.recv_multipart(copy=False)
+            try:
+                status, rid, rbody = decode_reply(msg[0].buffer)
+            except DecodeError as exc:
+                self.reset()
+                raise ProtocolError(f"bad reply from {self.endpoint}: {exc}") from None
+            if rid != req_id:
+                continue   # a reply to an abandoned request: drop it
+            return rid, status, rbody, msg[1:]

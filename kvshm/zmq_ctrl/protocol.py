@@ -1,0 +1,224 @@
+"""The kvshm control protocol: message types, status codes, codec and limits.
+
+Wire format (ZeroMQ multipart, DEALER client -> ROUTER server)::
+
+    request:  [header, payload_0, payload_1, ...]
+    reply:    [header, payload_0, payload_1, ...]
+
+``header`` is one msgpack array (``use_bin_type=True``; no pickle anywhere):
+
+    request header: [PROTOCOL_VERSION, op, req_id, epoch, body]
+    reply header:   [PROTOCOL_VERSION, status, req_id, body]
+
+* ``op`` is an :class:`Op`, ``status`` a :class:`Status`.
+* ``req_id`` is chosen by the client (unique per connection, increasing); the reply echoes
+  it, so many requests can be in flight on one connection. Grants (pins and pending
+  writes) are named by ``(client routing id, req_id)``.
+* ``epoch`` is the server instance number the client learnt in HELLO. ALLOC, LOOKUP and
+  COMMIT/RELEASE/ABORT lists are refused with ``Status.STALE_EPOCH`` when it does not
+  match: the server restarted, and the offsets the client holds point into a dead
+  segment. The client then says HELLO again and retries.
+* ``body`` is a map with short string keys. Any request may carry the lists
+  ``commit``, ``abort`` and ``release`` (request ids of earlier ALLOC/LOOKUP grants):
+  they are applied before the request itself, so COMMIT and RELEASE can ride on the next
+  request without a round trip of their own (DESIGN.md, "One protocol, three movers").
+* Payload frames carry value bytes for PUT (request) and GET (reply), one frame per
+  value, in key order (hits only for GET).
+
+Per-key results of batch operations are lists of :class:`Status` values; a miss or a
+refused key never fails the whole batch.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Op",
+    "Status",
+    "Limits",
+    "DecodeError",
+    "encode_request",
+    "decode_request",
+    "encode_reply",
+    "decode_reply",
+    "STATUS_ERRORS",
+    "error_for",
+]
+
+#: Bumped on any incompatible change of the header or a body.
+PROTOCOL_VERSION = 1
+
+
+class Op(enum.IntEnum):
+    """Request types."""
+
+    HELLO = 1
+    ALLOC = 2
+    COMMIT = 3
+    LOOKUP = 4
+    RELEASE = 5
+    PUT = 6
+    GET = 7
+    EXISTS = 8
+    MATCH_PREFIX = 9
+    DELETE = 10
+    EVICT = 11
+    STATS = 12
+    PURGE = 13
+
+
+class Status(enum.IntEnum):
+    """Reply and per-key status codes."""
+
+    OK = 0
+    MALFORMED = 1          # the request could not be decoded or has wrong types
+    UNKNOWN_OP = 2
+    BAD_VERSION = 3        # protocol version mismatch
+    STALE_EPOCH = 4        # the server restarted since this client's HELLO
+    INVALID_KEY = 5        # empty, too long, or not bytes/str
+    TOO_LARGE = 6          # value larger than the pool or the per-value limit
+    POOL_FULL = 7          # nothing evictable left to make room
+    NOT_FOUND = 8
+    INVALID_REQUEST = 9    # batch too large, negative size, frame count mismatch, ...
+    QUOTA_EXCEEDED = 10    # per-client pending-bytes or pin limit
+    LEASE_EXPIRED = 11     # the grant named by a COMMIT no longer exists
+    INTERNAL = 12          # a server bug; the server logs it and goes on
+    UNSUPPORTED = 13       # the server does not offer what was asked (e.g. RDMA)
+    CORRUPT = 14           # a stored checksum did not match
+
+
+class DecodeError(ValueError):
+    """A frame that does not decode to a well-formed header."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Request limits enforced by the server and announced in HELLO.
+
+    Attributes
+    ----------
+    max_key_bytes : int
+        Longest key in bytes (default 4096, as InfiniStore's 4 KiB key limit).
+    max_batch : int
+        Most keys in one request (default 1,000,000: room for a 10,000-key prefix match
+        a hundred times over, small enough that one message stays below ~4 GiB of keys).
+    max_value_bytes : int
+        Largest value in bytes (0: the pool size).
+    """
+
+    max_key_bytes: int = 4096
+    max_batch: int = 1_000_000
+    max_value_bytes: int = 0
+
+    def to_wire(self) -> dict[str, int]:
+        return {"key": self.max_key_bytes, "batch": self.max_batch,
+                "value": self.max_value_bytes}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, int]) -> "Limits":
+        return cls(int(d["key"]), int(d["batch"]), int(d["value"]))
+
+
+_packb = msgpack.Packer(use_bin_type=True, autoreset=True).pack
+
+
+def encode_request(op: int, req_id: int, epoch: int, body: dict[str, Any]) -> bytes:
+    """Header frame of a request."""
+    return _packb([PROTOCOL_VERSION, int(op), req_id, epoch, body])
+
+
+def encode_reply(status: int, req_id: int, body: dict[str, Any] | None = None) -> bytes:
+    """Header frame of a reply."""
+    return _packb([PROTOCOL_VERSION, int(status), req_id, body if body is not None else {}])
+
+
+def _unpack(frame: bytes | memoryview) -> Any:
+    try:
+        # unpackb bounds every container by the frame length, so a hostile frame cannot
+        # make the decoder allocate more than it sent.
+        return msgpack.unpackb(frame, raw=False, use_list=True, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several types (ExtraData, ValueError, ...)
+        raise DecodeError(f"undecodable header frame: {exc}") from None
+
+
+def decode_request(frame: bytes | memoryview) -> tuple[int, int, int, int, dict[str, Any]]:
+    """Split a request header into ``(version, op, req_id, epoch, body)``.
+
+    The version is returned, not checked, so the server can answer BAD_VERSION with the
+    request id. ``op`` is returned as a plain int (unknown values are the caller's to
+    refuse).
+
+    Raises
+    ------
+    DecodeError
+        Not a 5-element msgpack array of (int, int, int, int, map).
+    """
+    h = _unpack(frame)
+    if not isinstance(h, list) or len(h) != 5:
+        raise DecodeError("request header must be a 5-element array")
+    version, op, req_id, epoch, body = h
+    for name, v in (("version", version), ("op", op), ("req_id", req_id), ("epoch", epoch)):
+        if type(v) is not int:
+            raise DecodeError(f"request header field {name} must be an int")
+    if not isinstance(body, dict):
+        raise DecodeError("request body must be a map")
+    return version, op, req_id, epoch, body
+
+
+def decode_reply(frame: bytes | memoryview) -> tuple[int, int, dict[str, Any]]:
+    """Split a reply header into ``(status, req_id, body)``.
+
+    Raises
+    ------
+    DecodeError
+        Malformed header or another protocol version.
+    """
+    h = _unpack(frame)
+    if not isinstance(h, list) or len(h) != 4:
+        raise DecodeError("reply header must be a 4-element array")
+    version, status, req_id, body = h
+    if version != PROTOCOL_VERSION:
+        raise DecodeError(f"server speaks protocol {version}, this client {PROTOCOL_VERSION}")
+    if type(status) is not int or type(req_id) is not int or not isinstance(body, dict):
+        raise DecodeError("reply header has wrong field types")
+    return status, req_id, body
+
+
+def _errors() -> dict[int, type[Exception]]:
+    from kvshm import errors as e
+
+    return {
+        Status.MALFORMED: e.InvalidRequest,
+        Status.UNKNOWN_OP: e.InvalidRequest,
+        Status.BAD_VERSION: e.ProtocolError,
+        Status.STALE_EPOCH: e.ProtocolError,
+        Status.INVALID_KEY: e.InvalidKey,
+        Status.TOO_LARGE: e.ValueTooLarge,
+        Status.POOL_FULL: e.PoolFull,
+        Status.NOT_FOUND: e.KeyNotFound,
+        Status.INVALID_REQUEST: e.InvalidRequest,
+        Status.QUOTA_EXCEEDED: e.QuotaExceeded,
+        Status.LEASE_EXPIRED: e.LeaseExpired,
+        Status.INTERNAL: e.KvshmError,
+        Status.UNSUPPORTED: e.TransportError,
+        Status.CORRUPT: e.CorruptValue,
+    }
+
+
+STATUS_ERRORS = _errors()
+
+
+def error_for(status: int, message: str) -> Exception:
+    """The exception a client raises for a non-OK status."""
+    cls = STATUS_ERRORS.get(status)
+    if cls is None:
+        from kvshm.errors import ProtocolError
+
+        return ProtocolError(f"unknown status {status}: {message}")
+    return cls(message)

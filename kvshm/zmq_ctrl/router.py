@@ -1,0 +1,446 @@
+"""The server's ZeroMQ loop: one ROUTER socket, decode, dispatch to the Store, reply.
+
+The loop thread owns the :class:`~kvshm.store.Store`. It wakes only for a message, a
+lease deadline, a periodic eviction, a zero-copy send in flight, or :meth:`stop`, so an
+idle server sleeps in ``zmq_poll`` and uses no CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from bisect import bisect_left
+from typing import Any, Callable
+
+import zmq
+
+from kvshm.store import Store
+from kvshm.zmq_ctrl.protocol import (
+    PROTOCOL_VERSION,
+    DecodeError,
+    Op,
+    Status,
+    decode_request,
+    encode_reply,
+)
+
+__all__ = ["ServiceLoop", "LATENCY_BUCKETS", "ZERO_COPY_MIN"]
+
+log = logging.getLogger(__name__)
+
+#: Upper bounds (seconds) of the request latency histogram buckets.
+LATENCY_BUCKETS = (50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3,
+                   50e-3, 100e-3, 250e-3, 1.0, float("inf"))
+
+#: Values at least this large are sent zero-copy from the pool (pinned until sent);
+#: smaller ones are copied, which is cheaper than tracking them (pyzmq's own threshold).
+ZERO_COPY_MIN = 65536
+
+_STALE_CHECK_S = 0.002   # poll interval while zero-copy sends are in flight
+
+
+class _Malformed(Exception):
+    pass
+
+
+def _list(body: dict[str, Any], name: str, *, ints: bool = False, optional: bool = False
+          ) -> list[Any]:
+    v = body.get(name)
+    if v is None and optional:
+        return []
+    if not isinstance(v, list):
+        raise _Malformed(f"field {name!r} must be a list")
+    if ints and not all(type(x) is int for x in v):
+        raise _Malformed(f"field {name!r} must be a list of ints")
+    return v
+
+
+class ServiceLoop:
+    """Serve the control protocol for one :class:`Store`.
+
+    Parameters
+    ----------
+    store : Store
+    endpoints : list of str
+        ZeroMQ endpoints to bind (``tcp://127.0.0.1:12345``, ``ipc:///run/kvshm.sock``).
+        A tcp port of 0 binds a free port; :attr:`endpoints` holds the bound addresses.
+    hello : dict
+        Static part of the HELLO reply (pool name, size, token, limits, ...).
+    epoch : int
+        This server instance's number, echoed by clients on stateful requests.
+    periodic_evict : tuple (interval_s, min_ratio, max_ratio) or None
+    socket_setup : callable, optional
+        Called with the ROUTER socket before bind (CURVE options, ...).
+    handlers : dict, optional
+        Extra ``op -> handler(client, req_id, body, frames)`` (the RDMA mover's
+        connection set-up, for one); a handler returns ``(status, body, frames)``.
+    """
+
+    def __init__(self, store: Store, endpoints: list[str], hello: dict[str, Any],
+                 epoch: int, *, periodic_evict: tuple[float, float, float] | None = None,
+                 socket_setup: Callable[[zmq.Socket], None] | None = None,
+                 hello_hook: Callable[[bytes, dict[str, Any]], dict[str, Any]] | None = None,
+                 context: zmq.Context | None = None, max_frame_bytes: int = -1) -> None:
+        self.store = store
+        self.epoch = epoch
+        self.hello = dict(hello)
+        self.hello_hook = hello_hook
+        self._periodic = periodic_evict
+        self._ctx = context or zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        if max_frame_bytes > 0:
+            self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+        if socket_setup is not None:
+            socket_setup(self._sock)
+        self.endpoints: list[str] = []
+        try:
+            for ep in endpoints:
+                self._sock.bind(ep)
+                self.endpoints.append(self._sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        except zmq.ZMQError:
+            self._sock.close(0)
+            raise
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._running = False
+        self._sending: list[tuple[zmq.MessageTracker, list[Any]]] = []
+        self.latency = {op: [0] * len(LATENCY_BUCKETS) for op in Op}
+        self.latency_sum = {op: 0.0 for op in Op}
+        self.errors: dict[str, int] = {}
+        self._handlers: dict[int, Callable[..., tuple[int, dict[str, Any], list[Any]]]] = {
+            Op.HELLO: self._on_hello,
+            Op.ALLOC: self._on_alloc,
+            Op.COMMIT: self._on_commit,
+            Op.LOOKUP: self._on_lookup,
+            Op.RELEASE: self._on_release,
+            Op.PUT: self._on_put,
+            Op.GET: self._on_get,
+            Op.EXISTS: self._on_exists,
+            Op.MATCH_PREFIX: self._on_match_prefix,
+            Op.DELETE: self._on_delete,
+            Op.EVICT: self._on_evict,
+            Op.STATS: self._on_stats,
+            Op.PURGE: self._on_purge,
+        }
+        self._stateful = {Op.ALLOC, Op.LOOKUP, Op.COMMIT}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def stop(self) -> None:
+        """Ask the loop to return. Safe from any thread and from a signal handler."""
+        self._running = False
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass
+
+    def close(self) -> None:
+        """Close the socket (after :meth:`run` returned). Unpins entries still in flight."""
+        for _, entries in self._sending:
+            self.store.unpin(entries)
+        self._sending.clear()
+        self._sock.close(0)
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def run(self) -> None:
+        """Serve until :meth:`stop`."""
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        self._running = True
+        next_evict = (time.monotonic() + self._periodic[0]) if self._periodic else None
+        sock = self._sock
+        while self._running:
+            timeout = self._next_timeout(next_evict)
+            try:
+                events = dict(poller.poll(timeout))
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.EINTR:
+                    continue
+                raise
+            if self._wake_r in events:
+                try:
+                    os.read(self._wake_r, 4096)
+                except BlockingIOError:
+                    pass
+            if sock in events:
+                # Drain what is queued, bounded so timers still run under load.
+                for _ in range(256):
+                    try:
+                        msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._handle(msg)
+            now = time.monotonic()
+            self.store.expire(now)
+            if self._sending:
+                self._reap_sends()
+            if next_evict is not None and now >= next_evict:
+                assert self._periodic is not None
+                n = self.store.periodic_evict(self._periodic[1], self._periodic[2])
+                if n:
+                    log.info("periodic eviction freed %d entries", n)
+                next_evict = now + self._periodic[0]
+
+    def _next_timeout(self, next_evict: float | None) -> int | None:
+        deadlines = []
+        nd = self.store.expire()
+        if nd is not None:
+            deadlines.append(nd)
+        if next_evict is not None:
+            deadlines.append(next_evict)
+        now = time.monotonic()
+        t = None
+        if deadlines:
+            t = max(0.0, min(deadlines) - now)
+        if self._sending:
+            t = _STALE_CHECK_S if t is None else min(t, _STALE_CHECK_S)
+        return None if t is None else int(t * 1000) + 1
+
+    def _reap_sends(self) -> None:
+        keep = []
+        for tracker, entries in self._sending:
+            if tracker.done:
+                self.store.unpin(entries)
+            else:
+                keep.append((tracker, entries))
+        self._sending = keep
+
+    # ------------------------------------------------------------------ dispatch
+
+    def _count_error(self, what: str) -> None:
+        self.errors[what] = self.errors.get(what, 0) + 1
+
+    def _handle(self, msg: list[zmq.Frame]) -> None:
+        t0 = time.perf_counter()
+        ident = msg[0].bytes
+        req_id = 0
+        op = -1
+        if len(msg) < 2:
+            self._count_error("malformed")
+            self._send(ident, encode_reply(Status.MALFORMED, 0, {"error": "no header frame"}))
+            return
+        try:
+            version, op, req_id, epoch, body = decode_request(msg[1].buffer)
+        except DecodeError as exc:
+            self._count_error("malformed")
+            self._send(ident, encode_reply(Status.MALFORMED, 0, {"error": str(exc)}))
+            return
+        if version != PROTOCOL_VERSION:
+            self._count_error("bad_version")
+            self._send(ident, encode_reply(Status.BAD_VERSION, req_id, {
+                "error": f"server speaks protocol {PROTOCOL_VERSION}, request used {version}",
+                "version": PROTOCOL_VERSION}))
+            return
+        handler = self._handlers.get(op)
+        if handler is None:
+            self._count_error("unknown_op")
+            self._send(ident, encode_reply(Status.UNKNOWN_OP, req_id,
+                                           {"error": f"unknown op {op}"}))
+            return
+        fresh = epoch == self.epoch
+        reply_extra: dict[str, Any] = {}
+        on_sent: list[Any] = []
+        try:
+            if fresh:
+                self._piggyback(ident, body, reply_extra)
+            if op in self._stateful and not fresh:
+                status, rbody, frames = Status.STALE_EPOCH, {
+                    "error": "server restarted; say HELLO again", "epoch": self.epoch}, []
+            else:
+                status, rbody, frames = handler(ident, req_id, body, msg[2:], on_sent)
+        except _Malformed as exc:
+            self._count_error("malformed")
+            status, rbody, frames = Status.MALFORMED, {"error": str(exc)}, []
+        except Exception as exc:  # a bug: log it, answer, keep serving
+            log.exception("internal error handling op %s", op)
+            self._count_error("internal")
+            status, rbody, frames = Status.INTERNAL, {"error": f"internal error: {exc!r}"}, []
+        if reply_extra:
+            rbody.update(reply_extra)
+        tracker = self._send(ident, encode_reply(status, req_id, rbody), frames,
+                             track=bool(on_sent))
+        if on_sent:
+            if tracker is None:
+                self.store.unpin(on_sent)
+            else:
+                self._sending.append((tracker, on_sent))
+        dt = time.perf_counter() - t0
+        self.latency[Op(op)][bisect_left(LATENCY_BUCKETS, dt)] += 1
+        self.latency_sum[Op(op)] += dt
+
+    def _send(self, ident: bytes, header: bytes, frames: list[Any] = (),  # type: ignore[assignment]
+              track: bool = False) -> zmq.MessageTracker | None:
+        try:
+            if track:
+                parts = [zmq.Frame(f, track=True) if isinstance(f, memoryview) else f
+                         for f in frames]
+                trackers = [p.tracker for p in parts if isinstance(p, zmq.Frame)]
+                self._sock.send_multipart([ident, header, *parts], copy=False)
+                return zmq.MessageTracker(*trackers)
+            self._sock.send_multipart([ident, header, *frames], copy=False)
+        except zmq.ZMQError as exc:  # peer gone, or HWM: drop the reply, keep serving
+            log.debug("reply to %s dropped: %s", ident.hex(), exc)
+            self._count_error("send_failed")
+        return None
+
+    def _piggyback(self, client: bytes, body: dict[str, Any], extra: dict[str, Any]) -> None:
+        rel = body.get("release")
+        if rel:
+            self.store.release(client, _list(body, "release", ints=True))
+        ab = body.get("abort")
+        if ab:
+            self.store.abort(client, _list(body, "abort", ints=True))
+        com = body.get("commit")
+        if com:
+            failed = self.store.commit(client, _list(body, "commit", ints=True))
+            if failed:
+                extra["commit_failed"] = failed
+
+    def _check_batch(self, keys: list[Any]) -> None:
+        if len(keys) > self.store.config.limits.max_batch:
+            raise _BatchTooLarge(len(keys), self.store.config.limits.max_batch)
+
+    # ------------------------------------------------------------------ handlers
+
+    def _on_hello(self, client: bytes, req_id: int, body: dict[str, Any], frames: list[Any],
+                  on_sent: list[Any]) -> tuple[int, dict[str, Any], list[Any]]:
+        reply = dict(self.hello)
+        reply["epoch"] = self.epoch
+        if self.hello_hook is not None:
+            reply.update(self.hello_hook(client, body))
+        return Status.OK, reply, []
+
+    def _on_alloc(self, client, req_id, body, frames, on_sent):
+        keys = _list(body, "keys")
+        sizes = _list(body, "sizes")
+        if len(keys) != len(sizes):
+            raise _Malformed("keys and sizes differ in length")
+        sums = body.get("sums")
+        if sums is not None and (not isinstance(sums, list) or len(sums) != len(keys)):
+            raise _Malformed("sums must be a list as long as keys")
+        try:
+            self._check_batch(keys)
+        except _BatchTooLarge as exc:
+            return Status.INVALID_REQUEST, {"error": str(exc)}, []
+        offsets, statuses = self.store.alloc_entries(client, req_id, keys, sizes, sums)
+        return Status.OK, {"offsets": offsets, "st": statuses}, []
+
+    def _on_commit(self, client, req_id, body, frames, on_sent):
+        # the commit/abort lists were applied by _piggyback; report what failed
+        return Status.OK, {}, []
+
+    def _on_lookup(self, client, req_id, body, frames, on_sent):
+        keys = _list(body, "keys")
+        try:
+            self._check_batch(keys)
+        except _BatchTooLarge as exc:
+            return Status.INVALID_REQUEST, {"error": str(exc)}, []
+        offsets, sizes, sums = self.store.lookup(client, req_id, keys)
+        rbody: dict[str, Any] = {"offsets": offsets, "sizes": sizes}
+        if any(s is not None for s in sums):
+            rbody["sums"] = sums
+        return Status.OK, rbody, []
+
+    def _on_release(self, client, req_id, body, frames, on_sent):
+        return Status.OK, {}, []
+
+    def _on_put(self, client, req_id, body, frames, on_sent):
+        keys = _list(body, "keys")
+        if len(keys) != len(frames):
+            return Status.INVALID_REQUEST, {
+                "error": f"{len(keys)} keys but {len(frames)} value frames"}, []
+        sums = body.get("sums")
+        if sums is not None and (not isinstance(sums, list) or len(sums) != len(keys)):
+            raise _Malformed("sums must be a list as long as keys")
+        try:
+            self._check_batch(keys)
+        except _BatchTooLarge as exc:
+            return Status.INVALID_REQUEST, {"error": str(exc)}, []
+        statuses = self.store.put(keys, frames, sums)
+        return Status.OK, {"st": statuses}, []
+
+    def _on_get(self, client, req_id, body, frames, on_sent):
+        keys = _list(body, "keys")
+        try:
+            self._check_batch(keys)
+        except _BatchTooLarge as exc:
+            return Status.INVALID_REQUEST, {"error": str(exc)}, []
+        entries, sums = self.store.pin_for_send(keys)
+        sizes = []
+        out: list[Any] = []
+        small = []
+        for e in entries:
+            if e is None:
+                sizes.append(-1)
+                continue
+            sizes.append(e.size)
+            if e.size >= ZERO_COPY_MIN:
+                out.append(self.store.view(e))
+                on_sent.append(e)
+            else:
+                out.append(bytes(self.store.view(e)))
+                small.append(e)
+        self.store.unpin(small)
+        rbody: dict[str, Any] = {"sizes": sizes}
+        if any(s is not None for s in sums):
+            rbody["sums"] = sums
+        return Status.OK, rbody, out
+
+    def _on_exists(self, client, req_id, body, frames, on_sent):
+        keys = _list(body, "keys")
+        try:
+            self._check_batch(keys)
+        except _BatchTooLarge as exc:
+            return Status.INVALID_REQUEST, {"error": str(exc)}, []
+        return Status.OK, {"found": self.store.exists(keys)}, []
+
+    def _on_match_prefix(self, client, req_id, body, frames, on_sent):
+        keys = _list(body, "keys")
+        try:
+            self._check_batch(keys)
+        except _BatchTooLarge as exc:
+            return Status.INVALID_REQUEST, {"error": str(exc)}, []
+        return Status.OK, {"n": self.store.match_prefix(keys)}, []
+
+    def _on_delete(self, client, req_id, body, frames, on_sent):
+        keys = _list(body, "keys")
+        try:
+            self._check_batch(keys)
+        except _BatchTooLarge as exc:
+            return Status.INVALID_REQUEST, {"error": str(exc)}, []
+        return Status.OK, {"n": self.store.delete(keys)}, []
+
+    def _on_evict(self, client, req_id, body, frames, on_sent):
+        ratio = body.get("ratio")
+        if type(ratio) not in (int, float) or not 0.0 <= ratio <= 1.0:
+            return Status.INVALID_REQUEST, {"error": "ratio must be a number in [0, 1]"}, []
+        return Status.OK, {"n": self.store.evict(float(ratio))}, []
+
+    def _on_stats(self, client, req_id, body, frames, on_sent):
+        s = self.store.stats(verify=bool(body.get("verify")))
+        s["errors"] = sum(self.errors.values())
+        s["error_kinds"] = dict(self.errors)
+        s["sending"] = len(self._sending)
+        if body.get("latency"):
+            s["latency"] = {op.name: {"buckets": list(LATENCY_BUCKETS[:-1]),
+                                      "counts": self.latency[op],
+                                      "sum": self.latency_sum[op]}
+                            for op in Op if sum(self.latency[op])}
+        return Status.OK, {"stats": s}, []
+
+    def _on_purge(self, client, req_id, body, frames, on_sent):
+        return Status.OK, {"n": self.store.purge()}, []
+
+
+class _BatchTooLarge(Exception):
+    def __init__(self, n: int, limit: int) -> None:
+        super().__init__(f"batch of {n} keys exceeds the server's limit of {limit}")

@@ -1,0 +1,11 @@
+"""Build the Cython core (kvshm._bitmap, kvshm._pool); metadata lives in pyproject.toml."""
+
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+extensions = [
+    Extension("kvshm._bitmap", ["kvshm/_bitmap.pyx"], extra_compile_args=["-O3"]),
+    Extension("kvshm._pool", ["kvshm/_pool.pyx"], extra_compile_args=["-O3"]),
+]
+
+setup(ext_modules=cythonize(extensions, compiler_directives={"language_level": "3"}))
