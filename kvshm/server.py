@@ -16,6 +16,7 @@ import ipaddress
 import logging
 import os
 import shutil
+import signal
 import socket
 import tempfile
 import threading
@@ -273,11 +274,19 @@ class Server:
         serving."""
         self._setup()
         assert self.loop is not None
+        # A process-directed signal may land on any thread (zmq's I/O threads, the
+        # management thread); the wakeup fd makes it also wake this thread's poll so the
+        # Python handler runs at once.
+        prev_fd = None
+        if threading.current_thread() is threading.main_thread():
+            prev_fd = signal.set_wakeup_fd(self.loop.wake_fd)
         try:
             if ready is not None:
                 ready(self)
             self.loop.run()
         finally:
+            if prev_fd is not None:
+                signal.set_wakeup_fd(prev_fd)
             self._teardown()
 
     def stop(self) -> None:

@@ -130,6 +130,11 @@ class ServiceLoop:
 
     # ------------------------------------------------------------------ lifecycle
 
+    @property
+    def wake_fd(self) -> int:
+        """Write end of the loop's wake-up pipe (for ``signal.set_wakeup_fd``)."""
+        return self._wake_w
+
     def stop(self) -> None:
         """Ask the loop to return. Safe from any thread and from a signal handler."""
         self._running = False

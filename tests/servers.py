@@ -1,0 +1,162 @@
+"""Real kvshm server processes for tests: free ports, unique segments, readiness, cleanup.
+
+``ServerProcess`` runs ``python -m kvshm serve`` with ``--service-port 0`` and
+``--manage-port 0`` (the kernel picks free ports, no race), a segment name under the test
+prefix, and waits for the ready line on stdout (never a sleep). ``stop()`` sends SIGTERM,
+waits, kills on timeout, and checks that the segment is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from typing import Any
+
+TEST_PREFIX = "kvshm-test-"
+_READY = re.compile(r"kvshm ready: service tcp://(?P<host>[^,]+):(?P<port>\d+)"
+                    r"(?:, ipc (?P<ipc>[^,]+))?(?:, manage http://[^:]+:(?P<mport>\d+))?")
+
+
+def unique_shm_name(tag: str = "") -> str:
+    return f"{TEST_PREFIX}{os.getpid()}-{tag}{uuid.uuid4().hex[:8]}"
+
+
+def segment_exists(name: str) -> bool:
+    return os.path.exists("/dev/shm/" + name.lstrip("/"))
+
+
+def _dump_stacks(pid: int) -> str:
+    """Python stacks of a hung process, when py-spy is installed (a debugging aid)."""
+    import shutil
+
+    exe = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    if not os.path.exists(exe):
+        return ""
+    r = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True,
+                       timeout=30)
+    return "\nstacks:\n" + r.stdout + r.stderr
+
+
+class ServerProcess:
+    """A ``kvshm serve`` child process.
+
+    Parameters
+    ----------
+    *flags : str
+        Extra command-line flags (``"--prealloc-size", "0.125"``, ...).
+    service_port : int
+        0 (default) for a free port, or a fixed one (to restart on the same port).
+    ready_timeout : float
+        Seconds to wait for the ready line.
+    """
+
+    def __init__(self, *flags: str, service_port: int = 0, prealloc_size: float = 0.125,
+                 shm_name: str | None = None, ready_timeout: float = 30.0,
+                 env: dict[str, str] | None = None) -> None:
+        self.shm_name = shm_name or unique_shm_name()
+        cmd = [sys.executable, "-m", "kvshm", "serve", "--service-port", str(service_port),
+               "--manage-port", "0", "--prealloc-size", str(prealloc_size),
+               "--shm-name", self.shm_name, "--log-level", "WARNING", *flags]
+        self.cmd = cmd
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     env={**os.environ, **(env or {})},
+                                     start_new_session=True)
+        self.stderr_text = ""
+        self.ready_line = ""
+        try:
+            self._wait_ready(ready_timeout)
+        except BaseException:
+            self.kill()
+            raise
+
+    def _wait_ready(self, timeout: float) -> None:
+        assert self.proc.stdout is not None
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout
+        buf = b""
+        while b"\n" not in buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"server not ready within {timeout}s: {self.cmd}")
+            if not sel.select(left):
+                continue
+            chunk = os.read(self.proc.stdout.fileno(), 4096)
+            if not chunk:
+                err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+                raise RuntimeError(f"server exited ({self.proc.wait()}) before ready: {err}")
+            buf += chunk
+        sel.close()
+        self.ready_line = buf.split(b"\n", 1)[0].decode()
+        m = _READY.search(self.ready_line)
+        if not m:
+            raise RuntimeError(f"unexpected ready line: {self.ready_line!r}")
+        self.host = m.group("host")
+        self.port = int(m.group("port"))
+        self.ipc = m.group("ipc")
+        self.manage_port = int(m.group("mport")) if m.group("mport") else None
+        self.address = f"{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
+        """Signal the server and wait; kill it if it does not exit in time.
+
+        Returns the exit status. Raises AssertionError if it had to be killed.
+        """
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                stacks = _dump_stacks(self.proc.pid)
+                self.kill()
+                raise AssertionError(f"server did not exit within {timeout}s of {sig}"
+                                     f"{stacks}")
+        self._collect()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash): its segment stays until cleanup."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(10)
+        self._collect()
+
+    def _collect(self) -> None:
+        for f in (self.proc.stdout, self.proc.stderr):
+            if f is not None and not f.closed:
+                try:
+                    if f is self.proc.stderr:
+                        self.stderr_text += f.read().decode(errors="replace")
+                finally:
+                    f.close()
+
+    def remove_segment(self) -> None:
+        """Unlink the segment a killed server left (as `kvshm ctl cleanup` would)."""
+        try:
+            os.unlink("/dev/shm/" + self.shm_name.lstrip("/"))
+        except FileNotFoundError:
+            pass
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.alive():
+            self.stop()
+        self.remove_segment()
