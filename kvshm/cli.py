@@ -81,6 +81,15 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
                    help="bytes one client may hold in uncommitted writes (0: no limit)")
     p.add_argument("--max-client-pinned", type=nonneg_int, default=0,
                    help="bytes one client may hold pinned (0: no limit)")
+    p.add_argument("--curve-secret-key", default=None, metavar="FILE",
+                   help="serve with CurveZMQ using this .key_secret file (kvshm keygen)")
+    p.add_argument("--curve-allowed-clients", default=None, metavar="DIR",
+                   help="only accept clients whose public .key file is in DIR")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback --host without CURVE keys")
+    p.add_argument("--manage-host", default=None,
+                   help="address of the management port (default: --host, or 127.0.0.1 "
+                        "when --host is not loopback and --insecure is not given)")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "debug", "info", "warning",
                             "error"], help="log level (default INFO)")
@@ -106,6 +115,10 @@ def config_from_args(args: argparse.Namespace) -> Any:
         max_batch=args.max_batch,
         max_client_pending_bytes=args.max_client_pending,
         max_client_pinned_bytes=args.max_client_pinned,
+        curve_secret_key=args.curve_secret_key,
+        curve_allowed_clients=args.curve_allowed_clients,
+        insecure=args.insecure,
+        manage_host=args.manage_host,
     )
 
 
@@ -158,7 +171,9 @@ def cmd_ctl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from kvshm.client import Client
 
     try:
-        with Client(args.address, transport="tcp", timeout=args.timeout) as c:
+        with Client(args.address, transport="tcp", timeout=args.timeout,
+                    curve_server_key=args.curve_server_key,
+                    curve_keypair=args.curve_keypair) as c:
             if args.action == "stats":
                 print(json.dumps(c.stats(verify=args.verify), indent=2, sort_keys=True))
             elif args.action == "evict":
@@ -182,6 +197,14 @@ def cmd_ctl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+def cmd_keygen(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from kvshm.security import keygen
+
+    public, secret = keygen(args.directory, args.name)
+    print(f"public key: {public}\nsecret key: {secret} (mode 0600; keep it on the server)")
+    return 0
+
+
 # ---------------------------------------------------------------------- main
 
 def build_parser() -> argparse.ArgumentParser:
@@ -196,6 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--address", default="127.0.0.1:12345",
                    help="server host:port (default 127.0.0.1:12345)")
     c.add_argument("--timeout", type=pos_float, default=5.0, help="seconds to wait (default 5)")
+    c.add_argument("--curve-server-key", default=None, metavar="KEY|FILE",
+                   help="the server's CurveZMQ public key (Z85) or .key file")
+    c.add_argument("--curve-keypair", default=None, metavar="FILE",
+                   help="this client's .key_secret file (when the server restricts clients)")
     csub = c.add_subparsers(dest="action", required=True, metavar="ACTION")
     st = csub.add_parser("stats", help="print the server's statistics as JSON")
     st.add_argument("--verify", action="store_true", help="add the accounting check")
@@ -213,6 +240,11 @@ def build_parser() -> argparse.ArgumentParser:
     sg = csub.add_parser("segments", help="list kvshm segments in /dev/shm")
     sg.add_argument("--prefix", default="kvshm-")
     c.set_defaults(func=cmd_ctl, parser=c)
+
+    k = sub.add_parser("keygen", help="write a CurveZMQ key pair (DIR/NAME.key, .key_secret)")
+    k.add_argument("directory")
+    k.add_argument("--name", default="server")
+    k.set_defaults(func=cmd_keygen, parser=k)
 
     try:
         from kvshm import replay

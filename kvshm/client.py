@@ -395,10 +395,12 @@ class Client:
         Let COMMIT ride on the next request instead of its own round trip: a write is
         then visible to other clients only after this client's next request or
         :meth:`flush`.
-    curve_server_key : bytes, optional
-        The server's CurveZMQ public key (Z85), required when the server runs with CURVE.
-    curve_keypair : (public, secret), optional
-        This client's CurveZMQ key pair (Z85); generated when not given.
+    curve_server_key : bytes or str, optional
+        The server's CurveZMQ public key: 40 Z85 characters, or its ``.key`` file. Needed
+        when the server runs with ``--curve-secret-key``.
+    curve_keypair : (public, secret) or str, optional
+        This client's CurveZMQ key pair (Z85), or its ``.key_secret`` file; generated
+        when not given (enough unless the server restricts client keys).
     connect : bool
         Say HELLO now (default); otherwise on the first call.
 
@@ -406,6 +408,8 @@ class Client:
     ------
     ServerUnavailable
         The server did not answer HELLO within ``timeout``.
+    AuthenticationFailed
+        The server refused the CURVE handshake (missing or wrong keys).
     TransportError
         ``transport="shm"`` or ``"rdma"`` was asked and cannot be used.
 
@@ -419,7 +423,7 @@ class Client:
     def __init__(self, address: str = "127.0.0.1:12345", transport: str = "auto",
                  timeout: float = 5.0, *, lazy_commit: bool = False,
                  curve_server_key: bytes | str | None = None,
-                 curve_keypair: tuple[bytes, bytes] | None = None,
+                 curve_keypair: tuple[bytes, bytes] | str | None = None,
                  connect: bool = True, context: zmq.Context | None = None) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0, got {timeout}")
@@ -427,7 +431,8 @@ class Client:
         self._base_endpoint = endpoint_of(address)
         self._session = _Session(transport, lazy_commit)
         self._chan = Channel(self._base_endpoint, timeout, context=context,
-                             socket_setup=_curve_setup(curve_server_key, curve_keypair))
+                             socket_setup=_curve_setup(curve_server_key, curve_keypair),
+                             label=address)
         self._closed = False
         if connect:
             with self._chan.lock:
@@ -442,7 +447,8 @@ class Client:
         rid, st, body, frames = self._chan.request(Op.HELLO, s.hello_body())
         s.apply_hello(_Reply(rid, st, body, frames), self.address)
         ipc = s.hello.get("ipc")
-        if s.mover is not None and s.mover.name == "shm" and ipc:
+        if (s.mover is not None and s.mover.name == "shm" and ipc
+                and self._base_endpoint.startswith("tcp://")):
             path = ipc[len("ipc://"):]
             if os.path.exists(path):
                 self._chan.reset(ipc)
@@ -644,14 +650,20 @@ class Client:
         return f"<kvshm.Client {self.address} transport={self.transport}>"
 
 
-def _curve_setup(server_key: bytes | str | None, keypair: tuple[bytes, bytes] | None
+def _curve_setup(server_key: bytes | str | None,
+                 keypair: tuple[bytes, bytes] | str | None
                  ) -> Callable[[zmq.Socket], None] | None:
     if server_key is None:
+        if keypair is not None:
+            raise ValueError("curve_keypair needs curve_server_key")
         return None
-    if isinstance(server_key, str):
-        server_key = server_key.encode()
+    from kvshm.security import load_keypair, load_public_key
+
+    server_key = load_public_key(server_key)
     if keypair is None:
         keypair = zmq.curve_keypair()
+    elif isinstance(keypair, str):
+        keypair = load_keypair(keypair)
     pub, sec = keypair
 
     def setup(s: zmq.Socket) -> None:

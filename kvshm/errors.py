@@ -19,6 +19,7 @@ __all__ = [
     "QuotaExceeded",
     "CorruptValue",
     "TransportError",
+    "AuthenticationFailed",
 ]
 
 
@@ -71,3 +72,7 @@ class CorruptValue(KvshmError, ValueError):
 
 class TransportError(KvshmError, OSError):
     """A mover failed (RDMA completion error, shm attach failure) for a reason it names."""
+
+
+class AuthenticationFailed(KvshmError, PermissionError):
+    """The server refused the connection's security handshake (CurveZMQ keys)."""

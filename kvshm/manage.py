@@ -186,6 +186,7 @@ class ManageServer:
                 except Exception as exc:
                     self._json(503, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
 
+        self.host = host
         self._http = ThreadingHTTPServer((host, port), Handler)
         self._http.daemon_threads = True
         self.port: int = self._http.server_address[1]

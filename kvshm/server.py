@@ -79,6 +79,17 @@ class ServerConfig:
         Request limits (see :class:`~kvshm.zmq_ctrl.protocol.Limits`).
     max_client_pending_bytes, max_client_pinned_bytes : int, optional
         Per-client limits in bytes; None or 0: no limit.
+    curve_secret_key : str, optional
+        The server's CurveZMQ ``.key_secret`` file (``kvshm keygen``): the service
+        socket then takes only encrypted connections from clients that know the server's
+        public key.
+    curve_allowed_clients : str, optional
+        Directory of client public ``.key`` files; with it, only those clients get in.
+    insecure : bool
+        Serve a non-loopback ``host`` without CURVE (an explicit choice).
+    manage_host : str, optional
+        Address of the management port; default ``host``, except 127.0.0.1 when ``host``
+        is not loopback and ``insecure`` is not set (HTTP has no keys).
     """
 
     host: str = "127.0.0.1"
@@ -97,6 +108,10 @@ class ServerConfig:
     max_batch: int = 1_000_000
     max_client_pending_bytes: int | None = None
     max_client_pinned_bytes: int | None = None
+    curve_secret_key: str | None = None
+    curve_allowed_clients: str | None = None
+    insecure: bool = False
+    manage_host: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -137,6 +152,25 @@ class ServerConfig:
                 raise ConfigError(name, f"must be in [0, 1], got {v}")
         if self.evict_min_threshold > self.evict_max_threshold:
             raise ConfigError("evict_min_threshold", "must not exceed evict_max_threshold")
+        if self.curve_secret_key is not None:
+            from kvshm.security import load_keypair
+
+            try:
+                load_keypair(self.curve_secret_key)
+            except ValueError as exc:
+                raise ConfigError("curve_secret_key", str(exc)) from None
+        elif self.curve_allowed_clients is not None:
+            raise ConfigError("curve_allowed_clients", "needs --curve-secret-key")
+        if self.curve_allowed_clients is not None and not os.path.isdir(
+                self.curve_allowed_clients):
+            raise ConfigError("curve_allowed_clients",
+                              f"{self.curve_allowed_clients} is not a directory")
+        from kvshm.security import is_loopback
+
+        if not is_loopback(self.host) and self.curve_secret_key is None and not self.insecure:
+            raise ConfigError("host", f"{self.host} is not a loopback address: serving other "
+                                      "hosts needs --curve-secret-key (see `kvshm keygen`) "
+                                      "or an explicit --insecure")
         if self.max_key_bytes < 1:
             raise ConfigError("max_key_bytes", "must be >= 1")
         if self.max_batch < 1:
@@ -176,6 +210,7 @@ class Server:
         self._thread: threading.Thread | None = None
         self._lock_fd = -1
         self._ipc_dir: str | None = None
+        self._curve: Any = None
         self._started = False
         self._stopped = False
         self.epoch = int.from_bytes(os.urandom(6), "little") | 1
@@ -219,19 +254,39 @@ class Server:
                 "server": {"pid": os.getpid(), "host": socket.gethostname()},
                 "ipc": None,
             }
+            socket_setup = None
+            if cfg.curve_secret_key is not None:
+                from kvshm.security import CurveServer
+
+                self._curve = CurveServer(cfg.curve_secret_key, cfg.curve_allowed_clients,
+                                          self._ctx)
+                socket_setup = self._curve.setup
+                hello["curve_public_key"] = self._curve.public
+            # The management port's own client comes in over inproc, which CURVE does
+            # not apply to (and which no other process can reach).
+            endpoints.append(f"inproc://kvshm-service-{self.epoch}")
             periodic = None
             if cfg.enable_periodic_evict:
                 periodic = (cfg.evict_interval, cfg.evict_min_threshold,
                             cfg.evict_max_threshold)
             self.loop = ServiceLoop(self.store, endpoints, hello, self.epoch,
                                     periodic_evict=periodic, context=self._ctx,
+                                    socket_setup=socket_setup,
+                                    log_handshakes=socket_setup is not None,
                                     max_frame_bytes=max(pool_bytes, 256 << 20) + (1 << 20))
             if cfg.ipc:
                 self.loop.hello["ipc"] = self.loop.endpoints[1]
             if cfg.manage_port is not None:
                 from kvshm.manage import ManageServer
+                from kvshm.security import is_loopback
 
-                self.manage = ManageServer(cfg.host, cfg.manage_port, self.endpoint,
+                mhost = cfg.manage_host
+                if mhost is None:
+                    mhost = cfg.host if (is_loopback(cfg.host) or cfg.insecure) else "127.0.0.1"
+                    if mhost != cfg.host:
+                        log.info("management port bound to 127.0.0.1 (HTTP has no keys; "
+                                 "--manage-host sets another address)")
+                self.manage = ManageServer(mhost, cfg.manage_port, self.loop.endpoints[-1],
                                            context=self._ctx)
                 self.manage.start()
         except BaseException:
@@ -313,6 +368,9 @@ class Server:
             self.manage = None
         if self.loop is not None:
             self.loop.close()
+        if self._curve is not None:
+            self._curve.close()
+            self._curve = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -358,10 +416,12 @@ class Server:
         """The one line the CLI prints when serving."""
         assert self.loop is not None and self.pool is not None
         parts = [f"kvshm ready: service {self.loop.endpoints[0]}"]
-        if len(self.loop.endpoints) > 1:
+        if self.config.ipc:
             parts.append(f"ipc {self.loop.endpoints[1]}")
         if self.manage is not None:
-            parts.append(f"manage http://{_bracket(self.config.host)}:{self.manage.port}")
+            parts.append(f"manage http://{_bracket(self.manage.host)}:{self.manage.port}")
+        if self._curve is not None:
+            parts.append(f"curve public key {self._curve.public.decode()}")
         parts.append(f"pool {self.pool.name} {self.pool.size / GiB:.3g} GiB")
         parts.append(f"block {self.pool.block_size // KiB} KiB")
         parts.append(f"pid {os.getpid()}")

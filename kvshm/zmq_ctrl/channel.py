@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 import zmq
 
-from kvshm.errors import ProtocolError, ServerUnavailable
+from kvshm.errors import AuthenticationFailed, ProtocolError, ServerUnavailable
 from kvshm.zmq_ctrl.protocol import DecodeError, decode_reply, encode_request
 
 __all__ = ["Channel", "endpoint_of"]
@@ -56,13 +56,16 @@ class Channel:
     """
 
     def __init__(self, endpoint: str, timeout: float, *, context: zmq.Context | None = None,
-                 socket_setup: Callable[[zmq.Socket], None] | None = None) -> None:
+                 socket_setup: Callable[[zmq.Socket], None] | None = None,
+                 label: str | None = None) -> None:
         self.endpoint = endpoint
+        self.label = label
         self.timeout = timeout
         self.routing_id = os.urandom(16)
         self._ctx = context or zmq.Context.instance()
         self._setup = socket_setup
         self._sock: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
         self._poller: zmq.Poller | None = None
         self._next_id = 1
         self.lock = threading.Lock()
@@ -78,17 +81,33 @@ class Channel:
             s.setsockopt(zmq.ROUTING_ID, self.routing_id)
             if self._setup is not None:
                 self._setup(s)
-            s.connect(self.endpoint)
-            self._sock = s
             self._poller = zmq.Poller()
             self._poller.register(s, zmq.POLLIN)
+            if not self.endpoint.startswith("inproc://"):
+                # Handshake failures (CURVE keys) end a wait at once with the reason,
+                # instead of a timeout.
+                self._monitor = s.get_monitor_socket(
+                    zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+                self._poller.register(self._monitor, zmq.POLLIN)
+            s.connect(self.endpoint)
+            self._sock = s
         return self._sock
+
+    def _where(self) -> str:
+        if self.label and self.label != self.endpoint:
+            return f"{self.label} ({self.endpoint})"
+        return self.endpoint
 
     def reset(self, endpoint: str | None = None) -> None:
         """Drop the socket (and anything queued on it); optionally move to ``endpoint``."""
         if self._sock is not None and self._pid == os.getpid():
+            if self._monitor is not None:
+                self._sock.disable_monitor()
+                self._monitor.close(0)
             self._sock.close(0)
         self._sock = None
+        self._monitor = None
         self._poller = None
         if endpoint is not None:
             self.endpoint = endpoint
@@ -126,23 +145,41 @@ class Channel:
             sock.send_multipart([header, *frames], copy=False)
         except zmq.ZMQError as exc:
             self.reset()
-            raise ServerUnavailable(f"cannot send to {self.endpoint}: {exc}") from None
+            raise ServerUnavailable(f"cannot send to kvshm server at {self._where()}: "
+                                    f"{exc}") from None
         deadline = time.monotonic() + wait
         assert self._poller is not None
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not self._poller.poll(max(1, int(left * 1000))):
+            events = dict(self._poller.poll(max(1, int(left * 1000)))) if left > 0 else {}
+            if self._monitor is not None and self._monitor in events:
+                self._handshake_failed()
+            if sock not in events:
                 if time.monotonic() < deadline:
                     continue
                 self.reset()
                 raise ServerUnavailable(
-                    f"no reply from kvshm server at {self.endpoint} within {wait:g} s")
+                    f"no reply from kvshm server at {self._where()} within {wait:g} s")
             msg = sock.recv_multipart(copy=False)
             try:
                 status, rid, rbody = decode_reply(msg[0].buffer)
             except DecodeError as exc:
                 self.reset()
-                raise ProtocolError(f"bad reply from {self.endpoint}: {exc}") from None
+                raise ProtocolError(f"bad reply from {self._where()}: {exc}") from None
             if rid != req_id:
                 continue   # a reply to an abandoned request: drop it
             return rid, status, rbody, msg[1:]
+
+    def _handshake_failed(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        assert self._monitor is not None
+        ev = recv_monitor_message(self._monitor)
+        where = self._where()
+        self.reset()
+        if ev["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            why = "the server does not accept this client's CURVE key"
+        else:
+            why = ("the security handshake failed: the server needs CURVE "
+                   "(curve_server_key=...) or the key given is not the server's")
+        raise AuthenticationFailed(f"kvshm server at {where} refused the connection: {why}")

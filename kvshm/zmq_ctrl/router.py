@@ -81,7 +81,8 @@ class ServiceLoop:
                  epoch: int, *, periodic_evict: tuple[float, float, float] | None = None,
                  socket_setup: Callable[[zmq.Socket], None] | None = None,
                  hello_hook: Callable[[bytes, dict[str, Any]], dict[str, Any]] | None = None,
-                 context: zmq.Context | None = None, max_frame_bytes: int = -1) -> None:
+                 context: zmq.Context | None = None, max_frame_bytes: int = -1,
+                 log_handshakes: bool = False) -> None:
         self.store = store
         self.epoch = epoch
         self.hello = dict(hello)
@@ -103,6 +104,11 @@ class ServiceLoop:
         except zmq.ZMQError:
             self._sock.close(0)
             raise
+        self._monitor: zmq.Socket | None = None
+        if log_handshakes:
+            self._monitor = self._sock.get_monitor_socket(
+                zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -148,6 +154,9 @@ class ServiceLoop:
         for _, entries in self._sending:
             self.store.unpin(entries)
         self._sending.clear()
+        if self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(0)
         self._sock.close(0)
         for fd in (self._wake_r, self._wake_w):
             try:
@@ -160,6 +169,8 @@ class ServiceLoop:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        if self._monitor is not None:
+            poller.register(self._monitor, zmq.POLLIN)
         self._running = True
         next_evict = (time.monotonic() + self._periodic[0]) if self._periodic else None
         sock = self._sock
@@ -176,6 +187,8 @@ class ServiceLoop:
                     os.read(self._wake_r, 4096)
                 except BlockingIOError:
                     pass
+            if self._monitor is not None and self._monitor in events:
+                self._log_handshakes()
             if sock in events:
                 # Drain what is queued, bounded so timers still run under load.
                 for _ in range(256):
@@ -209,6 +222,23 @@ class ServiceLoop:
         if self._sending:
             t = _STALE_CHECK_S if t is None else min(t, _STALE_CHECK_S)
         return None if t is None else int(t * 1000) + 1
+
+    def _log_handshakes(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        assert self._monitor is not None
+        while True:
+            try:
+                ev = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._count_error("auth_refused")
+            why = {zmq.EVENT_HANDSHAKE_FAILED_AUTH: "its key is not allowed",
+                   zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "CURVE handshake failed (no key, "
+                   "or not this server's public key)"}.get(ev["event"], "handshake failed")
+            log.warning("refused a client connection on %s: %s",
+                        ev.get("endpoint", b"?").decode(errors="replace")
+                        if isinstance(ev.get("endpoint"), bytes) else ev.get("endpoint"), why)
 
     def _reap_sends(self) -> None:
         keep = []
