@@ -39,6 +39,16 @@ ratio_t = _typed(float, lambda v: 0.0 <= v <= 1.0, "a ratio in [0, 1]")
 block_kib_t = _typed(int, lambda v: v >= 4 and v % 4 == 0, "a block size in KiB (>= 4, multiple of 4)")
 pos_int = _typed(int, lambda v: v > 0, "an integer > 0")
 nonneg_int = _typed(int, lambda v: v >= 0, "an integer >= 0")
+ib_port_t = _typed(int, lambda v: 1 <= v <= 255, "a port number (1-255)")
+
+
+def _link_type(text: str) -> str:
+    from kvshm.rdma.device import normalize_link_type
+
+    try:
+        return normalize_link_type(text)  # type: ignore[return-value]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not IB or Ethernet") from None
 
 
 def _setup_logging(level: str) -> None:
@@ -90,6 +100,16 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--manage-host", default=None,
                    help="address of the management port (default: --host, or 127.0.0.1 "
                         "when --host is not loopback and --insecure is not given)")
+    p.add_argument("--dev-name", default=None, metavar="DEVICE",
+                   help="RDMA device (e.g. mlx5_0): register the pool with it and serve "
+                        "RDMA clients (default: shm and TCP only; see docs/RDMA.md)")
+    p.add_argument("--ib-port", type=ib_port_t, default=1,
+                   help="port of --dev-name (default 1)")
+    p.add_argument("--link-type", type=_link_type, default=None, metavar="IB|Ethernet",
+                   help="expected link layer of the port (default: whatever it is)")
+    p.add_argument("--gid-index", type=nonneg_int, default=None,
+                   help="GID index (default: the port GID on InfiniBand; on RoCE the "
+                        "RoCEv2 GID of the port's IPv4 address)")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "debug", "info", "warning",
                             "error"], help="log level (default INFO)")
@@ -119,6 +139,10 @@ def config_from_args(args: argparse.Namespace) -> Any:
         curve_allowed_clients=args.curve_allowed_clients,
         insecure=args.insecure,
         manage_host=args.manage_host,
+        dev_name=getattr(args, "dev_name", None),
+        ib_port=getattr(args, "ib_port", 1),
+        link_type=getattr(args, "link_type", None),
+        gid_index=getattr(args, "gid_index", None),
     )
 
 
@@ -145,6 +169,11 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         server.serve_forever(ready=ready)
     except OSError as exc:
         print(f"kvshm serve: {exc}", file=sys.stderr)
+        if server.config.dev_name is not None:
+            from kvshm.rdma.errors import RdmaError
+
+            if isinstance(exc, RdmaError):   # no device, port down, memlock: a usage error
+                return 2
         return 1
     log.info("stopped; segment removed")
     return 0

@@ -215,7 +215,7 @@ class ManageServer:
                 for key, _ in sel.select():
                     if key.fileobj == self._wake_r:
                         return
-                    self._http._handle_request_noblock()  # socketserver's own step
+                    self._http._handle_request_noblock()  # type: ignore[attr-defined]
 
     def stop(self) -> None:
         os.write(self._wake_w, b"x")

@@ -90,7 +90,7 @@ class ShmMover:
                    keys: Sequence[bytes]) -> list[bytes]:
         self._enter()
         try:
-            return self.pool.read_bytes_many(offsets, sizes)  # type: ignore[no-any-return]
+            return list(self.pool.read_bytes_many(offsets, sizes))
         finally:
             self._exit()
 

@@ -90,6 +90,16 @@ class ServerConfig:
     manage_host : str, optional
         Address of the management port; default ``host``, except 127.0.0.1 when ``host``
         is not loopback and ``insecure`` is not set (HTTP has no keys).
+    dev_name : str, optional
+        RDMA device (``mlx5_0``): register the pool with it at start-up and serve RDMA
+        clients (see docs/RDMA.md). None (default): shm and TCP only.
+    ib_port : int
+        Port of ``dev_name`` (1-based). Default 1.
+    link_type : {"IB", "Ethernet"}, optional
+        Expected link layer of the port; checked when given.
+    gid_index : int, optional
+        GID index; default: the port GID on InfiniBand, on RoCE the RoCEv2 GID of the
+        port's IPv4 address (of ``host`` when it is one).
     """
 
     host: str = "127.0.0.1"
@@ -112,6 +122,10 @@ class ServerConfig:
     curve_allowed_clients: str | None = None
     insecure: bool = False
     manage_host: str | None = None
+    dev_name: str | None = None
+    ib_port: int = 1
+    link_type: str | None = None
+    gid_index: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -175,6 +189,22 @@ class ServerConfig:
             raise ConfigError("max_key_bytes", "must be >= 1")
         if self.max_batch < 1:
             raise ConfigError("max_batch", "must be >= 1")
+        if self.dev_name is not None and (not isinstance(self.dev_name, str)
+                                          or not self.dev_name.strip()):
+            raise ConfigError("dev_name", f"must be a device name, got {self.dev_name!r}")
+        if type(self.ib_port) is not int or not 1 <= self.ib_port <= 255:
+            raise ConfigError("ib_port", f"must be a port number 1-255, got {self.ib_port!r}")
+        if self.link_type is not None:
+            from kvshm.rdma.device import normalize_link_type
+
+            try:
+                self.link_type = normalize_link_type(self.link_type)
+            except (ValueError, AttributeError):
+                raise ConfigError("link_type", f"must be IB or Ethernet, got "
+                                               f"{self.link_type!r}") from None
+        if self.gid_index is not None and (type(self.gid_index) is not int
+                                           or self.gid_index < 0):
+            raise ConfigError("gid_index", f"must be an integer >= 0, got {self.gid_index!r}")
 
 
 class Server:
@@ -183,6 +213,9 @@ class Server:
     Parameters
     ----------
     config : ServerConfig, optional
+    rdma_backend : object, optional
+        A verbs backend replacing pyverbs for ``dev_name`` (the tests' verbs double;
+        never set by ``kvshm serve``).
     **options
         Fields of :class:`ServerConfig`, overriding ``config``.
 
@@ -194,7 +227,8 @@ class Server:
         At :meth:`start`: the pool does not fit in /dev/shm (ENOSPC), a port is taken.
     """
 
-    def __init__(self, config: ServerConfig | None = None, **options: Any) -> None:
+    def __init__(self, config: ServerConfig | None = None, *, rdma_backend: Any = None,
+                 **options: Any) -> None:
         cfg = dataclasses.replace(config) if config else ServerConfig()
         for k, v in options.items():
             if not hasattr(cfg, k):
@@ -211,6 +245,8 @@ class Server:
         self._lock_fd = -1
         self._ipc_dir: str | None = None
         self._curve: Any = None
+        self.rdma: Any = None    # kvshm.rdma.server.ServerEndpoint with dev_name
+        self._rdma_backend = rdma_backend   # a verbs double; tests only (never the CLI)
         self._started = False
         self._stopped = False
         self.epoch = int.from_bytes(os.urandom(6), "little") | 1
@@ -237,9 +273,18 @@ class Server:
                 lease_timeout=cfg.lease_timeout,
                 limits=Limits(cfg.max_key_bytes, cfg.max_batch, 0),
             )
+            if cfg.dev_name is not None:   # before the pool: a bad device fails fast
+                from kvshm import rdma
+
+                self.rdma = rdma.open_server_endpoint(
+                    cfg.dev_name, pool_bytes=cfg.pool_bytes, ib_port=cfg.ib_port,
+                    link_type=cfg.link_type, gid_index=cfg.gid_index, host=cfg.host,
+                    backend=self._rdma_backend)
             self._pool_create()
             assert self.pool is not None
             pool_bytes = self.pool.size
+            if self.rdma is not None:
+                self.rdma.register_pool(self.pool.address, self.pool.size)
             store_cfg.max_client_pending_bytes = _default(cfg.max_client_pending_bytes,
                                                           pool_bytes)
             store_cfg.max_client_pinned_bytes = _default(cfg.max_client_pinned_bytes,
@@ -272,6 +317,8 @@ class Server:
             self.loop = ServiceLoop(self.store, endpoints, hello, self.epoch,
                                     periodic_evict=periodic, context=self._ctx,
                                     socket_setup=socket_setup,
+                                    hello_hook=(self.rdma.hello_hook
+                                                if self.rdma is not None else None),
                                     log_handshakes=socket_setup is not None,
                                     max_frame_bytes=max(pool_bytes, 256 << 20) + (1 << 20))
             if cfg.ipc:
@@ -368,6 +415,9 @@ class Server:
             self.manage = None
         if self.loop is not None:
             self.loop.close()
+        if self.rdma is not None:   # QPs and the pool's MR go before the pool
+            self.rdma.close()
+            self.rdma = None
         if self._curve is not None:
             self._curve.close()
             self._curve = None
@@ -424,6 +474,8 @@ class Server:
             parts.append(f"curve public key {self._curve.public.decode()}")
         parts.append(f"pool {self.pool.name} {self.pool.size / GiB:.3g} GiB")
         parts.append(f"block {self.pool.block_size // KiB} KiB")
+        if self.rdma is not None:
+            parts.append(f"rdma {self.rdma.describe()}")
         parts.append(f"pid {os.getpid()}")
         return ", ".join(parts)
 

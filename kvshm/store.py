@@ -196,12 +196,12 @@ class Store:
                      ) -> tuple[list[Entry | None], list[int]]:
         """Validate and allocate one entry per key; statuses per key."""
         n = len(keys)
-        statuses = [Status.OK] * n
+        statuses: list[int] = [Status.OK] * n
         want: list[int] = []
         want_idx: list[int] = []
         budget = pending_budget
         for i in range(n):
-            st = self._check_key(keys[i])
+            st: int = self._check_key(keys[i])
             size = sizes[i]
             if st != Status.OK:
                 self.counters["invalid_keys"] += 1

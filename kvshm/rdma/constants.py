@@ -106,7 +106,7 @@ WC_STATUS: dict[int, tuple[str, str]] = {
     1: ("IBV_WC_LOC_LEN_ERR", "local length error: a work request is longer than the "
         "port's maximum message size"),
     2: ("IBV_WC_LOC_QP_OP_ERR", "local QP operation error: the work request is not valid "
-        "for this QP (bad opcode or too many scatter/gather entries)"),
+        "for this QP, a bad opcode or too many scatter/gather entries"),
     3: ("IBV_WC_LOC_EEC_OP_ERR", "local EE context operation error"),
     4: ("IBV_WC_LOC_PROT_ERR", "local protection error: a local buffer is not inside a "
         "memory region registered with this protection domain"),
@@ -115,17 +115,17 @@ WC_STATUS: dict[int, tuple[str, str]] = {
     6: ("IBV_WC_MW_BIND_ERR", "memory window bind error"),
     7: ("IBV_WC_BAD_RESP_ERR", "bad response from the remote side"),
     8: ("IBV_WC_LOC_ACCESS_ERR", "local access error: the local memory region does not "
-        "allow this access (RDMA READ needs LOCAL_WRITE)"),
+        "allow this access; RDMA READ needs LOCAL_WRITE"),
     9: ("IBV_WC_REM_INV_REQ_ERR", "remote invalid request: the server's QP refused the "
-        "request (too many outstanding RDMA READs, or a message longer than it accepts)"),
+        "request, too many outstanding RDMA READs or a message longer than it accepts"),
     10: ("IBV_WC_REM_ACCESS_ERR", "remote access error: the server refused the rkey or "
-         "the address range (the pool's memory region was deregistered, the server "
-         "restarted, or the offset is outside the pool)"),
+         "the address range; the pool's memory region was deregistered, the server "
+         "restarted, or the offset is outside the pool"),
     11: ("IBV_WC_REM_OP_ERR", "remote operation error: the server's QP could not complete "
          "the operation"),
     12: ("IBV_WC_RETRY_EXC_ERR", "transport retry counter exceeded: the server's NIC did "
-         "not acknowledge (server gone, its QP destroyed, or no route between the ports: "
-         "check the GID index / subnet and the link)"),
+         "not acknowledge; the server is gone, its QP was destroyed, or there is no route "
+         "between the ports (check the GID index, the subnet and the link)"),
     13: ("IBV_WC_RNR_RETRY_EXC_ERR", "receiver-not-ready retry counter exceeded"),
     14: ("IBV_WC_LOC_RDD_VIOL_ERR", "local RDD violation"),
     15: ("IBV_WC_REM_INV_RD_REQ_ERR", "remote invalid RD request"),

@@ -47,7 +47,10 @@ def normalize_link_type(value: str | None) -> str | None:
 
 def gid_text(gid: bytes) -> str:
     """A GID as text: ``fe80::1``, ``::ffff:10.0.0.1``."""
-    return str(ipaddress.IPv6Address(bytes(gid)))
+    gid = bytes(gid)
+    if gid[:12] == _V4_PREFIX:
+        return f"::ffff:{ipaddress.IPv4Address(gid[12:])}"
+    return str(ipaddress.IPv6Address(gid))
 
 
 @dataclass(frozen=True)
@@ -213,7 +216,10 @@ def open_port(backend: "Backend", dev_name: str | None, ib_port: int = 1, *,
         Naming the device and the cause: no devices on this host, no such device, port
         out of range or not active, link layer other than ``link_type``, no usable GID.
     """
-    names = backend.device_names()
+    try:
+        names = backend.device_names()
+    except DeviceError as exc:
+        raise exc.naming(dev_name) from None
     if dev_name is None:
         if not names:
             raise DeviceError(None, no_device_cause())

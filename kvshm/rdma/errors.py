@@ -32,6 +32,12 @@ class DeviceError(RdmaError):
         self.device = device
         self.cause = cause
 
+    def naming(self, device: str | None) -> "DeviceError":
+        """This error, naming ``device`` when it named none."""
+        if self.device is not None or device is None:
+            return self
+        return DeviceError(device, self.cause)
+
 
 class MemlockError(RdmaError):
     """RLIMIT_MEMLOCK is too low to register (pin) the memory asked for."""
@@ -74,5 +80,5 @@ class CompletionError(RdmaError):
         vendor = f", vendor error 0x{vendor_err:x}" if vendor_err else ""
         super().__init__(
             f"{op} of key {self.key!r}{more} with the kvshm server at {peer} failed: "
-            f"{self.status_name} ({self.cause}{vendor}); the RDMA connection was torn "
-            "down and is re-established on the next call")
+            f"{self.status_name}, {self.cause}{vendor}. The RDMA connection was torn "
+            "down; the next call re-establishes it")

@@ -7,6 +7,7 @@ idle server sleeps in ``zmq_poll`` and uses no CPU.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -179,7 +180,7 @@ class ServiceLoop:
             try:
                 events = dict(poller.poll(timeout))
             except zmq.ZMQError as exc:
-                if exc.errno == zmq.EINTR:
+                if exc.errno == errno.EINTR:
                     continue
                 raise
             if self._wake_r in events:
@@ -233,9 +234,11 @@ class ServiceLoop:
             except zmq.Again:
                 return
             self._count_error("auth_refused")
-            why = {zmq.EVENT_HANDSHAKE_FAILED_AUTH: "its key is not allowed",
-                   zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "CURVE handshake failed (no key, "
-                   "or not this server's public key)"}.get(ev["event"], "handshake failed")
+            reasons: dict[int, str] = {
+                zmq.EVENT_HANDSHAKE_FAILED_AUTH: "its key is not allowed",
+                zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "CURVE handshake failed (no key, "
+                                                     "or not this server's public key)"}
+            why = reasons.get(int(ev["event"]), "handshake failed")
             log.warning("refused a client connection on %s: %s",
                         ev.get("endpoint", b"?").decode(errors="replace")
                         if isinstance(ev.get("endpoint"), bytes) else ev.get("endpoint"), why)
@@ -284,6 +287,9 @@ class ServiceLoop:
         fresh = epoch == self.epoch
         reply_extra: dict[str, Any] = {}
         on_sent: list[Any] = []
+        status: int
+        rbody: dict[str, Any]
+        frames: list[Any]
         try:
             if fresh:
                 self._piggyback(ident, body, reply_extra)
