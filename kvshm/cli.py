@@ -87,10 +87,12 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-key-bytes", type=pos_int, default=4096, help="longest key (default 4096)")
     p.add_argument("--max-batch", type=pos_int, default=1_000_000,
                    help="most keys per request (default 1000000)")
-    p.add_argument("--max-client-pending", type=nonneg_int, default=0,
-                   help="bytes one client may hold in uncommitted writes (0: no limit)")
-    p.add_argument("--max-client-pinned", type=nonneg_int, default=0,
-                   help="bytes one client may hold pinned (0: no limit)")
+    p.add_argument("--max-client-pending", type=nonneg_int, default=None,
+                   help="bytes one client may hold in uncommitted writes "
+                        "(default 3/4 of the pool; 0: no limit)")
+    p.add_argument("--max-client-pinned", type=nonneg_int, default=None,
+                   help="bytes one client may hold pinned by reads "
+                        "(default 3/4 of the pool; 0: no limit)")
     p.add_argument("--curve-secret-key", default=None, metavar="FILE",
                    help="serve with CurveZMQ using this .key_secret file (kvshm keygen)")
     p.add_argument("--curve-allowed-clients", default=None, metavar="DIR",

@@ -32,6 +32,7 @@ from kvshm.errors import (
     KvshmError,
     LeaseExpired,
     ProtocolError,
+    QuotaExceeded,
     ServerUnavailable,
     TransportError,
     ValueTooLarge,
@@ -67,6 +68,23 @@ class _Restarted(ServerUnavailable):
     """The server restarted between two steps of one operation."""
 
 
+class _Buffers:
+    """Values given as caller buffers: the usual source of ``_Session.op_put_batch``."""
+
+    __slots__ = ("keys", "views", "sizes")
+
+    def __init__(self, keys: list[bytes], views: list[memoryview]) -> None:
+        self.keys = keys
+        self.views = views
+        self.sizes = [v.nbytes for v in views]
+
+    def buffers(self) -> list[memoryview]:
+        return self.views
+
+    def to_pool(self, mover: OneSidedMover, offsets: list[int], idx: list[int]) -> None:
+        mover.write(offsets, [self.views[i] for i in idx], [self.keys[i] for i in idx])
+
+
 OpGen = Generator[_Req, _Reply, Any]
 
 
@@ -84,7 +102,7 @@ def _xxh(view: memoryview) -> int:
 class _Session:
     """Per-connection state shared by the sync and async clients (no I/O here)."""
 
-    def __init__(self, transport: str, lazy_commit: bool) -> None:
+    def __init__(self, transport: str, lazy_commit: bool, rdma: Any = None) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.transport = transport
@@ -99,11 +117,13 @@ class _Session:
         self.releases: list[int] = []
         self.need_hello = True
         self._retired: list[OneSidedMover] = []
+        self.rdma_options = rdma   # kvshm.rdma.RdmaOptions or dict, for "rdma"/"auto"
+        self.rdma: Any = None      # kvshm.rdma.ClientLink, made by kvshm.rdma on first use
 
     # ---------------------------------------------------------------- keys
 
     def keys(self, keys: Iterable[Key]) -> list[bytes]:
-        out = [k.encode() if type(k) is str else k for k in keys]
+        out: list[Any] = [k.encode() if type(k) is str else k for k in keys]
         limit = self.limits.max_key_bytes
         for i, k in enumerate(out):
             if type(k) is not bytes:
@@ -130,8 +150,11 @@ class _Session:
         for name, q in (("commit", self.commits), ("abort", self.aborts),
                         ("release", self.releases)):
             if q:
-                body[name] = body.get(name, []) + q[:]
-                q.clear()
+                # copy, then drop just what was copied: another thread (an AsyncClient's
+                # copy thread) may append meanwhile, and its id must not be lost
+                taken = q[:]
+                del q[:len(taken)]
+                body[name] = body.get(name, []) + taken
         return body
 
     def piggyback_pending(self) -> bool:
@@ -140,19 +163,26 @@ class _Session:
     # ---------------------------------------------------------------- HELLO
 
     def hello_body(self) -> dict[str, Any]:
-        return {"client": f"{socket.gethostname()}:{os.getpid()}",
+        body = {"client": f"{socket.gethostname()}:{os.getpid()}",
                 "version": PROTOCOL_VERSION, "transport": self.transport}
+        if self.transport in ("rdma", "auto"):
+            from kvshm import rdma
+
+            body.update(rdma.hello_fields(self))   # a new QP's info when RDMA is tried
+        return body
 
     def apply_hello(self, r: _Reply, address: str) -> None:
         _check(r, f"HELLO to {address}")
         h = r.body
         self.hello = h
+        same_server = int(h["epoch"]) == self.epoch
         self.epoch = int(h["epoch"])
         self.limits = Limits.from_wire(h["limits"])
         self.capacity = int(h["pool"]["size"])
-        self.commits.clear()
-        self.aborts.clear()
-        self.releases.clear()
+        if not same_server:   # the same instance still holds the grants they name
+            self.commits.clear()
+            self.aborts.clear()
+            self.releases.clear()
         self._retire_mover()
         self.mover = self._pick_mover(h, address)
         self.need_hello = False
@@ -180,7 +210,7 @@ class _Session:
         if t in ("auto", "rdma"):
             from kvshm import rdma
 
-            mover = rdma.client_mover(h, address, required=(t == "rdma"))
+            mover = rdma.client_mover(h, address, required=(t == "rdma"), session=self)
             if mover is not None:
                 return mover
         return None
@@ -201,6 +231,8 @@ class _Session:
             except BufferError:
                 pass
         self._retired.clear()
+        if self.rdma is not None:
+            self.rdma.close()
 
     @property
     def transport_name(self) -> str:
@@ -231,22 +263,29 @@ class _Session:
         raise exc
 
     def op_put_batch(self, keys: Iterable[Key], values: Sequence[Any],
-                     checksum: bool) -> OpGen:
+                     checksum: bool, source: Any = None) -> OpGen:
+        """Shared write path.
+
+        ``source``, when given, provides the values instead of ``values`` (kvshm.paged:
+        pages of a KV tensor, copied with one scatter): ``sizes`` (bytes per key),
+        ``buffers()`` (the values as byte views, for TCP and checksums) and
+        ``to_pool(mover, offsets, indices)`` (copy values ``indices`` to ``offsets``).
+        """
         bkeys = self.keys(keys)
-        views = self._values(bkeys, values)
+        src = _Buffers(bkeys, self._values(bkeys, values)) if source is None else source
         if not bkeys:
             return None
         body: dict[str, Any] = {"keys": bkeys}
         if checksum:
-            body["sums"] = [_xxh(v) for v in views]
+            body["sums"] = [_xxh(v) for v in src.buffers()]
         for attempt in range(2):
             mover = self.mover
             if mover is None:
-                r = yield _Req(Op.PUT, body, views)
+                r = yield _Req(Op.PUT, body, src.buffers())
                 _check(r, "put")
                 self.raise_failures(bkeys, r.body["st"], "put")
                 return None
-            body["sizes"] = [v.nbytes for v in views]
+            body["sizes"] = list(src.sizes)
             r = yield _Req(Op.ALLOC, body, stateful=True)
             _check(r, "put")
             if self.mover is not mover:     # HELLO again in between: new segment
@@ -256,8 +295,7 @@ class _Session:
             ok = [i for i, s in enumerate(st) if s == Status.OK]
             if ok:
                 try:
-                    mover.write([offsets[i] for i in ok], [views[i] for i in ok],
-                                [bkeys[i] for i in ok])
+                    src.to_pool(mover, [offsets[i] for i in ok], ok)
                 except BaseException:
                     self.aborts.append(r.req_id)
                     raise
@@ -279,8 +317,13 @@ class _Session:
         raise ServerUnavailable("the server restarted twice during one put; retry")
 
     def op_lookup_copy(self, keys: Iterable[Key], outs: Sequence[Any] | None,
-                       verify: bool) -> OpGen:
-        """Shared read path: returns (sizes, data) where data is bytes per hit or None."""
+                       verify: bool, sink: Any = None, _again: bool = False) -> OpGen:
+        """Shared read path: returns (sizes, data) where data is bytes per hit or None.
+
+        ``sink``, when given (with ``outs=None``), places the hits itself (kvshm.paged):
+        ``from_pool(mover, offsets, sizes, indices)`` with a one-sided mover,
+        ``from_frame(index, buffer)`` over TCP; ``data`` is then all None.
+        """
         bkeys = self.keys(keys)
         views = None
         if outs is not None:
@@ -305,7 +348,9 @@ class _Session:
                     continue
                 f = frames[j]
                 j += 1
-                if views is not None:
+                if sink is not None:
+                    sink.from_frame(i, f.buffer)
+                elif views is not None:
                     self._check_out(bkeys[i], views[i], sz)
                     views[i][:sz] = f.buffer
                     data[i] = views[i][:sz]
@@ -316,7 +361,18 @@ class _Session:
             return sizes, data
         r = yield _Req(Op.LOOKUP, {"keys": bkeys}, stateful=True)
         _check(r, "get")
+        if self.mover is not mover and not _again:
+            # HELLO again in between (the server restarted, STALE_EPOCH): look up again
+            # through the new mover, as a put allocates again
+            self.releases.append(r.req_id)
+            return (yield from self.op_lookup_copy(bkeys, outs, verify, sink, True))
         offsets, sizes = r.body["offsets"], r.body["sizes"]
+        if -2 in sizes:      # the server's per-client pin limit (store.QUOTA_REFUSED)
+            self.releases.append(r.req_id)
+            refused = [bkeys[i] for i, s in enumerate(sizes) if s == -2]
+            raise QuotaExceeded(f"reading {len(refused)} keys (first {refused[0]!r}) would "
+                                "exceed this client's pin limit on the server; read in "
+                                "smaller batches")
         hits = [i for i, o in enumerate(offsets) if o >= 0]
         data = [None] * len(sizes)
         if not hits:
@@ -327,7 +383,9 @@ class _Session:
             ho = [offsets[i] for i in hits]
             hs = [sizes[i] for i in hits]
             hk = [bkeys[i] for i in hits]
-            if views is not None:
+            if sink is not None:
+                sink.from_pool(mover, ho, hs, hits)
+            elif views is not None:
                 hv = [views[i] for i in hits]
                 for k, v, s in zip(hk, hv, hs):
                     self._check_out(k, v, s)
@@ -403,6 +461,9 @@ class Client:
         when not given (enough unless the server restricts client keys).
     connect : bool
         Say HELLO now (default); otherwise on the first call.
+    rdma : kvshm.rdma.RdmaOptions or dict, optional
+        Device, port, GID index and queue sizes for ``transport="rdma"``/``"auto"``
+        (default: the first device with an active port 1; see ``docs/RDMA.md``).
 
     Raises
     ------
@@ -424,12 +485,13 @@ class Client:
                  timeout: float = 5.0, *, lazy_commit: bool = False,
                  curve_server_key: bytes | str | None = None,
                  curve_keypair: tuple[bytes, bytes] | str | None = None,
-                 connect: bool = True, context: zmq.Context | None = None) -> None:
+                 connect: bool = True, context: zmq.Context | None = None,
+                 rdma: Any = None) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0, got {timeout}")
         self.address = address
         self._base_endpoint = endpoint_of(address)
-        self._session = _Session(transport, lazy_commit)
+        self._session = _Session(transport, lazy_commit, rdma)
         self._chan = Channel(self._base_endpoint, timeout, context=context,
                              socket_setup=_curve_setup(curve_server_key, curve_keypair),
                              label=address)
@@ -446,6 +508,11 @@ class Client:
         self._chan.reset(self._base_endpoint)
         rid, st, body, frames = self._chan.request(Op.HELLO, s.hello_body())
         s.apply_hello(_Reply(rid, st, body, frames), self.address)
+        if s.rdma is not None and s.rdma.take_hello_again():
+            # transport="auto": the server offers RDMA and this host has a device; say
+            # HELLO again, this time with a QP (see docs/RDMA.md)
+            rid, st, body, frames = self._chan.request(Op.HELLO, s.hello_body())
+            s.apply_hello(_Reply(rid, st, body, frames), self.address)
         ipc = s.hello.get("ipc")
         if (s.mover is not None and s.mover.name == "shm" and ipc
                 and self._base_endpoint.startswith("tcp://")):
@@ -477,6 +544,12 @@ class Client:
         return _Reply(rid, st, rbody, frames)
 
     def _run(self, gen: OpGen) -> Any:
+        if self._session.need_hello and not self._closed:
+            # HELLO before the operation starts (it picks its mover first): after an RDMA
+            # completion error this makes the next call run on a fresh connection
+            with self._chan.lock:
+                if self._session.need_hello:
+                    self._hello_locked()
         try:
             req = next(gen)
             while True:
@@ -541,6 +614,28 @@ class Client:
         """Copy each value into ``outs[i]``; returns sizes in bytes, -1 for a miss."""
         sizes, _ = self._run(self._session.op_lookup_copy(keys, outs, verify))
         return sizes  # type: ignore[no-any-return]
+
+    # ---------------------------------------------------------------- paged KV
+
+    def put_pages(self, keys: Sequence[Key], kv: Any, page_ids: Any, *,
+                  layout: str = "auto") -> None:
+        """Store pages ``page_ids`` of a paged KV tensor, one key per page (K and V).
+
+        See :func:`kvshm.paged.put_pages` for the layouts taken and what is raised.
+        """
+        from kvshm import paged
+
+        paged.put_pages(self, keys, kv, page_ids, layout=layout)
+
+    def get_pages_into(self, keys: Sequence[Key], kv: Any, page_ids: Any, *,
+                       layout: str = "auto") -> list[bool]:
+        """Fill pages ``page_ids`` of a paged KV tensor from ``keys``; found per key.
+
+        See :func:`kvshm.paged.get_pages_into`.
+        """
+        from kvshm import paged
+
+        return paged.get_pages_into(self, keys, kv, page_ids, layout=layout)
 
     # ---------------------------------------------------------------- queries
 

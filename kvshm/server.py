@@ -78,7 +78,8 @@ class ServerConfig:
     max_key_bytes, max_batch : int
         Request limits (see :class:`~kvshm.zmq_ctrl.protocol.Limits`).
     max_client_pending_bytes, max_client_pinned_bytes : int, optional
-        Per-client limits in bytes; None or 0: no limit.
+        Per-client limits in bytes: uncommitted writes, and pinned reads. None (the
+        default): 3/4 of the pool each; 0: no limit.
     curve_secret_key : str, optional
         The server's CurveZMQ ``.key_secret`` file (``kvshm keygen``): the service
         socket then takes only encrypted connections from clients that know the server's
@@ -507,4 +508,5 @@ def _bracket(host: str) -> str:
 
 
 def _default(v: int | None, pool_bytes: int) -> int:
-    return 0 if v is None else v
+    # None: 3/4 of the pool, so no one client can hold all of it hostage; 0: no limit
+    return pool_bytes * 3 // 4 if v is None else v

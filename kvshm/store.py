@@ -25,7 +25,10 @@ from kvshm._pool import Pool
 from kvshm.index import DEAD, LIVE, PENDING, Entry, Index
 from kvshm.zmq_ctrl.protocol import Limits, Status
 
-__all__ = ["Store", "StoreConfig"]
+__all__ = ["Store", "StoreConfig", "QUOTA_REFUSED"]
+
+#: LOOKUP size of a key refused by the per-client pin limit.
+QUOTA_REFUSED = -2
 
 log = logging.getLogger(__name__)
 
@@ -360,7 +363,8 @@ class Store:
         Returns
         -------
         offsets, sizes : list of int
-            -1 for a miss.
+            -1 for a miss; a size of ``QUOTA_REFUSED`` (-2) for a key that is present but
+            would take the client over ``max_client_pinned_bytes`` (not pinned).
         checksums : list of int or None
         """
         n = len(keys)
@@ -382,7 +386,8 @@ class Store:
                 continue
             if limit and e.size > budget - nbytes:
                 self.counters["quota_refusals"] += 1
-                continue                     # reported as a miss: the caller may retry
+                sizes[i] = QUOTA_REFUSED     # present, but over this client's pin limit
+                continue
             d.move_to_end(k)
             self._pin(e)
             pinned.append(e)

@@ -157,11 +157,14 @@ def test_pool_full_purge_refill(server):
         n = int(cap * 0.9) // size
         keys = [f"fill-{i}" for i in range(n)]
         vals = [bytes([i % 251]) * size for i in range(n)]
-        c.put_batch(keys, vals)
-        assert c.stats()["evictions"] == 0 or True
+        step = n // 4                      # below the per-client pending limit (3/4)
+        for i in range(0, n, step):
+            c.put_batch(keys[i:i + step], vals[i:i + step])
+        assert c.stats()["evictions"] == 0
         assert c.purge() == n
         assert c.stats()["used_bytes"] == 0
-        c.put_batch(keys, vals)
+        for i in range(0, n, step):
+            c.put_batch(keys[i:i + step], vals[i:i + step])
         assert all(c.exists_batch(keys))
         assert c.get(keys[-1]) == vals[-1]
 
@@ -514,3 +517,21 @@ def test_idle_server_uses_no_cpu(server):
     t0 = cpu(server.pid)
     time.sleep(1.0)
     assert cpu(server.pid) - t0 <= 0.02
+
+
+def test_per_client_limits_hold_one_greedy_client_back():
+    with ServerProcess("--max-client-pending", str(4 << 20), "--max-client-pinned",
+                       str(4 << 20), prealloc_size=1 / 64) as srv, \
+            Client(srv.address) as greedy, Client(srv.address) as other:
+        with pytest.raises(kvshm.QuotaExceeded):
+            greedy.put_batch([f"g{i}" for i in range(5)], [b"g" * (1 << 20)] * 5)
+        greedy.put_batch([f"g{i}" for i in range(3)], [b"g" * (1 << 20)] * 3)
+        greedy.put_batch([f"g{i}" for i in range(3, 6)], [b"g" * (1 << 20)] * 3)
+        with pytest.raises(kvshm.QuotaExceeded):
+            greedy.get_batch([f"g{i}" for i in range(6)])
+        assert len(greedy.get_batch([f"g{i}" for i in range(3)])) == 3
+        other.put("o", b"o" * (3 << 20))
+        assert other.get("o") == b"o" * (3 << 20)
+        greedy.flush()
+        st = other.stats(verify=True)
+        assert st["pinned"] == 0 and st["pending"] == 0 and st["accounting_ok"]
