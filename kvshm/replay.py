@@ -13,8 +13,17 @@ Backends: ``kvshm`` (its own server, or ``--address``; bytes through shared memo
 ``kvshm-tcp`` (bytes in the messages), ``redis`` (a redis-server started here with
 ``maxmemory`` = the same capacity and ``allkeys-lru``, or ``--address``).
 
+With ``--address`` the replay's keys (``kvshm-replay/<run id>/<hash id>``) are deleted
+at the end; a server started here is stopped, whatever happens.
+
 ``--clients K`` runs K processes (spawned); request ``i`` of the trace goes to client
 ``i % K`` (round robin), each client replays its share in trace order, all at once.
+Left free, the clients drift thousands of requests apart (one gets more CPU than the
+others) and the store then sees another access order than the trace's; so by default a
+client starts request ``i`` only once every request before ``i - 4K`` has finished
+(``--window``; 0 lets them run free). Requests near each other in the trace still run
+at the same time: a request may miss blocks that a request just before it is still
+writing (the exact LRU assumes that one finished), and writes the same blocks again.
 
 Python use::
 
@@ -27,12 +36,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import importlib.util
 import json
 import logging
 import math
 import os
+import pickle
 import queue
 import re
 import selectors
@@ -62,6 +71,8 @@ GiB = 1024 ** 3
 KiB = 1024
 #: Consecutive failed requests after which a replay gives up (the server is gone).
 MAX_CONSECUTIVE_ERRORS = 20
+#: With --clients K, request i waits for every request before i - 4K (``--window``).
+DEFAULT_WINDOW_PER_CLIENT = 4
 #: Error and mismatch messages kept for the summary.
 KEEP_FIRST = 5
 
@@ -126,6 +137,13 @@ class ReplayOptions:
     shm_name: str | None = None
     redis_server: str | None = None
     key_prefix: bytes | None = None
+    window: int | None = None
+
+    def window_for(self, k: int) -> int | None:
+        """The pacing window for k clients (None: the clients run free)."""
+        if self.window is None:
+            return DEFAULT_WINDOW_PER_CLIENT * k
+        return self.window or None
 
     def validate(self) -> None:
         """Raise :class:`UsageError` naming the first bad option."""
@@ -141,6 +159,8 @@ class ReplayOptions:
                                           f"got {self.backend!r}")
         if self.requests is not None and (type(self.requests) is not int or self.requests < 1):
             raise UsageError("--requests", f"must be >= 1, got {self.requests!r}")
+        if self.window is not None and (type(self.window) is not int or self.window < 0):
+            raise UsageError("--window", f"must be >= 0, got {self.window!r}")
         if not self.timeout > 0:
             raise UsageError("--timeout", f"must be > 0, got {self.timeout!r}")
         if self.address is not None:
@@ -200,7 +220,7 @@ class _Child:
     of its output, and is always stopped (SIGTERM, then SIGKILL) by :meth:`stop`."""
 
     def __init__(self, cmd: list[str], ready: re.Pattern[str], what: str,
-                 timeout: float = 60.0) -> None:
+                 timeout: float = 60.0, cwd: str | None = None) -> None:
         self.what = what
         self.cmd = cmd
         self.tail: deque[str] = deque(maxlen=40)
@@ -208,7 +228,7 @@ class _Child:
         self._drain: threading.Thread | None = None
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, start_new_session=True,
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=_die_with_parent, cwd=cwd)
         try:
             self._wait_ready(ready, timeout)
         except BaseException:
@@ -309,10 +329,18 @@ def _start_kvshm(opts: ReplayOptions) -> tuple[_Child, str, str]:
     """A ``kvshm serve`` child sized for the replay; returns (child, address, segment)."""
     cmd = [sys.executable, "-m", "kvshm", "serve", "--service-port", "0", "--no-manage",
            "--prealloc-size", repr(float(opts.pool_gib)),
-           "--block-size", str(opts.server_block_bytes // KiB), "--log-level", "WARNING"]
+           "--block-size", str(opts.server_block_bytes // KiB), "--log-level", "WARNING",
+           # The replay is this server's only tenant, and the exact LRU it is compared
+           # with may use the whole pool for one request: no per-client limits.
+           "--max-client-pending", "0", "--max-client-pinned", "0"]
     if opts.shm_name:
         cmd += ["--shm-name", opts.shm_name]
-    child = _Child(cmd, _KVSHM_READY, "kvshm server")
+    # `python -m kvshm` must import the kvshm this process runs, not a source checkout
+    # that happens to be the working directory (its compiled core may not be built).
+    import kvshm
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(kvshm.__file__)))
+    child = _Child(cmd, _KVSHM_READY, "kvshm server", cwd=root)
     assert child.match is not None
     return child, child.match.group("endpoint"), child.match.group("pool")
 
@@ -367,6 +395,9 @@ class _KvshmBackend:
     def evictions(self) -> int:
         return int(self.client.stats()["evictions"])
 
+    def delete(self, keys: Sequence[bytes]) -> int:
+        return self.client.delete(keys)
+
     def close(self) -> None:
         self.client.close()
 
@@ -396,7 +427,8 @@ class _RedisBackend:
 
     def read_into(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> list[int]:
         sizes = []
-        for v, out in zip(self.r.mget(keys), outs):
+        values: list[Any] = self.r.mget(keys)  # type: ignore[assignment]
+        for v, out in zip(values, outs):
             if v is None:
                 sizes.append(-1)
                 continue
@@ -410,12 +442,16 @@ class _RedisBackend:
 
     def maxmemory(self) -> int:
         try:
-            return int(self.r.config_get("maxmemory").get("maxmemory", 0))
+            conf: Any = self.r.config_get("maxmemory")
+            return int(conf.get("maxmemory", 0))
         except Exception:            # CONFIG may be renamed or refused
             return 0
 
     def evictions(self) -> int:
         return int(self.r.info("stats")["evicted_keys"])
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        return int(self.r.unlink(*keys))
 
     def close(self) -> None:
         self.r.close()
@@ -455,6 +491,7 @@ class _Share:
     first_errors: list[str] = field(default_factory=list)
     first_mismatches: list[str] = field(default_factory=list)
     gave_up: str | None = None
+    paced_s: float = 0.0   # seconds spent waiting for the other clients (--window)
 
 
 class _Replayer:
@@ -477,7 +514,8 @@ class _Replayer:
         return buf, [memoryview(buf[i]).cast("B") for i in range(rows)]
 
     def run(self, items: Sequence[tuple[int, Sequence[int]]],
-            progress: Callable[[int], None] | None = None) -> _Share:
+            progress: Callable[[int], None] | None = None,
+            pacer: "_Pacer | None" = None) -> _Share:
         from kvshm.trace import check_blocks, fill_blocks, poison_blocks
 
         np = self.np
@@ -486,8 +524,11 @@ class _Replayer:
         consecutive = 0
         clock, mono = time.perf_counter, time.monotonic
         for idx, ids in items:
+            if pacer is not None:
+                pacer.wait(idx)
             n = len(ids)
-            m = rd = wr = 0
+            m = rd = 0
+            moved = 0
             t0 = clock()
             try:
                 keys = [b"%s%d" % (prefix, h) for h in ids]
@@ -502,9 +543,10 @@ class _Replayer:
                     got = sizes >= 0
                     rd = int(got.argmin()) if not got.all() else m
                     sh.lost += m - rd
-                    nread = int(got.sum())
-                    sh.blocks_read += nread
-                    sh.bytes_read += int(sizes[got].sum())
+                    sh.blocks_read += int(got.sum())
+                    nbytes = int(sizes[got].sum())
+                    sh.bytes_read += nbytes
+                    moved += nbytes
                     ok = check_blocks(rows, ida) & (sizes == B)
                     bad = np.flatnonzero(got & ~ok)
                     if len(bad):
@@ -519,8 +561,8 @@ class _Replayer:
                         self._w, self._wv = self._grow(self._w, k)
                     fill_blocks(self._w[:k], np.array(ids[rd:], dtype=np.uint64))
                     be.write(keys[rd:], self._wv[:k])
-                    wr = k
                     sh.bytes_written += k * B
+                    moved += k * B
             except Exception as exc:
                 sh.errors += 1
                 consecutive += 1
@@ -536,9 +578,11 @@ class _Replayer:
             sh.index.append(idx)
             sh.matched.append(m)
             sh.blocks.append(n)
-            sh.moved.append((rd + wr) * B)
+            sh.moved.append(moved)
             sh.latency.append(lat)
             sh.t_end.append(mono())
+            if pacer is not None:
+                pacer.done(idx)
             if progress is not None:
                 progress(1)
             if sh.gave_up:
@@ -548,10 +592,49 @@ class _Replayer:
 
 # ---------------------------------------------------------------------- K client processes
 
-def _worker_main(wid: int, spec: _BackendSpec, items: list[tuple[int, list[int]]],
+class _Pacer:
+    """Keeps K clients near trace order: request i starts only once every request
+    before ``i - window`` has finished.
+
+    ``shared[w]`` is the index of client w's next unfinished request (its requests are
+    w, w + K, ...), so "every request before x has finished" is ``min(shared) >= x``.
+    The client holding the minimum never waits, so the clients cannot deadlock.
+    """
+
+    def __init__(self, shared: Any, wid: int, k: int, window: int, parent: int) -> None:
+        self.shared = shared
+        self.wid = wid
+        self.k = k
+        self.window = window
+        self.parent = parent
+        self.waited = 0.0
+
+    def wait(self, idx: int) -> None:
+        floor = idx - self.window
+        shared = self.shared
+        if floor <= 0 or min(shared[:]) >= floor:
+            return
+        t0 = time.monotonic()
+        spins = 0
+        while min(shared[:]) < floor:
+            spins += 1
+            if spins % 5000 == 0 and os.getppid() != self.parent:
+                raise SystemExit(1)
+            time.sleep(0.0001 if spins < 100 else 0.0005)
+        self.waited += time.monotonic() - t0
+
+    def done(self, idx: int) -> None:
+        self.shared[self.wid] = idx + self.k
+
+    def finish(self) -> None:
+        self.shared[self.wid] = 1 << 62
+
+
+def _worker_main(wid: int, k: int, spec: _BackendSpec, requests_file: str,
                  block_bytes: int, key_prefix: bytes, q: Any, go: Any,
-                 parent: int) -> None:
-    """Body of one spawned client process: connect, say ready, wait for go, replay."""
+                 parent: int, shared: Any, window: int | None) -> None:
+    """Body of one spawned client process: load its share (requests wid, wid + k, ...),
+    connect, say ready, wait for go, replay."""
     _die_with_parent()
     if os.getppid() != parent:      # the parent died before prctl took hold
         return
@@ -562,7 +645,12 @@ def _worker_main(wid: int, spec: _BackendSpec, items: list[tuple[int, list[int]]
 
     signal.signal(signal.SIGTERM, on_term)
     be = None
+    pacer = None if window is None else _Pacer(shared, wid, k, window, parent)
     try:
+        with open(requests_file, "rb") as f:
+            requests = pickle.load(f)
+        items = [(i, requests[i]) for i in range(wid, len(requests), k)]
+        del requests
         be = spec.open()
         q.put(("ready", wid, None))
         while not go.wait(1.0):
@@ -577,7 +665,13 @@ def _worker_main(wid: int, spec: _BackendSpec, items: list[tuple[int, list[int]]
                 q.put(("progress", wid, last[1]))
                 last[0], last[1] = now, 0
 
-        sh = _Replayer(be, block_bytes, key_prefix).run(items, progress)
+        try:
+            sh = _Replayer(be, block_bytes, key_prefix).run(items, progress, pacer)
+        finally:
+            if pacer is not None:
+                pacer.finish()      # never hold the others back, whatever happened
+        if pacer is not None:
+            sh.paced_s = pacer.waited
         if last[1]:
             q.put(("progress", wid, last[1]))
         be.close()
@@ -595,22 +689,30 @@ def _worker_main(wid: int, spec: _BackendSpec, items: list[tuple[int, list[int]]
 
 def _run_processes(spec: _BackendSpec, requests: Sequence[Sequence[int]], k: int,
                    block_bytes: int, key_prefix: bytes,
-                   progress: Callable[[int], None] | None
+                   progress: Callable[[int], None] | None, window: int | None
                    ) -> tuple[list[_Share], float, float]:
-    """Run K spawned clients, request i to client i % K. Returns shares, t_go, t_end."""
+    """Run K spawned clients, request i to client i % K. Returns shares, t_go, t_end.
+
+    The requests go to the clients in a file, not in the spawn arguments: a child that
+    dies before reading a spawn payload larger than a pipe would block ``start()``
+    forever."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     go = ctx.Event()
+    shared = ctx.Array("q", list(range(k)), lock=False)   # next unfinished request each
     procs = []
     shares: dict[int, _Share] = {}
+    tmpdir = tempfile.mkdtemp(prefix="kvshm-replay-")
     try:
+        requests_file = os.path.join(tmpdir, "requests.pickle")
+        with open(requests_file, "wb") as f:
+            pickle.dump([list(r) for r in requests], f, protocol=pickle.HIGHEST_PROTOCOL)
         for w in range(k):
-            items = [(i, list(requests[i])) for i in range(w, len(requests), k)]
             p = ctx.Process(target=_worker_main, name=f"kvshm-replay-{w}", daemon=True,
-                            args=(w, spec, items, block_bytes, key_prefix, q, go,
-                                  os.getpid()))
+                            args=(w, k, spec, requests_file, block_bytes, key_prefix, q,
+                                  go, os.getpid(), shared, window))
             p.start()
             procs.append(p)
         ready: set[int] = set()
@@ -656,9 +758,21 @@ def _run_processes(spec: _BackendSpec, requests: Sequence[Sequence[int]], k: int
             p.close()
         q.close()
         q.join_thread()
+        shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------- the whole replay
+
+def _delete_keys(backend: Any, requests: Sequence[Sequence[int]], prefix: bytes,
+                 batch: int = 20000) -> None:
+    """Delete every key the replay may have written (best effort)."""
+    ids = sorted({h for r in requests for h in r})
+    try:
+        for i in range(0, len(ids), batch):
+            backend.delete([b"%s%d" % (prefix, h) for h in ids[i:i + batch]])
+    except Exception as exc:
+        log.warning("could not delete the replay's keys (%s: %s)", type(exc).__name__, exc)
+
 
 @dataclass
 class ReplayResult:
@@ -824,8 +938,11 @@ def run_replay(opts: ReplayOptions, requests: Sequence[Sequence[int]] | None = N
                 shares = [_Replayer(probe, B, prefix).run(list(enumerate(requests)), bar)]
                 t_done = time.monotonic()
             else:
-                shares, t_go, t_done = _run_processes(spec, requests, k, B, prefix, bar)
+                shares, t_go, t_done = _run_processes(spec, requests, k, B, prefix, bar,
+                                                      opts.window_for(k))
             evictions = probe.evictions() - ev0
+            if not owned:       # leave someone else's server as we found it
+                _delete_keys(probe, requests, prefix)
     finally:
         with _shielded():
             bar.close()
@@ -855,6 +972,7 @@ def run_replay(opts: ReplayOptions, requests: Sequence[Sequence[int]] | None = N
     latency = cat("latency", np.float64)
     t_end = cat("t_end", np.float64)
     order = np.argsort(t_end, kind="stable")
+    skew = int(np.abs(index[order] - np.arange(len(index))).max()) if len(index) else 0
     seconds = max(t_done - t_go, 1e-9)
     blocks = int(nblocks.sum())
     hits = int(matched.sum())
@@ -872,6 +990,9 @@ def run_replay(opts: ReplayOptions, requests: Sequence[Sequence[int]] | None = N
         "transport": transport,
         "clients": k,
         "split": "round-robin: request i to client i % clients" if k > 1 else "one client",
+        "window": opts.window_for(k) if k > 1 else None,
+        "paced_seconds": sum(s.paced_s for s in shares),
+        "max_order_skew": skew,
         "trace": opts.trace or "bundled:conversation_trace.jsonl.gz",
         "requests": replayed,
         "requests_asked": len(requests),
@@ -889,8 +1010,8 @@ def run_replay(opts: ReplayOptions, requests: Sequence[Sequence[int]] | None = N
         "seconds": seconds,
         "gbps": (tot["bytes_read"] + tot["bytes_written"]) / seconds / 1e9,
         "requests_per_s": replayed / seconds,
-        "p50_ms": float(np.percentile(lat_ms, 50)) if len(lat_ms) else math.nan,
-        "p99_ms": float(np.percentile(lat_ms, 99)) if len(lat_ms) else math.nan,
+        "p50_ms": float(np.percentile(lat_ms, 50)) if len(lat_ms) else None,
+        "p99_ms": float(np.percentile(lat_ms, 99)) if len(lat_ms) else None,
         "evictions": evictions,
         "lru_evictions": lru.evictions,
         "block_bytes": B,
@@ -935,8 +1056,14 @@ def format_summary(s: dict[str, Any]) -> str:
                                     if s["lost"] else ""),
         f"  moved      {_gb(s['bytes_read'])} read + {_gb(s['bytes_written'])} written in "
         f"{s['seconds']:.2f} s = {s['gbps']:.2f} GB/s ({s['requests_per_s']:.0f} requests/s)",
-        f"  latency    p50 {s['p50_ms']:.2f} ms, p99 {s['p99_ms']:.2f} ms per request",
+        (f"  latency    p50 {s['p50_ms']:.2f} ms, p99 {s['p99_ms']:.2f} ms per request"
+         if s["p50_ms"] is not None else "  latency    n/a (no request succeeded)"),
     ]
+    if s["clients"] > 1:
+        pacing = (f"window {s['window']} requests, {s['paced_seconds']:.2f} s spent waiting "
+                  "(all clients)" if s["window"] else "no window: clients run free")
+        lines.append(f"  order      requests finished at most {s['max_order_skew']} places "
+                     f"from trace order; {pacing}")
     for e in s["first_mismatches"]:
         lines.append(f"  MISMATCH   {e}")
     for e in s["first_errors"]:
@@ -1011,7 +1138,7 @@ def _block_bytes_t(text: str) -> int:
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Add ``kvshm replay`` to the ``kvshm`` command's subparsers."""
-    from kvshm.cli import pos_float, pos_int
+    from kvshm.cli import nonneg_int, pos_float, pos_int
 
     p = sub.add_parser(
         "replay", help="replay a request trace against a store and check every byte",
@@ -1020,7 +1147,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
             "get_batch_into of the leading hits (checked byte for byte), put_batch of the "
             "rest. Prints the hit rate beside an exact LRU over the same capacity and the "
             "unbounded bound, the bytes moved, GB/s and latency. Exits 1 on any mismatch "
-            "or error. With --clients K, request i goes to client process i %% K."))
+            "or error. With --clients K, request i goes to client process i % K."))
     p.add_argument("--trace", default=None, metavar="FILE",
                    help="trace file, JSON lines with hash_ids, gzip or not (default: the "
                         "bundled Mooncake FAST'25 conversation trace)")
@@ -1034,6 +1161,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         "size = B rounded up to 4 KiB) or redis's maxmemory (default 1)")
     p.add_argument("--clients", type=pos_int, default=1, metavar="K",
                    help="client processes sharing the replay, round robin (default 1)")
+    p.add_argument("--window", type=nonneg_int, default=None, metavar="W",
+                   help="with --clients K: request i starts only once every request before "
+                        "i - W has finished, so the clients stay near trace order "
+                        f"(default {DEFAULT_WINDOW_PER_CLIENT}*K; 0: the clients run free)")
     p.add_argument("--backend", choices=BACKENDS, default="kvshm",
                    help="kvshm (bytes through shared memory), kvshm-tcp (bytes in the "
                         "messages) or redis (default kvshm)")
@@ -1073,9 +1204,14 @@ def cmd_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
                          block_bytes=args.block_bytes, pool_gib=args.pool_gib,
                          clients=args.clients, backend=args.backend, address=args.address,
                          timeout=args.timeout, progress=not args.no_progress,
-                         shm_name=args.shm_name, redis_server=args.redis_server)
+                         shm_name=args.shm_name, redis_server=args.redis_server,
+                         window=args.window)
     try:
         result = run_replay(opts)
+    except KeyboardInterrupt:
+        print("kvshm replay: interrupted; every server and client it started is stopped",
+              file=sys.stderr)
+        return 130
     except UsageError as exc:
         parser.error(str(exc))
     except TraceError as exc:

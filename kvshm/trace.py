@@ -61,7 +61,7 @@ class TraceError(ValueError):
 def bundled_trace() -> Iterator[str]:
     """Path of the bundled Mooncake conversation trace (a context manager, as
     :func:`importlib.resources.as_file`: the path is valid inside the ``with``)."""
-    res = importlib.resources.files("kvshm").joinpath("data", BUNDLED_TRACE)
+    res = importlib.resources.files("kvshm").joinpath("data").joinpath(BUNDLED_TRACE)
     with importlib.resources.as_file(res) as path:
         if not os.path.exists(path):
             raise TraceError(f"the bundled trace {BUNDLED_TRACE} is missing from this "
