@@ -62,6 +62,7 @@ cdef class BitmapAllocator:
     cdef Py_ssize_t _num_words
     cdef Py_ssize_t _num_summary
     cdef Py_ssize_t _num_free
+    cdef Py_ssize_t _hint      # every word below this one is full (no free block)
 
     def __cinit__(self, Py_ssize_t num_blocks):
         cdef Py_ssize_t i
@@ -83,6 +84,7 @@ cdef class BitmapAllocator:
         if self._num_words % 64:
             self._summary[self._num_summary - 1] = _low_mask(self._num_words % 64)
         self._num_free = num_blocks
+        self._hint = 0
 
     def __dealloc__(self):
         c_free(self._words)
@@ -133,6 +135,8 @@ cdef class BitmapAllocator:
             b = 0
         if free_them:
             self._num_free += n
+            if (start >> 6) < self._hint:
+                self._hint = start >> 6
         else:
             self._num_free -= n
 
@@ -166,7 +170,10 @@ cdef class BitmapAllocator:
         cdef int p, ones, t
         if n > self._num_free:
             return -1
-        w = self._next_nonfull(0)
+        # No run starts below the hint; moving it up to the first word with a free block
+        # keeps it true and spares the next search the summary words of a full prefix.
+        w = self._next_nonfull(self._hint)
+        self._hint = self._num_words if w < 0 else w
         if n == 1:
             if w < 0:
                 return -1

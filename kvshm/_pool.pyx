@@ -14,6 +14,7 @@ Copies take any buffer-protocol object (bytes, bytearray, memoryview, numpy arra
 torch CPU tensors (through ``data_ptr()``), and run with the GIL released.
 """
 
+import fcntl
 import os
 import struct
 import warnings
@@ -23,7 +24,7 @@ import posix_ipc
 from libc.stdint cimport int64_t, uint8_t, uintptr_t
 from libc.string cimport memcpy
 from posix.mman cimport mmap, munmap, PROT_READ, PROT_WRITE, MAP_SHARED
-from posix.unistd cimport getpid
+from posix.unistd cimport getpid, close as c_close
 from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBuffer_FillInfo,
                              PyBUF_ANY_CONTIGUOUS, PyBUF_WRITABLE)
 from libc.stdlib cimport malloc, free as c_free
@@ -178,8 +179,10 @@ cdef class Pool:
     cdef readonly long creator_pid
     cdef long _opener_pid
     cdef bint _created
+    cdef int _lock_fd      # creator: flock'ed fd of the segment, held until unlink
 
     def __cinit__(self):
+        self._lock_fd = -1
         self._map = NULL
         self._base = NULL
         self._exports = 0
@@ -187,6 +190,10 @@ cdef class Pool:
 
     def __init__(self):
         raise TypeError("use Pool.create(...) or Pool.attach(...)")
+
+    def __dealloc__(self):
+        if self._lock_fd >= 0:
+            c_close(self._lock_fd)
 
     # ------------------------------------------------------------ construction
 
@@ -250,7 +257,14 @@ cdef class Pool:
                                   f"{name} ({os.strerror(rc)}); free space in /dev/shm or "
                                   "ask for a smaller pool")
             self._map_fd(fd, total, populate)
+            # Liveness lock: a segment whose creator is gone has no lock, and
+            # kvshm.segments.cleanup (``kvshm ctl cleanup``, a starting server) removes it.
+            self._lock_fd = os.dup(fd)
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BaseException:
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)
+                self._lock_fd = -1
             try:
                 shm.close_fd()
             finally:
@@ -380,6 +394,12 @@ cdef class Pool:
             posix_ipc.unlink_shared_memory(self.name)
         except posix_ipc.ExistentialError:
             pass
+        self._drop_lock()
+
+    cdef _drop_lock(self):
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
 
     def __enter__(self):
         return self
@@ -632,12 +652,15 @@ cdef class Pool:
         """
         cdef bytes out
         cdef char* dst
-        self._check_open()
-        self._check_range(offset, size)
-        out = PyBytes_FromStringAndSize(NULL, size)
-        dst = PyBytes_AS_STRING(out)
-        with nogil:
-            memcpy(dst, self._base + offset, size)
+        self._begin()
+        try:
+            self._check_range(offset, size)
+            out = PyBytes_FromStringAndSize(NULL, size)
+            dst = PyBytes_AS_STRING(out)
+            with nogil:
+                memcpy(dst, self._base + offset, size)
+        finally:
+            self._end()
         return out
 
     def read_bytes_many(self, offsets, sizes):
@@ -661,10 +684,14 @@ cdef class Pool:
             raise MemoryError()
         for i in range(n):
             dsts[i] = PyBytes_AS_STRING(out[i])
-        with nogil:
-            for i in range(n):
-                memcpy(dsts[i], self._base + off[i], sz[i])
-        c_free(dsts)
+        self._begin()
+        try:
+            with nogil:
+                for i in range(n):
+                    memcpy(dsts[i], self._base + off[i], sz[i])
+        finally:
+            self._end()
+            c_free(dsts)
         return out
 
     def write_many(self, offsets, srcs):

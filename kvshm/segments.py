@@ -1,6 +1,6 @@
 """Finding and removing shared-memory segments whose server is gone.
 
-A running server holds an exclusive ``flock`` on its segment's file in /dev/shm for its
+The process that created a pool (``Pool.create``; a running server) holds an exclusive
 whole life. A segment nobody holds a lock on belongs to a server that died without
 cleaning up (SIGKILL, OOM, power cut): :func:`cleanup` unlinks it. The lock is tied to the
 open file, not to a pid, so pid reuse and pid namespaces cannot fool it.

@@ -101,6 +101,26 @@ class ServerConfig:
     gid_index : int, optional
         GID index; default: the port GID on InfiniBand, on RoCE the RoCEv2 GID of the
         port's IPv4 address (of ``host`` when it is one).
+    ssd_path : str, optional
+        Directory of the SSD tier's files (see docs/SSD.md): entries evicted from the pool
+        are written there instead of dropped, and read back on a LOOKUP. None (default):
+        no SSD tier.
+    ssd_size : float, optional
+        GiB of disk the SSD tier uses (required with ``ssd_path``).
+    ssd_persist : bool
+        Keep the SSD entries across restarts (a manifest is written periodically and on
+        a clean stop). Without it the files are scratch and removed at exit.
+    ssd_files : int
+        Data files (0: one per GiB, 1 to 8).
+    ssd_workers : int
+        I/O threads of the SSD tier. Default 4.
+    ssd_queue : float
+        MiB of spill writes in flight at most (0: 1/8 of the pool, at most 64 MiB).
+    ssd_wait : float
+        Seconds a request may wait for the disk (room made by spills, or a promotion)
+        before it is answered anyway. Default 1.
+    ssd_manifest_interval : float
+        Seconds between manifest writes while entries change (``ssd_persist``).
     """
 
     host: str = "127.0.0.1"
@@ -127,7 +147,23 @@ class ServerConfig:
     ib_port: int = 1
     link_type: str | None = None
     gid_index: int | None = None
+    ssd_path: str | None = None
+    ssd_size: float | None = None
+    ssd_persist: bool = False
+    ssd_files: int = 0
+    ssd_workers: int = 4
+    ssd_queue: float = 0.0
+    ssd_wait: float = 1.0
+    ssd_manifest_interval: float = 5.0
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ssd_bytes(self) -> int:
+        """Bytes of the SSD tier (whole blocks); 0 without one."""
+        if self.ssd_path is None or not self.ssd_size:
+            return 0
+        bs = self.block_size * KiB
+        return int(self.ssd_size * GiB) // bs * bs
 
     @property
     def pool_bytes(self) -> int:
@@ -206,6 +242,42 @@ class ServerConfig:
         if self.gid_index is not None and (type(self.gid_index) is not int
                                            or self.gid_index < 0):
             raise ConfigError("gid_index", f"must be an integer >= 0, got {self.gid_index!r}")
+        self._validate_ssd()
+
+    def _validate_ssd(self) -> None:
+        import math
+
+        if self.ssd_path is None:
+            if self.ssd_size is not None:
+                raise ConfigError("ssd_path", "is required with --ssd-size (the directory "
+                                              "of the SSD tier's files)")
+            if self.ssd_persist:
+                raise ConfigError("ssd_persist", "needs --ssd-path and --ssd-size")
+            return
+        if not isinstance(self.ssd_path, str) or not self.ssd_path.strip():
+            raise ConfigError("ssd_path", f"must be a directory, got {self.ssd_path!r}")
+        if os.path.exists(self.ssd_path) and not os.path.isdir(self.ssd_path):
+            raise ConfigError("ssd_path", f"{self.ssd_path} exists and is not a directory")
+        if self.ssd_size is None:
+            raise ConfigError("ssd_size", "is required with --ssd-path (GiB of disk to use)")
+        if (type(self.ssd_size) not in (int, float) or not math.isfinite(self.ssd_size)
+                or not self.ssd_size > 0):
+            raise ConfigError("ssd_size", f"must be > 0 GiB, got {self.ssd_size!r}")
+        if type(self.ssd_files) is not int or not 0 <= self.ssd_files <= 64:
+            raise ConfigError("ssd_files", f"must be 0 (auto) to 64, got {self.ssd_files!r}")
+        nfiles = self.ssd_files or max(1, min(8, math.ceil(self.ssd_size)))
+        if self.ssd_bytes // (self.block_size * KiB) < nfiles:
+            raise ConfigError("ssd_size", f"{self.ssd_size} GiB holds less than one block of "
+                                          f"{self.block_size} KiB per file")
+        if type(self.ssd_workers) is not int or not 1 <= self.ssd_workers <= 64:
+            raise ConfigError("ssd_workers", f"must be 1 to 64, got {self.ssd_workers!r}")
+        if not (self.ssd_queue >= 0 and math.isfinite(self.ssd_queue)):
+            raise ConfigError("ssd_queue", f"must be >= 0 MiB, got {self.ssd_queue!r}")
+        if not (self.ssd_wait > 0 and math.isfinite(self.ssd_wait)):
+            raise ConfigError("ssd_wait", f"must be > 0 s, got {self.ssd_wait!r}")
+        if not (self.ssd_manifest_interval > 0 and math.isfinite(self.ssd_manifest_interval)):
+            raise ConfigError("ssd_manifest_interval",
+                              f"must be > 0 s, got {self.ssd_manifest_interval!r}")
 
 
 class Server:
@@ -240,6 +312,7 @@ class Server:
         self.pool: Pool | None = None
         self.store: Store | None = None
         self.loop: ServiceLoop | None = None
+        self.tier: Any = None    # kvshm.tiers.SsdTier with ssd_path
         self.manage: Any = None
         self._ctx: zmq.Context | None = None
         self._thread: threading.Thread | None = None
@@ -250,6 +323,7 @@ class Server:
         self._rdma_backend = rdma_backend   # a verbs double; tests only (never the CLI)
         self._started = False
         self._stopped = False
+        self._clean_stop = False    # the loop returned (not a failed start-up)
         self.epoch = int.from_bytes(os.urandom(6), "little") | 1
 
     # ------------------------------------------------------------------ set-up
@@ -273,6 +347,7 @@ class Server:
             store_cfg = StoreConfig(
                 lease_timeout=cfg.lease_timeout,
                 limits=Limits(cfg.max_key_bytes, cfg.max_batch, 0),
+                tier_wait=cfg.ssd_wait,
             )
             if cfg.dev_name is not None:   # before the pool: a bad device fails fast
                 from kvshm import rdma
@@ -291,6 +366,8 @@ class Server:
             store_cfg.max_client_pinned_bytes = _default(cfg.max_client_pinned_bytes,
                                                          pool_bytes)
             self.store = Store(self.pool, store_cfg)
+            if cfg.ssd_path is not None:
+                self._tier_create()
             hello = {
                 "version": PROTOCOL_VERSION,
                 "pool": {"name": self.pool.name, "size": self.pool.size,
@@ -322,6 +399,8 @@ class Server:
                                                 if self.rdma is not None else None),
                                     log_handshakes=socket_setup is not None,
                                     max_frame_bytes=max(pool_bytes, 256 << 20) + (1 << 20))
+            if self.tier is not None:
+                self.tier.notify = self.loop.wake
             if cfg.ipc:
                 self.loop.hello["ipc"] = self.loop.endpoints[1]
             if cfg.manage_port is not None:
@@ -345,12 +424,24 @@ class Server:
         cfg = self.config
         name = cfg.shm_name or (f"{segments.DEFAULT_PREFIX}{cfg.service_port}-{os.getpid()}-"
                                 f"{os.urandom(4).hex()}")
+        # Pool.create holds the segment's liveness lock until unlink (see segments.py).
         self.pool = Pool.create(name, cfg.pool_bytes, cfg.block_size * KiB)
-        try:
-            self._lock_fd = segments.hold(self.pool.name)
-        except OSError as exc:
-            log.warning("cannot lock segment %s (%s); `kvshm ctl cleanup` may remove it",
-                        self.pool.name, exc)
+
+    def _tier_create(self) -> None:
+        from kvshm.tiers import SsdConfig, SsdTier
+
+        cfg = self.config
+        assert self.pool is not None and self.store is not None and cfg.ssd_path is not None
+        pool_bytes = self.pool.size
+        bs = self.pool.block_size
+        queue = int(cfg.ssd_queue * KiB * KiB) or min(64 * KiB * KiB, pool_bytes // 8)
+        self.tier = SsdTier(self.pool, SsdConfig(
+            path=cfg.ssd_path, size=cfg.ssd_bytes, block_size=bs, files=cfg.ssd_files,
+            workers=cfg.ssd_workers, queue_bytes=queue, persist=cfg.ssd_persist,
+            manifest_interval=cfg.ssd_manifest_interval))
+        # The cleaner keeps 1/16 of the pool free or already copied to SSD, so that an
+        # eviction rarely waits for a write (and the copies cost little SSD capacity).
+        self.store.attach_tier(self.tier, clean_target=max(4 * bs, pool_bytes // 16))
 
     # ------------------------------------------------------------------ running
 
@@ -368,6 +459,7 @@ class Server:
         assert self.loop is not None
         try:
             self.loop.run()
+            self._clean_stop = True
         except Exception:
             log.exception("server loop crashed")
 
@@ -387,6 +479,7 @@ class Server:
             if ready is not None:
                 ready(self)
             self.loop.run()
+            self._clean_stop = True
         finally:
             if prev_fd is not None:
                 signal.set_wakeup_fd(prev_fd)
@@ -416,6 +509,16 @@ class Server:
             self.manage = None
         if self.loop is not None:
             self.loop.close()
+        if self.tier is not None:   # its I/O threads use pool memory: before the pool
+            try:
+                if self.tier.persist and self.store is not None and self._clean_stop:
+                    n = self.store.flush_tier(timeout=30.0)
+                    if n:
+                        log.info("SSD tier: %d pool entries written down before exit", n)
+                self.tier.close()
+            except Exception:
+                log.exception("closing the SSD tier failed")
+            self.tier = None
         if self.rdma is not None:   # QPs and the pool's MR go before the pool
             self.rdma.close()
             self.rdma = None
@@ -475,6 +578,12 @@ class Server:
             parts.append(f"curve public key {self._curve.public.decode()}")
         parts.append(f"pool {self.pool.name} {self.pool.size / GiB:.3g} GiB")
         parts.append(f"block {self.pool.block_size // KiB} KiB")
+        if self.tier is not None:
+            t = self.tier
+            cap = sum(f.nblocks for f in t.files) * t.bs
+            parts.append(f"ssd {t.path} {cap / GiB:.3g} GiB "
+                         f"{'O_DIRECT' if t.direct else 'buffered'}"
+                         f"{' persist' if t.persist else ''}")
         if self.rdma is not None:
             parts.append(f"rdma {self.rdma.describe()}")
         parts.append(f"pid {os.getpid()}")

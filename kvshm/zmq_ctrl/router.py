@@ -1,8 +1,19 @@
 """The server's ZeroMQ loop: one ROUTER socket, decode, dispatch to the Store, reply.
 
 The loop thread owns the :class:`~kvshm.store.Store`. It wakes only for a message, a
-lease deadline, a periodic eviction, a zero-copy send in flight, or :meth:`stop`, so an
-idle server sleeps in ``zmq_poll`` and uses no CPU.
+lease deadline, a periodic eviction, a zero-copy send in flight, a tier's I/O completion
+(through :meth:`ServiceLoop.wake`), or :meth:`stop`, so an idle server sleeps in
+``zmq_poll`` and uses no CPU.
+
+Deferred replies. With a tier below the pool a request may have to wait for disk I/O: a
+LOOKUP/GET of a key that lives only on SSD (promoted first), an ALLOC/PUT that needs
+room while spills are in flight. Its handler then raises :class:`_Defer` with an
+``attempt(force)`` function; the request is parked (its piggybacked COMMIT/RELEASE/ABORT
+are applied already, as for any request) and attempted again each time the store makes
+progress. Its reply goes out when an attempt succeeds, or unconditionally (``force``)
+once it waited ``StoreConfig.tier_wait`` seconds. Replies to one client may thus leave in
+another order than its requests came; clients match them by request id, and grants are
+named by request id, so COMMIT/RELEASE stay exact.
 """
 
 from __future__ import annotations
@@ -43,6 +54,36 @@ _STALE_CHECK_S = 0.002   # poll interval while zero-copy sends are in flight
 
 class _Malformed(Exception):
     pass
+
+
+class _Defer(Exception):
+    """Raised by a handler: park the request; ``attempt(force)`` returns the reply
+    (status, body, frames), or None to keep waiting (never None with ``force``);
+    ``cleanup()`` runs if the request is abandoned (the server stops)."""
+
+    def __init__(self, attempt: Callable[[bool], Any],
+                 cleanup: Callable[[], None] | None = None) -> None:
+        super().__init__()
+        self.attempt = attempt
+        self.cleanup = cleanup
+
+
+class _Parked:
+    __slots__ = ("ident", "req_id", "op", "attempt", "cleanup", "extra", "on_sent", "t0",
+                 "deadline")
+
+    def __init__(self, ident: bytes, req_id: int, op: int, d: _Defer,
+                 extra: dict[str, Any], on_sent: list[Any], t0: float,
+                 deadline: float) -> None:
+        self.ident = ident
+        self.req_id = req_id
+        self.op = op
+        self.attempt = d.attempt
+        self.cleanup = d.cleanup
+        self.extra = extra
+        self.on_sent = on_sent
+        self.t0 = t0
+        self.deadline = deadline
 
 
 def _list(body: dict[str, Any], name: str, *, ints: bool = False, optional: bool = False
@@ -113,7 +154,10 @@ class ServiceLoop:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._running = False
+        self._running = True    # stop() before run() must still stop it
+        self._parked: list[_Parked] = []
+        self._seen_progress = -1
+        self._tier_deadline: float | None = None
         self._sending: list[tuple[zmq.MessageTracker, list[Any]]] = []
         self.latency = {op: [0] * len(LATENCY_BUCKETS) for op in Op}
         self.latency_sum = {op: 0.0 for op in Op}
@@ -145,6 +189,10 @@ class ServiceLoop:
     def stop(self) -> None:
         """Ask the loop to return. Safe from any thread and from a signal handler."""
         self._running = False
+        self.wake()
+
+    def wake(self) -> None:
+        """Wake the loop (a tier's I/O completed). Safe from any thread."""
         try:
             os.write(self._wake_w, b"x")
         except (BlockingIOError, OSError):
@@ -155,6 +203,10 @@ class ServiceLoop:
         for _, entries in self._sending:
             self.store.unpin(entries)
         self._sending.clear()
+        for p in self._parked:
+            if p.cleanup is not None:
+                p.cleanup()
+        self._parked.clear()
         if self._monitor is not None:
             self._sock.disable_monitor()
             self._monitor.close(0)
@@ -172,7 +224,6 @@ class ServiceLoop:
         poller.register(self._wake_r, zmq.POLLIN)
         if self._monitor is not None:
             poller.register(self._monitor, zmq.POLLIN)
-        self._running = True
         next_evict = (time.monotonic() + self._periodic[0]) if self._periodic else None
         sock = self._sock
         while self._running:
@@ -200,6 +251,9 @@ class ServiceLoop:
                     self._handle(msg)
             now = time.monotonic()
             self.store.expire(now)
+            self._tier_deadline = self.store.service(now)
+            if self._parked:
+                self._retry_parked(now)
             if self._sending:
                 self._reap_sends()
             if next_evict is not None and now >= next_evict:
@@ -216,6 +270,10 @@ class ServiceLoop:
             deadlines.append(nd)
         if next_evict is not None:
             deadlines.append(next_evict)
+        if self._tier_deadline is not None:
+            deadlines.append(self._tier_deadline)
+        if self._parked:
+            deadlines.append(min(p.deadline for p in self._parked))
         now = time.monotonic()
         t = None
         if deadlines:
@@ -242,6 +300,35 @@ class ServiceLoop:
             log.warning("refused a client connection on %s: %s",
                         ev.get("endpoint", b"?").decode(errors="replace")
                         if isinstance(ev.get("endpoint"), bytes) else ev.get("endpoint"), why)
+
+    def _retry_parked(self, now: float) -> None:
+        """Attempt the parked requests again (in arrival order) after the store made
+        progress, or once one waited long enough."""
+        progress = self.store.progress
+        if progress == self._seen_progress and all(now < p.deadline for p in self._parked):
+            return
+        parked, self._parked = self._parked, []
+        for p in parked:
+            force = now >= p.deadline
+            try:
+                r = p.attempt(force)
+                if r is None and force:
+                    raise RuntimeError("a forced attempt did not answer")
+            except Exception as exc:
+                log.exception("internal error handling parked op %s", p.op)
+                self._count_error("internal")
+                if p.cleanup is not None:
+                    p.cleanup()
+                r = Status.INTERNAL, {"error": f"internal error: {exc!r}"}, []
+            if r is None:
+                self._parked.append(p)
+                continue
+            status, rbody, frames = r
+            self._reply(p.ident, p.req_id, p.op, status, rbody, frames, p.extra, p.on_sent,
+                        p.t0)
+        # Progress the attempts made themselves (their own evictions) is no reason to
+        # attempt again; the next completion or free is.
+        self._seen_progress = self.store.progress
 
     def _reap_sends(self) -> None:
         keep = []
@@ -298,6 +385,10 @@ class ServiceLoop:
                     "error": "server restarted; say HELLO again", "epoch": self.epoch}, []
             else:
                 status, rbody, frames = handler(ident, req_id, body, msg[2:], on_sent)
+        except _Defer as d:
+            self._parked.append(_Parked(ident, req_id, op, d, reply_extra, on_sent, t0,
+                                        time.monotonic() + self.store.config.tier_wait))
+            return
         except _Malformed as exc:
             self._count_error("malformed")
             status, rbody, frames = Status.MALFORMED, {"error": str(exc)}, []
@@ -305,6 +396,11 @@ class ServiceLoop:
             log.exception("internal error handling op %s", op)
             self._count_error("internal")
             status, rbody, frames = Status.INTERNAL, {"error": f"internal error: {exc!r}"}, []
+        self._reply(ident, req_id, op, status, rbody, frames, reply_extra, on_sent, t0)
+
+    def _reply(self, ident: bytes, req_id: int, op: int, status: int, rbody: dict[str, Any],
+               frames: list[Any], reply_extra: dict[str, Any], on_sent: list[Any],
+               t0: float) -> None:
         if reply_extra:
             rbody.update(reply_extra)
         tracker = self._send(ident, encode_reply(status, req_id, rbody), frames,
@@ -372,8 +468,20 @@ class ServiceLoop:
             self._check_batch(keys)
         except _BatchTooLarge as exc:
             return Status.INVALID_REQUEST, {"error": str(exc)}, []
-        offsets, statuses = self.store.alloc_entries(client, req_id, keys, sizes, sums)
-        return Status.OK, {"offsets": offsets, "st": statuses}, []
+        store = self.store
+        if store.tier is None:
+            offsets, statuses = store.alloc_entries(client, req_id, keys, sizes,  # type: ignore[misc]
+                                                    sums)
+            return Status.OK, {"offsets": offsets, "st": statuses}, []
+
+        def attempt(force: bool) -> tuple[int, dict[str, Any], list[Any]] | None:
+            r = store.alloc_entries(client, req_id, keys, sizes, sums, defer=not force,
+                                    drop=force)
+            if r is None:
+                return None
+            return Status.OK, {"offsets": r[0], "st": r[1]}, []
+
+        return _attempt_now(attempt)
 
     def _on_commit(self, client, req_id, body, frames, on_sent):
         # the commit/abort lists were applied by _piggyback; report what failed
@@ -385,7 +493,24 @@ class ServiceLoop:
             self._check_batch(keys)
         except _BatchTooLarge as exc:
             return Status.INVALID_REQUEST, {"error": str(exc)}, []
-        offsets, sizes, sums = self.store.lookup(client, req_id, keys)
+        store = self.store
+        if store.tier is None:
+            return self._lookup_reply(client, req_id, keys, None)
+        hold = store.read_hold()
+
+        def attempt(force: bool) -> tuple[int, dict[str, Any], list[Any]] | None:
+            if not store.prepare_read(keys, hold, force):
+                return None
+            try:
+                return self._lookup_reply(client, req_id, keys, hold)
+            finally:
+                store.release_hold(hold)
+
+        return _attempt_now(attempt, lambda: store.release_hold(hold))
+
+    def _lookup_reply(self, client: bytes, req_id: int, keys: list[Any], hold: Any
+                      ) -> tuple[int, dict[str, Any], list[Any]]:
+        offsets, sizes, sums = self.store.lookup(client, req_id, keys, hold)
         rbody: dict[str, Any] = {"offsets": offsets, "sizes": sizes}
         if any(s is not None for s in sums):
             rbody["sums"] = sums
@@ -406,8 +531,15 @@ class ServiceLoop:
             self._check_batch(keys)
         except _BatchTooLarge as exc:
             return Status.INVALID_REQUEST, {"error": str(exc)}, []
-        statuses = self.store.put(keys, frames, sums)
-        return Status.OK, {"st": statuses}, []
+        store = self.store
+        if store.tier is None:
+            return Status.OK, {"st": store.put(keys, frames, sums)}, []
+
+        def attempt(force: bool) -> tuple[int, dict[str, Any], list[Any]] | None:
+            st = store.put(keys, frames, sums, defer=not force, drop=force)
+            return None if st is None else (Status.OK, {"st": st}, [])
+
+        return _attempt_now(attempt)
 
     def _on_get(self, client, req_id, body, frames, on_sent):
         keys = _list(body, "keys")
@@ -415,7 +547,24 @@ class ServiceLoop:
             self._check_batch(keys)
         except _BatchTooLarge as exc:
             return Status.INVALID_REQUEST, {"error": str(exc)}, []
-        entries, sums = self.store.pin_for_send(keys)
+        store = self.store
+        if store.tier is None:
+            return self._get_reply(keys, on_sent, None)
+        hold = store.read_hold()
+
+        def attempt(force: bool) -> tuple[int, dict[str, Any], list[Any]] | None:
+            if not store.prepare_read(keys, hold, force):
+                return None
+            try:
+                return self._get_reply(keys, on_sent, hold)
+            finally:
+                store.release_hold(hold)
+
+        return _attempt_now(attempt, lambda: store.release_hold(hold))
+
+    def _get_reply(self, keys: list[Any], on_sent: list[Any], hold: Any
+                   ) -> tuple[int, dict[str, Any], list[Any]]:
+        entries, sums = self.store.pin_for_send(keys, hold)
         sizes = []
         out: list[Any] = []
         small = []
@@ -480,6 +629,15 @@ class ServiceLoop:
 
     def _on_purge(self, client, req_id, body, frames, on_sent):
         return Status.OK, {"n": self.store.purge()}, []
+
+
+def _attempt_now(attempt: Callable[[bool], Any],
+                 cleanup: Callable[[], None] | None = None) -> Any:
+    """Run a deferrable handler's first attempt; park the request if it must wait."""
+    r = attempt(False)
+    if r is None:
+        raise _Defer(attempt, cleanup)
+    return r
 
 
 class _BatchTooLarge(Exception):
