@@ -15,6 +15,25 @@ rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
     echo "test.sh: pytest collected no tests: that is a failure" >&2
-    exit 1
+    rc=1
+fi
+
+# Engine integrations (LMCache, SGLang, vLLM) run in their own venv, made by
+# scripts/integration-env.sh (.ci/run makes it; it is reused when already there).
+ivenv=${KVSHM_INTEGRATION_VENV:-/root/.cache/kvshm-ci/integration-venv}
+if [ -x "$ivenv/bin/python" ]; then
+    echo "test.sh: engine integrations in $ivenv"
+    set +e
+    PYTHONPATH="$PWD" "$ivenv/bin/python" -m pytest tests/integrations -m integration -q -ra
+    irc=$?
+    set -e
+    if [ "$irc" -eq 5 ]; then
+        echo "test.sh: no integration tests collected: that is a failure" >&2
+        irc=1
+    fi
+    [ "$rc" -eq 0 ] && rc=$irc
+else
+    echo "test.sh: no integration venv at $ivenv (scripts/integration-env.sh makes it);" \
+         "engine integration tests not run" >&2
 fi
 exit "$rc"

@@ -1,0 +1,145 @@
+#!/usr/bin/env bash
+# Create (or reuse) the virtual environment the engine-integration tests run in:
+# CPU torch, LMCache, SGLang and vLLM, next to kvshm's runtime dependencies.
+#
+#   scripts/integration-env.sh            # create or reuse; prints what it did
+#   KVSHM_INTEGRATION_VENV=/path scripts/integration-env.sh
+#   KVSHM_INTEGRATION_REBUILD=1 scripts/integration-env.sh   # start from scratch
+#
+# Then (from the repository root, after `pip install -e .` built kvshm in place):
+#   PYTHONPATH=$PWD "$KVSHM_INTEGRATION_VENV/bin/python" -m pytest tests/integrations -m integration
+#
+# kvshm itself is NOT installed into this venv: the tests import it from the checkout
+# (PYTHONPATH), with the compiled extensions that `pip install -e .` built in place.
+#
+# Order matters: torch 2.13.0 (CPU build) goes in first and a constraints file keeps it
+# there, so nothing pulls a CUDA torch (several GB). sglang, vllm and xgrammar are
+# installed with --no-deps (their wheels pin a newer CUDA torch, and xgrammar's
+# dependencies pull a 1 GB triton); the few small packages their import chains need are
+# listed below. SGLang's bare `import triton` is met by a test-only stub in
+# tests/integrations/stubs (not installed here).
+#
+# Idempotent: a marker file in the venv holds the sha256 of this script and the Python
+# version; when it matches, the venv is reused as is (a build that stopped halfway has no
+# marker and is started again). Concurrent runs wait on a lock file next to the venv.
+# Any failure exits non-zero and names the step that failed.
+set -euo pipefail
+
+venv=${KVSHM_INTEGRATION_VENV:-/root/.cache/kvshm-ci/integration-venv}
+py=${PYTHON:-python3}
+here=$(cd "$(dirname "$0")" && pwd)
+marker="$venv/.kvshm-integration-env"
+
+# ------------------------------------------------------------------ pinned versions
+TORCH_VERSION=2.13.0
+LMCACHE_VERSION=0.5.6
+SGLANG_VERSION=0.5.23
+VLLM_VERSION=0.33.0
+XGRAMMAR_VERSION=0.2.8        # the version vllm 0.33.0 pins
+# kvshm's runtime dependencies (pyproject.toml) and the test tools
+KVSHM_DEPS=(numpy pyzmq posix_ipc msgpack prometheus_client xxhash tqdm
+            pytest pytest-timeout redis)
+# what `import sglang.srt.mem_cache.hicache_storage` / `...storage.backend_factory` needs
+# on top of LMCache's dependencies
+SGLANG_DEPS=(orjson pybase64 pillow ipython)
+# what vLLM's scheduler-side offloading stack (kv_offload.*, the offloading connector)
+# needs on top of LMCache's dependencies
+VLLM_DEPS=(cbor2 openai-harmony openai pillow pybase64 cloudpickle uvloop
+           partial-json-parser "llguidance>=1.7,<1.8" "apache-tvm-ffi==0.1.11")
+
+log() { echo "integration-env: $*"; }
+die() { echo "integration-env: ERROR: $*" >&2; exit 1; }
+
+command -v "$py" >/dev/null 2>&1 || die "no $py (set PYTHON to a Python 3.10+ interpreter)"
+hash=$( { cat "$here/integration-env.sh"; "$py" --version 2>&1; } | sha256sum | cut -d' ' -f1)
+mkdir -p "$(dirname "$venv")" || die "cannot create $(dirname "$venv")"
+if command -v flock >/dev/null 2>&1; then
+    exec 9>"$venv.lock"
+    flock 9 || die "cannot lock $venv.lock"
+fi
+
+if [ -f "$marker" ] && [ "$(cat "$marker")" = "$hash" ] && [ -x "$venv/bin/python" ] \
+        && [ -z "${KVSHM_INTEGRATION_REBUILD:-}" ]; then
+    versions=$("$venv/bin/python" -c 'import importlib.metadata as md
+print(" ".join(f"{d} {md.version(d)}" for d in ("torch", "lmcache", "sglang", "vllm")))') \
+        || die "the venv $venv does not run; rerun with KVSHM_INTEGRATION_REBUILD=1"
+    log "reusing $venv (built by this version of the script): $versions"
+    exit 0
+fi
+
+start=$(date +%s)
+if [ -e "$venv" ]; then
+    [ -f "$venv/pyvenv.cfg" ] || die "$venv exists and is not a virtual environment; not touching it"
+    log "removing $venv (stale or partial: no marker, or built by another script version)"
+    rm -rf "$venv"
+fi
+log "creating $venv with $("$py" --version 2>&1)"
+"$py" -m venv "$venv" || die "python -m venv failed"
+pip=("$venv/bin/python" -m pip --disable-pip-version-check)
+
+cons="$venv/kvshm-constraints.txt"
+echo "torch==$TORCH_VERSION" > "$cons"
+
+step() {  # step NAME CMD...: run, time it, fail loudly
+    local name=$1; shift
+    local t0; t0=$(date +%s)
+    log "step: $name"
+    if ! "$@"; then
+        die "step '$name' failed (command: $*)"
+    fi
+    log "  done in $(( $(date +%s) - t0 )) s"
+}
+
+# 1. CPU torch, first. A CPU wheel on a find-links path (pip config) is taken as is;
+#    otherwise the PyTorch CPU index is used, so the CUDA build never comes in.
+torch_src=()
+if ! "${pip[@]}" download --no-deps -d /tmp/kvshm-torch-probe-$$ "torch==$TORCH_VERSION" \
+        --no-index -q >/dev/null 2>&1; then
+    torch_src=(--index-url "${KVSHM_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
+               --extra-index-url https://pypi.org/simple)
+fi
+rm -rf /tmp/kvshm-torch-probe-$$
+step "torch==$TORCH_VERSION (CPU)" "${pip[@]}" install -q -c "$cons" "${torch_src[@]}" \
+    "torch==$TORCH_VERSION" numpy
+"$venv/bin/python" -c "import torch, sys; sys.exit(0 if torch.version.cuda is None else 1)" \
+    || die "the torch that was installed is a CUDA build; set KVSHM_TORCH_INDEX to a CPU index"
+
+# 2. LMCache (pulls its own dependencies; torch stays by the constraint)
+step "lmcache==$LMCACHE_VERSION" "${pip[@]}" install -q -c "$cons" "lmcache==$LMCACHE_VERSION"
+
+# 3. SGLang and vLLM without their dependency pins, then the small packages their
+#    import chains need
+step "sglang==$SGLANG_VERSION vllm==$VLLM_VERSION xgrammar==$XGRAMMAR_VERSION (--no-deps)" \
+    "${pip[@]}" install -q --no-deps "sglang==$SGLANG_VERSION" "vllm==$VLLM_VERSION" \
+    "xgrammar==$XGRAMMAR_VERSION"
+step "engine import dependencies" "${pip[@]}" install -q -c "$cons" \
+    "${SGLANG_DEPS[@]}" "${VLLM_DEPS[@]}"
+
+# 4. kvshm's runtime dependencies and the test tools
+step "kvshm runtime dependencies + pytest" "${pip[@]}" install -q -c "$cons" "${KVSHM_DEPS[@]}"
+log "(pip's warnings that sglang/vllm want other versions are expected: they are installed"
+log " with --no-deps, and only the modules the tests import are checked, below)"
+
+# 5. check: torch still the CPU build, and each engine interface the tests use imports.
+#    SGLang (with the triton stub) and vLLM in separate interpreters: torch caches whether
+#    triton is importable, and vLLM's import chain must see that it is not.
+check() {
+    env LMCACHE_LOG_LEVEL=WARNING VLLM_LOGGING_LEVEL=WARNING "$@" >/dev/null 2>"$venv/.check.err" \
+        || { cat "$venv/.check.err" >&2; return 1; }
+}
+step "import check: lmcache" check "$venv/bin/python" -c \
+    "import torch, lmcache.v1.storage_backend.connector.base_connector; assert torch.version.cuda is None"
+step "import check: sglang (with the test-only triton stub)" check \
+    env PYTHONPATH="$here/../tests/integrations/stubs" "$venv/bin/python" -c \
+    "import sglang.srt.mem_cache.hicache_storage, sglang.srt.mem_cache.storage.backend_factory"
+step "import check: vllm" check "$venv/bin/python" -c \
+    "import vllm.v1.kv_offload.tiering.spec, vllm.v1.kv_offload.tiering.base"
+rm -f "$venv/.check.err"
+"$venv/bin/python" - <<'EOF'
+import importlib.metadata as md
+for d in ("torch", "lmcache", "sglang", "vllm", "xgrammar"):
+    print(f"integration-env:   {d} {md.version(d)}")
+EOF
+
+echo "$hash" > "$marker"
+log "built $venv in $(( $(date +%s) - start )) s ($(du -sh "$venv" | cut -f1))"

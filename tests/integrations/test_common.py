@@ -1,0 +1,154 @@
+"""The engine-free helpers under the integrations (``kvshm.integrations._common``): values
+in pieces, self-describing chunk values, the fail-fast client. Runs in any venv (no
+engine), over both the shared-memory and the TCP mover."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import kvshm
+from _support import free_port, stop_server, wait_for
+from kvshm.integrations import _common as C
+from servers import ServerProcess
+
+
+@pytest.fixture(params=["shm", "tcp"])
+def client(request: Any, kvshm_server: ServerProcess) -> Iterator[kvshm.Client]:
+    with kvshm.Client(kvshm_server.address, transport=request.param) as c:
+        c.purge()
+        assert c.transport == request.param
+        yield c
+
+
+def rand(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 255, n, dtype=np.uint8)
+
+
+def test_header_round_trip_and_errors() -> None:
+    h = C.pack_header(1, ["bfloat16", "float32"], [(2, 4, 256, 128), (7,)], 12345)
+    assert len(h) % 64 == 0
+    p = C.parse_header(h + b"payload")
+    assert (p.fmt, p.dtypes, p.shapes, p.payload_len, p.header_len) == \
+        (1, ("bfloat16", "float32"), ((2, 4, 256, 128), (7,)), 12345, len(h))
+    many = C.pack_header(4, ["uint8"] * 20, [(1, 2, 3, 4, 5)] * 20, 1)
+    assert len(many) > C.HEADER_PROBE and C.parse_header(many).shapes[-1] == (1, 2, 3, 4, 5)
+    for bad in (b"", b"XXXX" + h[4:], h[:30]):
+        with pytest.raises(ValueError):
+            C.parse_header(bad)
+    with pytest.raises(ValueError):
+        C.pack_header(0, ["a"], [], 0)
+
+
+def test_pieces_round_trip(client: kvshm.Client) -> None:
+    a, b, c = rand(1000, 1), rand(5000, 2), rand(0, 3)
+    C.put_pieces(client, ["k1", "k2"], [[a, b], [b, c, a]])
+    assert client.get("k1") == a.tobytes() + b.tobytes()
+    outs = [[np.zeros(1000, np.uint8), np.zeros(5000, np.uint8)],
+            [np.zeros(5000, np.uint8), np.zeros(1000, np.uint8)]]
+    views = [[memoryview(x) for x in o] for o in outs]
+    assert C.get_pieces_into(client, ["k1", "k2"], views) == [True, True]
+    assert np.array_equal(outs[0][0], a) and np.array_equal(outs[0][1], b)
+    assert np.array_equal(outs[1][0], b) and np.array_equal(outs[1][1], a)
+
+
+def test_pieces_prefix_and_wrong_size(client: kvshm.Client) -> None:
+    a = rand(4096, 4)
+    C.put_pieces(client, ["p0", "p1", "p3"], [[a], [a], [a]])
+    client.put("small", b"abc")
+    views = [[memoryview(np.zeros(4096, np.uint8))] for _ in range(4)]
+    assert C.get_pieces_into(client, ["p0", "p1", "p2", "p3"], views, prefix=True) == \
+        [True, True, False, False]
+    assert not views[3][0].tobytes().strip(b"\0")           # not copied after the miss
+    assert C.get_pieces_into(client, ["p0", "p1", "p2", "p3"], views) == \
+        [True, True, False, True]
+    assert C.get_pieces_into(client, ["small", "p0"], views[:2]) == [False, True]
+    assert C.get_pieces_into(client, ["small", "p0"], views[:2], prefix=True) == \
+        [False, False]
+
+
+class Alloc:
+    """A stand-in for LMCache's allocator: numpy buffers, optionally out of room."""
+
+    def __init__(self, room: int = 1 << 30) -> None:
+        self.room = room
+        self.live: list[np.ndarray] = []
+        self.headers: list[C.ChunkHeader] = []
+
+    def __call__(self, h: C.ChunkHeader, i: int) -> Any:
+        if h.payload_len > self.room:
+            return None
+        self.room -= h.payload_len
+        buf = np.zeros(h.payload_len, np.uint8)
+        self.live.append(buf)
+        self.headers.append(h)
+        return buf, memoryview(buf)
+
+    def release(self, buf: np.ndarray) -> None:
+        self.live = [b for b in self.live if b is not buf]
+        self.room += buf.nbytes
+
+
+def put_chunks(client: kvshm.Client, keys: list[str], datas: list[np.ndarray]) -> None:
+    hs = [C.pack_header(1, ["uint8"], [(d.size,)], d.size) for d in datas]
+    C.put_framed(client, keys, hs, [memoryview(d) for d in datas])
+
+
+def test_framed_get_and_prefix(client: kvshm.Client) -> None:
+    datas = [rand(3000 + i, 10 + i) for i in range(4)]
+    put_chunks(client, ["c0", "c1", "c3"], [datas[0], datas[1], datas[3]])
+    client.put("junk", b"not a chunk value")
+    al = Alloc()
+    got = C.get_framed(client, ["c0", "c1", "c2", "c3", "junk"], al, al.release)
+    assert [g is not None for g in got] == [True, True, False, True, False]
+    for g, d in zip([got[0], got[1], got[3]], [datas[0], datas[1], datas[3]]):
+        assert np.array_equal(g, d)
+    assert al.headers[0].shapes == ((3000,),)
+    al2 = Alloc()
+    got = C.get_framed(client, ["c0", "c1", "c2", "c3"], al2, al2.release, prefix=True)
+    assert [g is not None for g in got] == [True, True, False, False]
+    assert len(al2.live) == 2                      # nothing allocated after the miss
+
+
+def test_framed_get_waits_for_room(client: kvshm.Client) -> None:
+    datas = [rand(4000, 20 + i) for i in range(3)]
+    put_chunks(client, ["w0", "w1", "w2"], datas)
+    al = Alloc(room=8000)                          # room for two
+    t0 = time.monotonic()
+    got = C.get_framed(client, ["w0", "w1", "w2"], al, al.release, alloc_wait=0.1)
+    assert [g is not None for g in got] == [True, True, False]
+    assert time.monotonic() - t0 >= 0.1
+    for g in got:
+        if g is not None:
+            al.release(g)
+    al = Alloc(room=8000)
+    got = C.get_framed(client, ["w0", "w1", "w2"], al, al.release, prefix=True,
+                       alloc_wait=0.1)
+    assert [g is not None for g in got] == [True, True, False]
+    assert len(al.live) == 2
+
+
+def test_resilient_client_fails_fast_then_recovers() -> None:
+    port = free_port()
+    rc = C.ResilientClient(f"kvshm://127.0.0.1:{port}", timeout=0.5, retry_interval=0.3)
+    srv = None
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(kvshm.ServerUnavailable):
+            rc.call(lambda c: c.exists("x"))
+        with pytest.raises(kvshm.ServerUnavailable, match="next try"):
+            rc.call(lambda c: c.exists("x"))       # at once
+        assert time.monotonic() - t0 < 2 and not rc.up
+        srv = ServerProcess(prealloc_size=0.0625, service_port=port)
+        wait_for(lambda: rc.up, what="the fail-fast window")
+        assert rc.call(lambda c: c.exists("x")) is False
+    finally:
+        rc.close()
+        if srv is not None:
+            stop_server(srv)
+    with pytest.raises(kvshm.ServerUnavailable, match="closed"):
+        rc.call(lambda c: c.exists("x"))
