@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Set up a virtual environment from this checkout and run the test suite.
 #   scripts/test.sh [pytest args...]
-# Environment: KVSHM_VENV (default .venv), PYTHON (default python3).
+# Environment: KVSHM_VENV (default .venv), PYTHON (default python3), KVSHM_WITH_TORCH=1
+# (also install torch, CPU build, for the tensor tests), KVSHM_INTEGRATION_VENV (the
+# engine integrations' venv from scripts/integration-env.sh; its tests run when it exists).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${KVSHM_VENV:-.venv}
@@ -9,6 +11,12 @@ py=${PYTHON:-python3}
 [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip
 "$venv/bin/python" -m pip install -q -e '.[test]'
+# torch CPU tensors (bf16 pages, LMCache-style buffers) are tested when torch is there;
+# KVSHM_WITH_TORCH=1 installs it (CI does: its image carries the CPU wheel of 2.13.0).
+if [ -n "${KVSHM_WITH_TORCH:-}" ]; then
+    "$venv/bin/python" -c 'import torch' 2>/dev/null || \
+        "$venv/bin/python" -m pip install -q "torch==${KVSHM_TORCH_VERSION:-2.13.0}"
+fi
 set +e
 "$venv/bin/python" -m pytest "$@"
 rc=$?
