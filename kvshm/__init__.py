@@ -33,12 +33,14 @@ from kvshm.errors import (
 )
 
 from kvshm.client import Client
+from kvshm.aio import AsyncClient
 from kvshm.server import Server, ServerConfig
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Client",
+    "AsyncClient",
     "Server",
     "ServerConfig",
     "BitmapAllocator",

@@ -263,13 +263,15 @@ class _Session:
         raise exc
 
     def op_put_batch(self, keys: Iterable[Key], values: Sequence[Any],
-                     checksum: bool, source: Any = None) -> OpGen:
+                     checksum: bool, source: Any = None,
+                     lazy: bool | None = None) -> OpGen:
         """Shared write path.
 
         ``source``, when given, provides the values instead of ``values`` (kvshm.paged:
         pages of a KV tensor, copied with one scatter): ``sizes`` (bytes per key),
         ``buffers()`` (the values as byte views, for TCP and checksums) and
         ``to_pool(mover, offsets, indices)`` (copy values ``indices`` to ``offsets``).
+        ``lazy`` overrides the session's ``lazy_commit`` for this call (kvshm.layerwise).
         """
         bkeys = self.keys(keys)
         src = _Buffers(bkeys, self._values(bkeys, values)) if source is None else source
@@ -300,7 +302,7 @@ class _Session:
                     self.aborts.append(r.req_id)
                     raise
                 self.commits.append(r.req_id)
-                if not self.lazy_commit:
+                if not (self.lazy_commit if lazy is None else lazy):
                     try:
                         c = yield _Req(Op.COMMIT, {}, stateful=True, retry_stale=False)
                     except _Restarted:

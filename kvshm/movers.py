@@ -12,8 +12,9 @@ what failed.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any, Protocol, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 from kvshm._pool import Pool
 
@@ -69,6 +70,16 @@ class ShmMover:
             self._busy -= 1
             if self._busy == 0:
                 self._cv.notify_all()
+
+    @contextlib.contextmanager
+    def copying(self) -> Iterator[Pool]:
+        """The pool, for a copy of the caller's own (``Pool.scatter``/``gather`` of KV
+        pages, a CUDA copy): counted as in flight, so :meth:`close` waits for it."""
+        self._enter()
+        try:
+            yield self.pool
+        finally:
+            self._exit()
 
     def write(self, offsets: Sequence[int], values: Sequence[Any],
               keys: Sequence[bytes]) -> None:
