@@ -15,6 +15,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from servers import shm_segments
+
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "kvshm-test-"
 
@@ -22,14 +24,6 @@ SHM_PREFIX = "kvshm-test-"
 def session_shm_prefix() -> str:
     """Prefix of every segment name made in this pytest process (and its children)."""
     return f"{SHM_PREFIX}{os.getpid()}-"
-
-
-def shm_segments(prefix: str) -> list[str]:
-    """Names (without leading ``/``) of the segments in /dev/shm that start with ``prefix``."""
-    try:
-        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
-    except FileNotFoundError:  # no /dev/shm: nothing can leak there
-        return []
 
 
 def _unlink_all(names: list[str]) -> None:

@@ -27,6 +27,14 @@ def unique_shm_name(tag: str = "") -> str:
     return f"{TEST_PREFIX}{os.getpid()}-{tag}{uuid.uuid4().hex[:8]}"
 
 
+def shm_segments(prefix: str) -> list[str]:
+    """Names (without leading ``/``) of the segments in /dev/shm that start with ``prefix``."""
+    try:
+        return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
+    except FileNotFoundError:  # no /dev/shm: nothing can leak there
+        return []
+
+
 def segment_exists(name: str) -> bool:
     return os.path.exists("/dev/shm/" + name.lstrip("/"))
 

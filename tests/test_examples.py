@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import shm_segments
+from servers import shm_segments
 from servers import ServerProcess
 
 EXAMPLES_DIR = os.path.join(os.path.dirname(__file__), "..", "examples")
