@@ -39,6 +39,7 @@ ratio_t = _typed(float, lambda v: 0.0 <= v <= 1.0, "a ratio in [0, 1]")
 block_kib_t = _typed(int, lambda v: v >= 4 and v % 4 == 0, "a block size in KiB (>= 4, multiple of 4)")
 pos_int = _typed(int, lambda v: v > 0, "an integer > 0")
 nonneg_int = _typed(int, lambda v: v >= 0, "an integer >= 0")
+nonneg_float = _typed(float, lambda v: v >= 0, "a number >= 0")
 ib_port_t = _typed(int, lambda v: 1 <= v <= 255, "a port number (1-255)")
 
 
@@ -112,6 +113,27 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gid-index", type=nonneg_int, default=None,
                    help="GID index (default: the port GID on InfiniBand; on RoCE the "
                         "RoCEv2 GID of the port's IPv4 address)")
+    p.add_argument("--ssd-path", default=None, metavar="DIR",
+                   help="SSD tier: evicted entries are written to files in DIR and read "
+                        "back on a lookup (see docs/SSD.md; needs --ssd-size)")
+    p.add_argument("--ssd-size", type=pos_float, default=None, metavar="GiB",
+                   help="disk space of the SSD tier in GiB, fractions allowed")
+    p.add_argument("--ssd-persist", action="store_true",
+                   help="keep the SSD entries across restarts (manifest written "
+                        "periodically and at a clean stop); without it the files are "
+                        "removed at exit")
+    p.add_argument("--ssd-files", type=nonneg_int, default=0, metavar="N",
+                   help="number of SSD data files (default 0: one per GiB, 1 to 8)")
+    p.add_argument("--ssd-workers", type=pos_int, default=4, metavar="N",
+                   help="I/O threads of the SSD tier (default 4)")
+    p.add_argument("--ssd-queue", type=nonneg_float, default=0.0, metavar="MiB",
+                   help="MiB of spill writes in flight at most (default 0: 1/8 of the "
+                        "pool, at most 64)")
+    p.add_argument("--ssd-wait", type=pos_float, default=1.0, metavar="S",
+                   help="seconds a request may wait for the disk before it is answered "
+                        "anyway (default 1)")
+    p.add_argument("--ssd-manifest-interval", type=pos_float, default=5.0, metavar="S",
+                   help="seconds between manifest writes with --ssd-persist (default 5)")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "debug", "info", "warning",
                             "error"], help="log level (default INFO)")
@@ -145,6 +167,14 @@ def config_from_args(args: argparse.Namespace) -> Any:
         ib_port=getattr(args, "ib_port", 1),
         link_type=getattr(args, "link_type", None),
         gid_index=getattr(args, "gid_index", None),
+        ssd_path=getattr(args, "ssd_path", None),
+        ssd_size=getattr(args, "ssd_size", None),
+        ssd_persist=getattr(args, "ssd_persist", False),
+        ssd_files=getattr(args, "ssd_files", 0),
+        ssd_workers=getattr(args, "ssd_workers", 4),
+        ssd_queue=getattr(args, "ssd_queue", 0.0),
+        ssd_wait=getattr(args, "ssd_wait", 1.0),
+        ssd_manifest_interval=getattr(args, "ssd_manifest_interval", 5.0),
     )
 
 

@@ -44,6 +44,21 @@ _COUNTERS = (
     ("pool_full", "Keys refused because nothing could be evicted"),
     ("deletes", "Keys deleted"),
 )
+#: Per-tier figures (stats()["tiers"][tier]), labelled tier="pool" / tier="ssd".
+_TIER_GAUGES = (
+    ("entries", "Entries held by the tier"),
+    ("bytes", "Bytes held by the tier (pool: allocated blocks; ssd: value bytes)"),
+)
+_TIER_COUNTERS = (
+    ("hits", "Keys read that were found in the tier (ssd: promoted to the pool first)"),
+    ("spills", "Entries written down from the tier (pool: evicted with an SSD copy; "
+               "ssd: writes completed)"),
+    ("promotions", "Entries read back into the pool from SSD"),
+    ("drops", "Entries dropped for room with no copy below (their bytes are gone)"),
+    ("checksum_failures", "Entries whose checksum did not match on read (dropped, "
+                          "never served)"),
+)
+
 _GAUGES = (
     ("used_bytes", "Bytes of the pool in allocated blocks"),
     ("capacity_bytes", "Bytes of the pool"),
@@ -68,6 +83,18 @@ class StoreCollector:
             yield CounterMetricFamily(f"kvshm_{name}", doc, value=s.get(name, 0))
         for name, doc in _GAUGES:
             yield GaugeMetricFamily(f"kvshm_{name}", doc, value=s.get(name, 0))
+        tiers = s.get("tiers")
+        if tiers:
+            for name, doc in _TIER_GAUGES:
+                g = GaugeMetricFamily(f"kvshm_tier_{name}", doc, labels=["tier"])
+                for tier, ts in sorted(tiers.items()):
+                    g.add_metric([tier], ts.get(name, 0))
+                yield g
+            for name, doc in _TIER_COUNTERS:
+                c = CounterMetricFamily(f"kvshm_tier_{name}", doc, labels=["tier"])
+                for tier, ts in sorted(tiers.items()):
+                    c.add_metric([tier], ts.get(name, 0))
+                yield c
         errs = CounterMetricFamily("kvshm_errors", "Requests answered with an error, by kind",
                                    labels=["kind"])
         for kind, n in sorted(s.get("error_kinds", {}).items()):

@@ -123,6 +123,11 @@ class ReplayOptions:
     key_prefix : bytes or None
         Prefix of every key; default ``kvshm-replay/<run id>/`` so that two replays
         against one server never see each other's blocks.
+    ssd_gib : float
+        kvshm server started here: an SSD tier of this many GiB below its pool (0: none);
+        the exact LRU then gets the pool and the SSD tier's capacity together.
+    ssd_path : str or None
+        Directory of that SSD tier's files (default: a temporary directory, removed).
     """
 
     trace: str | None = None
@@ -138,6 +143,8 @@ class ReplayOptions:
     redis_server: str | None = None
     key_prefix: bytes | None = None
     window: int | None = None
+    ssd_gib: float = 0.0
+    ssd_path: str | None = None
 
     def window_for(self, k: int) -> int | None:
         """The pacing window for k clients (None: the clients run free)."""
@@ -163,6 +170,11 @@ class ReplayOptions:
             raise UsageError("--window", f"must be >= 0, got {self.window!r}")
         if not self.timeout > 0:
             raise UsageError("--timeout", f"must be > 0, got {self.timeout!r}")
+        if not (self.ssd_gib >= 0 and math.isfinite(self.ssd_gib)):
+            raise UsageError("--ssd-gib", f"must be >= 0, got {self.ssd_gib!r}")
+        if self.ssd_gib and (self.backend == "redis" or self.address is not None):
+            raise UsageError("--ssd-gib", "is for a kvshm server started here (not with "
+                                          "--backend redis or --address)")
         if self.address is not None:
             _split_address(self.address, "--address")
         if self.trace is not None and not os.path.isfile(self.trace):
@@ -325,7 +337,8 @@ _KVSHM_READY = re.compile(r"kvshm ready: service (?P<endpoint>tcp://[^,\s]+).*?"
                           r"pool (?P<pool>\S+) ")
 
 
-def _start_kvshm(opts: ReplayOptions) -> tuple[_Child, str, str]:
+def _start_kvshm(opts: ReplayOptions, ssd_dir: str | None = None
+                 ) -> tuple[_Child, str, str]:
     """A ``kvshm serve`` child sized for the replay; returns (child, address, segment)."""
     cmd = [sys.executable, "-m", "kvshm", "serve", "--service-port", "0", "--no-manage",
            "--prealloc-size", repr(float(opts.pool_gib)),
@@ -335,6 +348,8 @@ def _start_kvshm(opts: ReplayOptions) -> tuple[_Child, str, str]:
            "--max-client-pending", "0", "--max-client-pinned", "0"]
     if opts.shm_name:
         cmd += ["--shm-name", opts.shm_name]
+    if opts.ssd_gib and ssd_dir is not None:
+        cmd += ["--ssd-path", ssd_dir, "--ssd-size", repr(float(opts.ssd_gib))]
     # `python -m kvshm` must import the kvshm this process runs, not a source checkout
     # that happens to be the working directory (its compiled core may not be built).
     import kvshm
@@ -388,9 +403,11 @@ class _KvshmBackend:
         self.write = self.client.put_batch
 
     def capacity_bytes(self) -> tuple[int, int]:
-        """(pool bytes, block size) from the server's HELLO."""
+        """(pool bytes + SSD tier bytes, block size): the pool's from the server's
+        HELLO, its SSD tier's (if any) from STATS."""
         pool = self.client.server_info["pool"]
-        return int(pool["size"]), int(pool["block_size"])
+        ssd = self.client.stats().get("tiers", {}).get("ssd", {}).get("capacity_bytes", 0)
+        return int(pool["size"]) + int(ssd), int(pool["block_size"])
 
     def evictions(self) -> int:
         return int(self.client.stats()["evictions"])
@@ -905,7 +922,11 @@ def run_replay(opts: ReplayOptions, requests: Sequence[Sequence[int]] | None = N
                     address = opts.address  # type: ignore[assignment]
             else:
                 if owned:
-                    child, address, segment = _start_kvshm(opts)
+                    ssd_dir = opts.ssd_path
+                    if opts.ssd_gib and ssd_dir is None:
+                        tmpdir = tempfile.mkdtemp(prefix="kvshm-replay-ssd-")
+                        ssd_dir = os.path.join(tmpdir, "ssd")
+                    child, address, segment = _start_kvshm(opts, ssd_dir)
                     children.append(child)
                 else:
                     address = opts.address  # type: ignore[assignment]
@@ -1138,7 +1159,7 @@ def _block_bytes_t(text: str) -> int:
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Add ``kvshm replay`` to the ``kvshm`` command's subparsers."""
-    from kvshm.cli import nonneg_int, pos_float, pos_int
+    from kvshm.cli import nonneg_float, nonneg_int, pos_float, pos_int
 
     p = sub.add_parser(
         "replay", help="replay a request trace against a store and check every byte",
@@ -1159,6 +1180,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--pool-gib", type=pos_float, default=1.0, metavar="G",
                    help="capacity in GiB of the server started here: kvshm's pool (block "
                         "size = B rounded up to 4 KiB) or redis's maxmemory (default 1)")
+    p.add_argument("--ssd-gib", type=nonneg_float, default=0.0, metavar="G",
+                   help="kvshm server started here: an SSD tier of G GiB below the pool "
+                        "(the exact LRU gets pool + SSD capacity; default 0: none)")
+    p.add_argument("--ssd-path", default=None, metavar="DIR",
+                   help="directory of that SSD tier's files (default: a temporary one)")
     p.add_argument("--clients", type=pos_int, default=1, metavar="K",
                    help="client processes sharing the replay, round robin (default 1)")
     p.add_argument("--window", type=nonneg_int, default=None, metavar="W",
@@ -1205,7 +1231,7 @@ def cmd_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
                          clients=args.clients, backend=args.backend, address=args.address,
                          timeout=args.timeout, progress=not args.no_progress,
                          shm_name=args.shm_name, redis_server=args.redis_server,
-                         window=args.window)
+                         window=args.window, ssd_gib=args.ssd_gib, ssd_path=args.ssd_path)
     try:
         result = run_replay(opts)
     except KeyboardInterrupt:

@@ -10,22 +10,35 @@ An ALLOC or a LOOKUP creates a *grant* named ``(client, req_id)``: the pending e
 the ALLOC, or the pins of the LOOKUP. COMMIT / ABORT / RELEASE name grants by request id.
 A grant not settled within ``lease_timeout`` seconds expires: pending entries are freed,
 pins dropped. So a client that dies mid-write or mid-read loses only its own work.
+
+Tiers
+-----
+With a tier attached (:meth:`Store.attach_tier`, the SSD tier of :mod:`kvshm.tiers.ssd`),
+an entry's ``meta`` is its copy below (None: dirty, no copy). Eviction moves a clean entry
+down at no cost; a dirty one is spilled first (the write pins it, so its blocks cannot be
+reused while a worker reads them) and evicted once clean. A cleaner spills the LRU end of
+the pool ahead of need. A read of a key that lives only below is promoted into freshly
+allocated blocks before it is answered: the caller (the server loop) parks the request
+and tries it again when the store made progress (:meth:`prepare_read`, ``defer=``). The
+store never sees a file; see docs/SSD.md.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from kvshm._bitmap import BitmapAllocator
 from kvshm._pool import Pool
 from kvshm.index import DEAD, LIVE, PENDING, Entry, Index
+from kvshm.tiers.ssd import MAX_JOB_BYTES, SPILL_BUSY, SPILL_REFUSED, SPILL_STARTED, WRITING
 from kvshm.zmq_ctrl.protocol import Limits, Status
 
-__all__ = ["Store", "StoreConfig", "QUOTA_REFUSED"]
+__all__ = ["Store", "StoreConfig", "QUOTA_REFUSED", "ReadHold"]
 
 #: LOOKUP size of a key refused by the per-client pin limit.
 QUOTA_REFUSED = -2
@@ -34,6 +47,13 @@ log = logging.getLogger(__name__)
 
 _ALLOC = 0
 _PIN = 1
+
+# _evict_tiered results
+_NOTHING = 0
+_EVICTED = 1
+_WAIT = 2          # nothing evictable now, but spill writes in flight will make some
+#: Dirty entries an eviction may pass over (write queue full) looking for a clean one.
+_SCAN_LIMIT = 64
 
 
 @dataclass
@@ -50,12 +70,16 @@ class StoreConfig:
         Bytes one client may hold in pending writes at once (0: no limit).
     max_client_pinned_bytes : int
         Bytes one client may hold pinned at once (0: no limit).
+    tier_wait : float
+        With a tier: seconds a request may be parked waiting for spills (to make room) or
+        a promotion before it is answered anyway (dirty entries dropped, or misses).
     """
 
     lease_timeout: float = 10.0
     limits: Limits = Limits()
     max_client_pending_bytes: int = 0
     max_client_pinned_bytes: int = 0
+    tier_wait: float = 1.0
 
 
 class _Grant:
@@ -68,6 +92,30 @@ class _Grant:
         self.entries = entries
         self.deadline = deadline
         self.nbytes = nbytes
+
+
+class ReadHold:
+    """Pins a parked read holds on the entries of its request while others are promoted
+    (so a long wait cannot evict what is already there). Made by :meth:`Store.read_hold`,
+    dropped by :meth:`Store.release_hold`."""
+
+    __slots__ = ("entries", "keys", "ssd_keys", "active", "waiting")
+
+    def __init__(self) -> None:
+        self.entries: list[Entry] = []
+        self.keys: set[bytes] = set()
+        self.ssd_keys: set[bytes] = set()    # keys this read waited for a promotion of
+        self.active = True
+        self.waiting = 0                     # promotions it waits for, not yet done
+
+
+class _Promotion:
+    __slots__ = ("entry", "sentry", "holds")
+
+    def __init__(self, entry: Entry, sentry: Any) -> None:
+        self.entry = entry          # allocated, unpublished pool entry being filled
+        self.sentry = sentry        # the tier's entry being read
+        self.holds: list[ReadHold] = []
 
 
 class _ClientState:
@@ -107,9 +155,20 @@ class Store:
         self._pinned_entries = 0    # entries with pins > 0
         self._pins = 0              # total pins
         self.max_value = self.config.limits.max_value_bytes or pool.size
-        # Called with each entry about to be evicted (an SSD tier spills it); the entry's
+        # Called with each entry about to be evicted (without a tier); the entry's
         # blocks are freed after the hook returns.
         self.evict_hook: Callable[[Entry], None] | None = None
+        # A tier below the pool (attach_tier); None: evicted entries are dropped.
+        self.tier: Any = None
+        self.clean_target = 0       # bytes the cleaner keeps free or clean
+        self._dirty: OrderedDict[bytes, Entry] = OrderedDict()  # live, no copy, LRU order
+        self._promoting: dict[bytes, _Promotion] = {}
+        self._wait = False          # the last _allocate stopped for spills in flight
+        #: Bumped whenever blocks are freed or a tier job completes (a parked request
+        #: may then succeed).
+        self.progress = 0
+        self.tier_counters: dict[str, int] = dict.fromkeys(
+            ("demotions", "dropped", "dropped_bytes", "promotions", "ssd_hits"), 0)
         self.counters: dict[str, int] = dict.fromkeys(
             ("hits", "misses", "evictions", "evicted_bytes", "bytes_in", "bytes_out",
              "puts", "gets", "commits", "aborts", "lease_expired_writes",
@@ -141,9 +200,12 @@ class Store:
         self.alloc.free(e.start, e.nblocks)
         e.state = DEAD
         e.start = -1
+        self.progress += 1
 
     def _retire(self, e: Entry) -> None:
         """A live entry left the index: free it now, or when its last pin goes."""
+        if self.tier is not None:
+            self._tier_leave(e)
         if e.pins:
             e.state = DEAD
             self._dead.add(e)
@@ -166,6 +228,8 @@ class Store:
         self._pins += 1
 
     def _evict_one(self) -> bool:
+        if self.tier is not None:
+            return self._evict_tiered(False, after=True) == _EVICTED
         e = self.index.oldest_unpinned()
         if e is None:
             return False
@@ -180,43 +244,68 @@ class Store:
         self.counters["evicted_bytes"] += e.size
         return True
 
-    def _allocate(self, nblocks_list: list[int]) -> list[int]:
-        """Allocate runs, evicting LRU entries as needed; -1 where nothing more can go."""
+    def _allocate(self, nblocks_list: list[int], drop: bool = False) -> list[int]:
+        """Allocate runs, evicting LRU entries as needed; -1 where nothing more can go.
+
+        With a tier, a dirty LRU entry is spilled rather than dropped, and ``self._wait``
+        tells whether a -1 may succeed once spills in flight complete; ``drop`` evicts
+        dirty entries without a copy instead (a request that waited long enough).
+        """
         starts = self.alloc.alloc_many(nblocks_list) if nblocks_list else []
+        tier = self.tier
+        self._wait = False
         for i, s in enumerate(starts):
             if s >= 0:
                 continue
             n = nblocks_list[i]
             while True:
                 s = self.alloc.alloc(n)
-                if s >= 0 or not self._evict_one():
+                if s >= 0:
+                    break
+                if tier is None:
+                    if not self._evict_one():
+                        break
+                    continue
+                if self._wait:
+                    break
+                r = self._evict_tiered(drop)
+                if r == _WAIT:
+                    self._wait = True
+                    break
+                if r == _NOTHING:
                     break
             starts[i] = s
         return starts
 
     def _new_entries(self, keys: Sequence[Any], sizes: Sequence[Any],
-                     sums: Sequence[Any] | None, pending_budget: int | None
-                     ) -> tuple[list[Entry | None], list[int]]:
-        """Validate and allocate one entry per key; statuses per key."""
+                     sums: Sequence[Any] | None, pending_budget: int | None,
+                     defer: bool = False, drop: bool = False
+                     ) -> tuple[list[Entry | None], list[int]] | None:
+        """Validate and allocate one entry per key; statuses per key.
+
+        None (nothing allocated, nothing counted) when ``defer`` and a key could not be
+        placed now but may be once spills in flight complete.
+        """
         n = len(keys)
         statuses: list[int] = [Status.OK] * n
         want: list[int] = []
         want_idx: list[int] = []
         budget = pending_budget
+        bad_keys = too_large = quota = 0
         for i in range(n):
             st: int = self._check_key(keys[i])
             size = sizes[i]
             if st != Status.OK:
-                self.counters["invalid_keys"] += 1
+                bad_keys += 1
             elif type(size) is not int or size < 0:
                 st = Status.INVALID_REQUEST
             elif size > self.max_value:
                 st = Status.TOO_LARGE
-                self.counters["too_large"] += 1
+                too_large += 1
             elif budget is not None:
                 if size > budget:
                     st = Status.QUOTA_EXCEEDED
-                    self.counters["quota_refusals"] += 1
+                    quota += 1
                 else:
                     budget -= size
             statuses[i] = st
@@ -224,7 +313,18 @@ class Store:
                 want.append(self._nblocks(size))
                 want_idx.append(i)
         entries: list[Entry | None] = [None] * n
-        starts = self._allocate(want)
+        starts = self._allocate(want, drop)
+        if self.tier is not None:
+            self.tier.submit()          # spills started to make room
+        if defer and self._wait and -1 in starts:
+            for j, s in enumerate(starts):
+                if s >= 0:
+                    self.alloc.free(s, want[j])
+            return None
+        c = self.counters
+        c["invalid_keys"] += bad_keys
+        c["too_large"] += too_large
+        c["quota_refusals"] += quota
         for j, i in enumerate(want_idx):
             s = starts[j]
             if s < 0:
@@ -241,6 +341,12 @@ class Store:
         e.state = LIVE
         if old is not None:
             self._retire(old)
+        tier = self.tier
+        if tier is not None:
+            if old is None:
+                tier.discard_key(e.key)     # an older value below is stale now
+            if e.meta is None:
+                self._dirty[e.key] = e
 
     def _add_grant(self, kind: int, client: bytes, req_id: int, entries: list[Entry],
                    nbytes: int) -> None:
@@ -283,8 +389,9 @@ class Store:
     # ------------------------------------------------------------------ write path
 
     def alloc_entries(self, client: bytes, req_id: int, keys: Sequence[Any],
-                      sizes: Sequence[Any], sums: Sequence[Any] | None = None
-                      ) -> tuple[list[int], list[int]]:
+                      sizes: Sequence[Any], sums: Sequence[Any] | None = None, *,
+                      defer: bool = False, drop: bool = False
+                      ) -> tuple[list[int], list[int]] | None:
         """ALLOC: reserve blocks for each key as a pending entry.
 
         Returns
@@ -293,13 +400,20 @@ class Store:
             Byte offset in the pool per key, -1 where refused.
         statuses : list of Status
             OK, INVALID_KEY, INVALID_REQUEST, TOO_LARGE, POOL_FULL or QUOTA_EXCEEDED.
+
+        With a tier, ``defer`` returns None instead of POOL_FULL while spills in flight
+        may make room (ask again after :meth:`service` made progress); ``drop`` makes
+        room by dropping dirty entries instead of waiting for them to be spilled.
         """
         budget = None
         if self.config.max_client_pending_bytes:
             st = self._clients.get(client)
             used = st.pending_bytes if st else 0
             budget = max(0, self.config.max_client_pending_bytes - used)
-        entries, statuses = self._new_entries(keys, sizes, sums, budget)
+        r = self._new_entries(keys, sizes, sums, budget, defer, drop)
+        if r is None:
+            return None
+        entries, statuses = r
         granted = [e for e in entries if e is not None]
         bs = self.block_size
         offsets = [e.start * bs if e is not None else -1 for e in entries]
@@ -336,13 +450,17 @@ class Store:
                 self.counters["aborts"] += 1
 
     def put(self, keys: Sequence[Any], values: Sequence[Any],
-            sums: Sequence[Any] | None = None) -> list[int]:
+            sums: Sequence[Any] | None = None, *, defer: bool = False,
+            drop: bool = False) -> list[int] | None:
         """PUT (TCP mover): allocate, copy ``values`` (buffers) into the pool, commit.
 
-        Returns a Status per key.
+        Returns a Status per key (None: deferred, as :meth:`alloc_entries`).
         """
         sizes = [memoryview(v).nbytes for v in values]
-        entries, statuses = self._new_entries(keys, sizes, sums, None)
+        r = self._new_entries(keys, sizes, sums, None, defer, drop)
+        if r is None:
+            return None
+        entries, statuses = r
         ok = [e for e in entries if e is not None]
         if ok:
             bs = self.block_size
@@ -356,9 +474,13 @@ class Store:
 
     # ------------------------------------------------------------------ read path
 
-    def lookup(self, client: bytes, req_id: int, keys: Sequence[Any]
+    def lookup(self, client: bytes, req_id: int, keys: Sequence[Any],
+               hold: ReadHold | None = None
                ) -> tuple[list[int], list[int], list[int | None]]:
         """LOOKUP: pin each hit and refresh its LRU position.
+
+        With a tier, call :meth:`prepare_read` first (it promotes what lives below);
+        ``hold`` is the one it filled (to count the hits that came from the tier).
 
         Returns
         -------
@@ -375,6 +497,7 @@ class Store:
         d = self.index.mapping
         bs = self.block_size
         nbytes = 0
+        tier = self.tier
         limit = self.config.max_client_pinned_bytes
         if limit:
             st = self._clients.get(client)
@@ -389,6 +512,8 @@ class Store:
                 sizes[i] = QUOTA_REFUSED     # present, but over this client's pin limit
                 continue
             d.move_to_end(k)
+            if tier is not None:
+                self._touch(e, hold)
             self._pin(e)
             pinned.append(e)
             nbytes += e.size
@@ -412,20 +537,25 @@ class Store:
             if g is not None and g.kind == _PIN:
                 self._settle(gkey, g, commit=False)
 
-    def pin_for_send(self, keys: Sequence[Any]) -> tuple[list[Entry | None], list[int | None]]:
+    def pin_for_send(self, keys: Sequence[Any], hold: ReadHold | None = None
+                     ) -> tuple[list[Entry | None], list[int | None]]:
         """GET (TCP mover): pin the hits so their bytes can be sent without a copy.
 
         The caller unpins each entry with :meth:`unpin` once its frame is sent.
-        Returns the entry per key (None for a miss) and its checksum.
+        Returns the entry per key (None for a miss) and its checksum. With a tier, call
+        :meth:`prepare_read` first, as for :meth:`lookup`.
         """
         d = self.index.mapping
         out: list[Entry | None] = []
         sums: list[int | None] = []
         hits = nbytes = 0
+        tier = self.tier
         for k in keys:
             e = d.get(k) if type(k) is bytes else None
             if e is not None:
                 d.move_to_end(k)
+                if tier is not None:
+                    self._touch(e, hold)
                 self._pin(e)
                 hits += 1
                 nbytes += e.size
@@ -448,18 +578,23 @@ class Store:
     # ------------------------------------------------------------------ queries
 
     def exists(self, keys: Sequence[Any]) -> list[bool]:
+        """Whether each key is present (committed; in the pool or in a tier below)."""
         d = self.index.mapping
+        tier = self.tier
+        if tier is not None:
+            return [type(k) is bytes and (k in d or tier.has(k)) for k in keys]
         try:
             return [k in d for k in keys]
         except TypeError:   # an unhashable key from a malformed request: a miss
             return [type(k) is bytes and k in d for k in keys]
 
     def match_prefix(self, keys: Sequence[Any]) -> int:
-        """How many leading keys are present (committed)."""
+        """How many leading keys are present (committed; pool or a tier below)."""
         d = self.index.mapping
+        tier = self.tier
         n = 0
         for k in keys:
-            if type(k) is not bytes or k not in d:
+            if type(k) is not bytes or (k not in d and (tier is None or not tier.has(k))):
                 break
             n += 1
         return n
@@ -467,20 +602,29 @@ class Store:
     def delete(self, keys: Sequence[Any]) -> int:
         """Remove keys; pinned entries stay readable by their pin holders. Returns removed."""
         n = 0
+        tier = self.tier
         for k in keys:
             e = self.index.remove(k) if type(k) is bytes else None
             if e is not None:
                 self._retire(e)
                 n += 1
+            elif tier is not None and type(k) is bytes and tier.discard_key(k):
+                n += 1
         self.counters["deletes"] += n
         return n
 
     def evict(self, to_ratio: float) -> int:
-        """Evict LRU entries until used blocks <= ``to_ratio`` of the pool. Returns count."""
+        """Evict LRU entries until used blocks <= ``to_ratio`` of the pool. Returns count.
+
+        With a tier, dirty entries are spilled first and evicted when their write
+        completes (not counted here).
+        """
         target = int(self.alloc.num_blocks * to_ratio)
         n = 0
         while self.alloc.num_used > target and self._evict_one():
             n += 1
+        if self.tier is not None:
+            self.tier.submit()
         return n
 
     def periodic_evict(self, min_ratio: float, max_ratio: float) -> int:
@@ -490,12 +634,311 @@ class Store:
         return 0
 
     def purge(self) -> int:
-        """Remove every committed entry (pending writes are kept). Returns count."""
+        """Remove every committed entry (pending writes are kept), in the pool and in a
+        tier below. Returns count."""
         entries = self.index.clear()
         for e in entries:
             self._retire(e)
-        self.counters["purged"] += len(entries)
-        return len(entries)
+        n = len(entries)
+        if self.tier is not None:
+            n += self.tier.purge()
+        self.counters["purged"] += n
+        return n
+
+    # ------------------------------------------------------------------ tiers
+
+    def attach_tier(self, tier: Any, clean_target: int = 0) -> None:
+        """Put ``tier`` (a :class:`kvshm.tiers.SsdTier`) below the pool.
+
+        ``clean_target``: bytes of the pool the cleaner keeps free or clean (copied
+        below), so that evictions rarely wait for a write.
+        """
+        self.tier = tier
+        self.clean_target = clean_target
+        tier.unshadow = self._unshadowed
+        for e in self.index.lru():
+            if e.meta is None:
+                self._dirty[e.key] = e
+
+    def close_tier(self) -> None:
+        """Close the tier (waits for its I/O threads); the server's last step before the
+        pool goes."""
+        if self.tier is not None:
+            self.tier.close()
+
+    def flush_tier(self, timeout: float) -> int:
+        """Write every dirty entry down and wait for the writes (a clean stop with a
+        persistent tier, after the loop stopped). Returns the entries written; stops
+        early after ``timeout`` seconds."""
+        tier = self.tier
+        if tier is None:
+            return 0
+        woke = threading.Event()
+        notify, tier.notify = tier.notify, woke.set
+        written = tier.counters["spills"]
+        refused: set[bytes] = set()
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                woke.clear()
+                self.service()
+                for e in list(self._dirty.values()):
+                    if e.key in refused:
+                        continue
+                    r = tier.spill(e)
+                    if r == SPILL_STARTED:
+                        self._start_spill(e, False)
+                    elif r == SPILL_BUSY:
+                        break
+                    else:
+                        refused.add(e.key)
+                tier.submit()
+                if not tier.io_in_flight and all(k in refused for k in self._dirty):
+                    break
+                woke.wait(min(0.5, max(0.0, deadline - time.monotonic())))
+            self.service()
+        finally:
+            tier.notify = notify
+        return tier.counters["spills"] - written
+
+    def _unshadowed(self, e: Entry) -> None:
+        # the tier dropped the copy of live entry e: it is dirty again
+        if e.state == LIVE and self.index.get(e.key) is e:
+            self._dirty[e.key] = e
+
+    def _tier_leave(self, e: Entry) -> None:
+        """Live entry ``e`` leaves the index (overwritten, deleted, purged, dropped)."""
+        d = self._dirty
+        if d.get(e.key) is e:
+            del d[e.key]
+        m = e.meta
+        if m is not None:
+            e.meta = None
+            self.tier.discard(m)
+
+    def _touch(self, e: Entry, hold: ReadHold | None) -> None:
+        m = e.meta
+        if m is None:
+            if e.key in self._dirty:
+                self._dirty.move_to_end(e.key)
+        else:
+            self.tier.touch(m)
+        if hold is not None and e.key in hold.ssd_keys:
+            self.tier_counters["ssd_hits"] += 1
+
+    def _start_spill(self, e: Entry, after: bool) -> None:
+        # tier.spill() returned SPILL_STARTED: the write pins e until it completes
+        self._pin(e)
+        d = self._dirty
+        if d.get(e.key) is e:
+            del d[e.key]
+        if after:
+            m: Any = e.meta
+            m.evict_after = True
+
+    def _evict_tiered(self, drop: bool, after: bool = False) -> int:
+        """Evict one entry: the least recently used clean one; dirty ones met on the way
+        are spilled (``after``: evicted once written). ``drop``: evict the LRU entry even
+        if dirty (its bytes are lost). Returns _EVICTED, _WAIT or _NOTHING."""
+        tier = self.tier
+        victim = None
+        busy = 0
+        for e in self.index.lru():
+            if e.pins:          # readers, or a spill write in flight
+                m: Any = e.meta
+                if e.pins == 1 and m is not None and m.state == WRITING and not drop:
+                    # the LRU entry is being written: evict it when written, not a
+                    # newer one now (so entries reach the SSD in LRU order)
+                    return _WAIT
+                continue
+            if e.meta is not None or drop:
+                victim = e
+                break
+            r = tier.spill(e)
+            if r == SPILL_STARTED:
+                self._start_spill(e, after)
+                continue
+            if r == SPILL_REFUSED:      # cannot go below: drop it (it is the LRU entry)
+                victim = e
+                break
+            busy += 1                   # the write queue is full: look for a clean one
+            if busy >= _SCAN_LIMIT:
+                break
+        if victim is None:
+            return _WAIT if tier.io_in_flight else _NOTHING
+        self._evict_entry(victim)
+        return _EVICTED
+
+    def _evict_entry(self, e: Entry) -> None:
+        self.index.remove(e.key)
+        m = e.meta
+        if m is not None:
+            e.meta = None
+            self.tier.demote(m)
+            self.tier_counters["demotions"] += 1
+        else:
+            d = self._dirty
+            if d.get(e.key) is e:
+                del d[e.key]
+            self.tier_counters["dropped"] += 1
+            self.tier_counters["dropped_bytes"] += e.size
+        self._free(e)
+        self.counters["evictions"] += 1
+        self.counters["evicted_bytes"] += e.size
+
+    def _clean(self) -> None:
+        """Spill the oldest dirty entries while free + clean bytes are under target."""
+        dirty = self._dirty
+        if not dirty:
+            return
+        tier = self.tier
+        need = (self.clean_target - self.alloc.num_free * self.block_size
+                - tier.margin_bytes - tier.write_bytes)
+        while need > 0 and dirty:
+            e = next(iter(dirty.values()))
+            r = tier.spill(e)
+            if r == SPILL_STARTED:
+                self._start_spill(e, False)
+                need -= e.nblocks * self.block_size
+            elif r == SPILL_BUSY:
+                break
+            else:                       # refused (too large, disk failing): later
+                dirty.move_to_end(e.key)
+                break
+
+    def read_hold(self) -> ReadHold:
+        return ReadHold()
+
+    def release_hold(self, hold: ReadHold) -> None:
+        """Drop the pins of a parked read (after its lookup, or when it is abandoned)."""
+        hold.active = False
+        for e in hold.entries:
+            self._unpin(e)
+        hold.entries.clear()
+        hold.keys.clear()
+
+    def prepare_read(self, keys: Sequence[Any], hold: ReadHold, force: bool = False
+                     ) -> bool:
+        """Before a LOOKUP/GET: start promoting the keys that live only below.
+
+        Returns True when the read can be answered now (every key is in the pool or
+        nowhere), False when it must wait for promotions (or for room to promote into);
+        call again after :meth:`service` made progress. While it waits, the keys already
+        in the pool are pinned through ``hold``. ``force``: answer now, what is not in
+        the pool is a miss.
+        """
+        tier = self.tier
+        if tier is None:
+            return True
+        if hold.waiting and not force:
+            return False            # its promotions are not all done yet: nothing to do
+        d = self.index.mapping
+        promoting = self._promoting
+        need = [k for k in keys
+                if type(k) is bytes and k not in d and (k in promoting or tier.has(k))]
+        if not need or force:
+            return True
+        for k in keys:          # hold what is here, so a long wait cannot evict it
+            if type(k) is bytes and k not in hold.keys:
+                e = d.get(k)
+                if e is not None:
+                    self._pin(e)
+                    hold.entries.append(e)
+                    hold.keys.add(k)
+        ready = True
+        new: list[tuple[bytes, Any]] = []
+        for k in need:
+            p = promoting.get(k)
+            if p is None:
+                se = tier.lookup(k)
+                if se is not None:
+                    tier.reserve(se)        # not dropped below while we make room
+                    new.append((k, se))
+                continue
+            hold.ssd_keys.add(k)
+            if hold not in p.holds:
+                p.holds.append(hold)
+                hold.waiting += 1
+            ready = False
+        # Allocate and queue the reads a job's worth at a time, so the disk starts on the
+        # first ones while room is made for the rest.
+        step = max(1, MAX_JOB_BYTES // self.block_size)
+        for c in range(0, len(new), step):
+            chunk = new[c:c + step]
+            starts = self._allocate([se.nblocks for _, se in chunk])
+            for (k, se), start in zip(chunk, starts):
+                if k in promoting:          # the same key twice in one request
+                    if start >= 0:
+                        self.alloc.free(start, se.nblocks)
+                    tier.unreserve(se)
+                    continue
+                if start < 0 or tier.lookup(k) is not se:
+                    if start >= 0:
+                        self.alloc.free(start, se.nblocks)
+                    tier.unreserve(se)
+                    if start < 0 and self._wait:
+                        ready = False       # room comes when spills complete
+                    continue                # else: the pool is pinned full; a miss
+                e = Entry(k, start, se.nblocks, se.size, None)
+                p = promoting[k] = _Promotion(e, se)
+                tier.read(se, e)
+                hold.ssd_keys.add(k)
+                p.holds.append(hold)
+                hold.waiting += 1
+                ready = False
+            tier.submit()
+        tier.submit()
+        return ready
+
+    def _read_done(self, se: Any, e: Entry, ok: bool) -> None:
+        p = self._promoting.pop(e.key, None)
+        if ok and e.key not in self.index:
+            self.tier.installed(se, e)
+            e.meta = se
+            self._install(e)
+            self.tier_counters["promotions"] += 1
+            if p is not None:
+                for h in p.holds:
+                    h.waiting -= 1
+                    if h.active and e.key not in h.keys:
+                        self._pin(e)
+                        h.entries.append(e)
+                        h.keys.add(e.key)
+        else:
+            if p is not None:
+                for h in p.holds:
+                    h.waiting -= 1
+            self._free(e)
+
+    def _write_done(self, se: Any, e: Entry, ok: bool) -> None:
+        self._unpin(e)              # the write's pin
+        if e.meta is not se:        # overwritten/deleted meanwhile: the copy was dropped
+            return
+        if not ok:
+            e.meta = None
+            if e.state == LIVE and self.index.get(e.key) is e:
+                self._dirty[e.key] = e
+            return
+        if getattr(se, "evict_after", False) and e.pins == 0 and self.index.get(e.key) is e:
+            self._evict_entry(e)
+
+    def service(self, now: float | None = None) -> float | None:
+        """Apply the tier's finished I/O, run the cleaner, queue new I/O. The loop calls
+        it every turn. Returns when the tier next needs a call (None: on its own wake)."""
+        tier = self.tier
+        if tier is None:
+            return None
+        events = tier.poll()
+        if events:
+            self.progress += 1
+            for kind, se, e, ok in events:
+                if kind == "w":
+                    self._write_done(se, e, ok)
+                else:
+                    self._read_done(se, e, ok)
+        self._clean()
+        tier.submit()
+        return tier.service(self._clock() if now is None else now)
 
     # ------------------------------------------------------------------ leases
 
@@ -545,8 +988,13 @@ class Store:
         evictions, evicted_bytes, bytes_in, bytes_out, puts, gets, commits, aborts,
         lease_expired_writes, lease_expired_pins, deletes, purged, pool_full, too_large,
         invalid_keys, quota_refusals. With ``verify``: entry_blocks (blocks held by live,
-        pending and dead entries, counted one by one) and accounting_ok
-        (entry_blocks == used blocks).
+        pending, dead and promoting entries, counted one by one) and accounting_ok
+        (entry_blocks == used blocks). ``pins`` includes the pins of spill writes in
+        flight and of parked reads.
+
+        With a tier: ``tiers`` = {"pool": {...}, "ssd": {...}}, per tier entries, bytes,
+        hits, spills, promotions, drops, checksum_failures and more (docs/SSD.md); with
+        ``verify`` the SSD tier adds its own accounting_ok.
         """
         a = self.alloc
         s: dict[str, Any] = {
@@ -571,6 +1019,19 @@ class Store:
             blocks += sum(e.nblocks for g in self._grants.values() if g.kind == _ALLOC
                           for e in g.entries)
             blocks += sum(e.nblocks for e in self._dead)
+            blocks += sum(p.entry.nblocks for p in self._promoting.values())
             s["entry_blocks"] = blocks
             s["accounting_ok"] = blocks == a.num_used
+        if self.tier is not None:
+            tc = self.tier_counters
+            ssd = self.tier.stats(verify)
+            ssd["hits"] = tc["ssd_hits"]
+            s["tiers"] = {
+                "pool": {"entries": len(self.index), "bytes": s["used_bytes"],
+                         "hits": s["hits"] - tc["ssd_hits"], "spills": tc["demotions"],
+                         "promotions": tc["promotions"], "drops": tc["dropped"],
+                         "dropped_bytes": tc["dropped_bytes"], "checksum_failures": 0,
+                         "dirty": len(self._dirty), "promoting": len(self._promoting)},
+                "ssd": ssd,
+            }
         return s
