@@ -39,6 +39,9 @@ from kvshm.errors import (
 )
 from kvshm.movers import OneSidedMover, ShmMover
 from kvshm.zmq_ctrl.channel import Channel, endpoint_of
+from kvshm.zmq_ctrl.frames import FrameLayoutError
+from kvshm.zmq_ctrl.frames import pack as pack_frames
+from kvshm.zmq_ctrl.frames import unpack as unpack_frames
 from kvshm.zmq_ctrl.protocol import PROTOCOL_VERSION, Limits, Op, Status, error_for
 
 __all__ = ["Client", "Key", "TRANSPORTS"]
@@ -283,7 +286,9 @@ class _Session:
         for attempt in range(2):
             mover = self.mover
             if mover is None:
-                r = yield _Req(Op.PUT, body, src.buffers())
+                frames, counts = pack_frames(src.buffers())
+                r = yield _Req(Op.PUT, {**body, "sizes": list(src.sizes), "counts": counts},
+                               frames)
                 _check(r, "put")
                 self.raise_failures(bkeys, r.body["st"], "put")
                 return None
@@ -340,24 +345,28 @@ class _Session:
             r = yield _Req(Op.GET, {"keys": bkeys})
             _check(r, "get")
             sizes = r.body["sizes"]
-            frames = r.frames
-            if len(frames) != sum(1 for s in sizes if s >= 0):
-                raise ProtocolError("GET reply has a frame count that does not match")
+            hit_sizes = [s for s in sizes if s >= 0]
+            counts = r.body.get("counts", [1] * len(r.frames))
+            try:
+                values = unpack_frames([f.buffer for f in r.frames], counts, hit_sizes)
+            except FrameLayoutError as exc:
+                raise ProtocolError(f"GET reply from {self.hello.get('server')}: {exc}") \
+                    from None
             data: list[Any] = [None] * len(sizes)
             j = 0
             for i, sz in enumerate(sizes):
                 if sz < 0:
                     continue
-                f = frames[j]
+                v = values[j]
                 j += 1
                 if sink is not None:
-                    sink.from_frame(i, f.buffer)
+                    sink.from_frame(i, v)
                 elif views is not None:
                     self._check_out(bkeys[i], views[i], sz)
-                    views[i][:sz] = f.buffer
+                    views[i][:sz] = v
                     data[i] = views[i][:sz]
                 else:
-                    data[i] = f.bytes
+                    data[i] = v.tobytes()
             if verify:
                 self._verify(bkeys, sizes, r.body.get("sums"), data)
             return sizes, data

@@ -21,7 +21,7 @@ from kvshm.store import Store, StoreConfig
 from kvshm.zmq_ctrl.protocol import PROTOCOL_VERSION, Limits, Op, Status, decode_reply
 from kvshm.zmq_ctrl.router import ServiceLoop
 
-FIELDS = ["keys", "sizes", "sums", "commit", "abort", "release", "ratio", "verify",
+FIELDS = ["keys", "sizes", "counts", "sums", "commit", "abort", "release", "ratio", "verify",
           "latency", "client", "version", "transport", "rdma"]
 
 scalars = (st.none() | st.booleans() | st.integers(min_value=-(2**63), max_value=2**64 - 1)

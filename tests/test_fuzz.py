@@ -97,6 +97,28 @@ def test_settle_lists_of_unknown_or_hostile_ids(fuzz_server):
     fuzz_server.check_healthy()
 
 
+@pytest.mark.parametrize("body,frames", [
+    ({"keys": [b"a", b"b"], "sizes": [3, 2], "counts": [2]}, [b"abcd"]),        # short
+    ({"keys": [b"a", b"b"], "sizes": [3, 2], "counts": [1]}, [b"abcde"]),       # count
+    ({"keys": [b"a", b"b"], "sizes": [3, 2], "counts": [2, 1]}, [b"abcde"]),    # frames
+    ({"keys": [b"a", b"b"], "sizes": [3, -2], "counts": [2]}, [b"abc"]),        # negative
+    ({"keys": [b"a"], "sizes": [1], "counts": [0, 1]}, [b"", b"x"]),            # zero count
+])
+def test_put_packed_frames_that_do_not_add_up(fuzz_server, body, frames):
+    st_, _, reply = fuzz_server.send(_req(Op.PUT, body, srv=fuzz_server) + frames)
+    assert st_ == Status.INVALID_REQUEST, reply
+    fuzz_server.check_healthy()
+
+
+def test_put_packed_frames_round_trip(fuzz_server):
+    body = {"keys": [b"p1", b"p2", b"p3"], "sizes": [3, 0, 2], "counts": [2, 1]}
+    st_, _, reply = fuzz_server.send(_req(Op.PUT, body, srv=fuzz_server) + [b"abc", b"de"])
+    assert st_ == Status.OK and reply["st"] == [0, 0, 0]
+    st_, _, reply = fuzz_server.send(_req(Op.GET, {"keys": [b"p1", b"zz", b"p2", b"p3"]},
+                                          srv=fuzz_server))
+    assert st_ == Status.OK and reply["sizes"] == [3, -1, 0, 2] and reply["counts"] == [3]
+
+
 def test_put_frame_mismatch_and_oversize(fuzz_server):
     st_, _, reply = fuzz_server.send(
         _req(Op.PUT, {"keys": [b"k1", b"k2"]}, srv=fuzz_server) + [b"only-one"])

@@ -22,8 +22,10 @@ Wire format (ZeroMQ multipart, DEALER client -> ROUTER server)::
   ``commit``, ``abort`` and ``release`` (request ids of earlier ALLOC/LOOKUP grants):
   they are applied before the request itself, so COMMIT and RELEASE can ride on the next
   request without a round trip of their own (DESIGN.md, "One protocol, three movers").
-* Payload frames carry value bytes for PUT (request) and GET (reply), one frame per
-  value, in key order (hits only for GET).
+* Payload frames carry value bytes for PUT (request) and GET (reply), in key order
+  (hits only for GET). With ``sizes`` and ``counts`` in the body, a frame holds
+  ``counts[i]`` consecutive values back to back (small values packed, large ones alone:
+  :mod:`kvshm.zmq_ctrl.frames`); without ``counts``, one frame per value.
 
 Per-key results of batch operations are lists of :class:`Status` values; a miss or a
 refused key never fails the whole batch.

@@ -28,6 +28,9 @@ from typing import Any, Callable
 import zmq
 
 from kvshm.store import Store
+from kvshm.zmq_ctrl.frames import PACK_BELOW, FrameLayoutError
+from kvshm.zmq_ctrl.frames import plan as plan_frames
+from kvshm.zmq_ctrl.frames import unpack as unpack_frames
 from kvshm.zmq_ctrl.protocol import (
     PROTOCOL_VERSION,
     DecodeError,
@@ -37,7 +40,7 @@ from kvshm.zmq_ctrl.protocol import (
     encode_reply,
 )
 
-__all__ = ["ServiceLoop", "LATENCY_BUCKETS", "ZERO_COPY_MIN"]
+__all__ = ["ServiceLoop", "LATENCY_BUCKETS"]
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +48,6 @@ log = logging.getLogger(__name__)
 LATENCY_BUCKETS = (50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3,
                    50e-3, 100e-3, 250e-3, 1.0, float("inf"))
 
-#: Values at least this large are sent zero-copy from the pool (pinned until sent);
-#: smaller ones are copied, which is cheaper than tracking them (pyzmq's own threshold).
-ZERO_COPY_MIN = 65536
 
 _STALE_CHECK_S = 0.002   # poll interval while zero-copy sends are in flight
 
@@ -521,7 +521,16 @@ class ServiceLoop:
 
     def _on_put(self, client, req_id, body, frames, on_sent):
         keys = _list(body, "keys")
-        if len(keys) != len(frames):
+        counts = body.get("counts")
+        if counts is not None:            # packed small values (kvshm.zmq_ctrl.frames)
+            sizes = _list(body, "sizes")
+            if not isinstance(counts, list) or len(sizes) != len(keys):
+                raise _Malformed("counts must be a list, and sizes as long as keys")
+            try:
+                frames = unpack_frames(frames, counts, sizes)
+            except FrameLayoutError as exc:
+                return Status.INVALID_REQUEST, {"error": str(exc)}, []
+        elif len(keys) != len(frames):
             return Status.INVALID_REQUEST, {
                 "error": f"{len(keys)} keys but {len(frames)} value frames"}, []
         sums = body.get("sums")
@@ -565,22 +574,26 @@ class ServiceLoop:
     def _get_reply(self, keys: list[Any], on_sent: list[Any], hold: Any
                    ) -> tuple[int, dict[str, Any], list[Any]]:
         entries, sums = self.store.pin_for_send(keys, hold)
-        sizes = []
+        sizes = [e.size if e is not None else -1 for e in entries]
+        hits = [e for e in entries if e is not None]
         out: list[Any] = []
-        small = []
-        for e in entries:
-            if e is None:
-                sizes.append(-1)
-                continue
-            sizes.append(e.size)
-            if e.size >= ZERO_COPY_MIN:
-                out.append(self.store.view(e))
-                on_sent.append(e)
-            else:
-                out.append(bytes(self.store.view(e)))
-                small.append(e)
+        counts: list[int] = []
+        small: list[Any] = []
+        bs = self.store.block_size
+        for first, count in plan_frames([e.size for e in hits]):
+            group = hits[first:first + count]
+            if count == 1 and group[0].size >= PACK_BELOW:
+                out.append(self.store.view(group[0]))      # zero-copy, pinned until sent
+                on_sent.append(group[0])
+            else:                                           # small values: one packed copy
+                buf = bytearray(sum(e.size for e in group))
+                self.store.pool.gather([e.start * bs for e in group],
+                                       [e.size for e in group], buf)
+                out.append(buf)
+                small.extend(group)
+            counts.append(count)
         self.store.unpin(small)
-        rbody: dict[str, Any] = {"sizes": sizes}
+        rbody: dict[str, Any] = {"sizes": sizes, "counts": counts}
         if any(s is not None for s in sums):
             rbody["sums"] = sums
         return Status.OK, rbody, out
