@@ -39,6 +39,7 @@ _COUNTERS = (
     ("gets", "Values read"),
     ("evictions", "Entries evicted"),
     ("evicted_bytes", "Value bytes evicted"),
+    ("replaced_early", "Old copies of keys being rewritten, freed early to make room"),
     ("lease_expired_writes", "Pending writes reclaimed after their lease ran out"),
     ("lease_expired_pins", "Pin grants dropped after their lease ran out"),
     ("pool_full", "Keys refused because nothing could be evicted"),

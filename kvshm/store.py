@@ -173,7 +173,7 @@ class Store:
             ("hits", "misses", "evictions", "evicted_bytes", "bytes_in", "bytes_out",
              "puts", "gets", "commits", "aborts", "lease_expired_writes",
              "lease_expired_pins", "deletes", "purged", "pool_full", "too_large",
-             "invalid_keys", "quota_refusals"), 0)
+             "invalid_keys", "quota_refusals", "replaced_early"), 0)
 
     # ------------------------------------------------------------------ helpers
 
@@ -244,8 +244,27 @@ class Store:
         self.counters["evicted_bytes"] += e.size
         return True
 
-    def _allocate(self, nblocks_list: list[int], drop: bool = False) -> list[int]:
+    def _drop_replaced(self, keys: list[bytes]) -> bool:
+        """Free the unpinned live entry of one of ``keys`` (consumed). False: none left."""
+        d = self.index.mapping
+        while keys:
+            e = d.get(keys.pop())
+            if e is not None and e.pins == 0:
+                self.index.remove(e.key)
+                self._free(e)
+                self.counters["replaced_early"] += 1
+                return True
+        return False
+
+    def _allocate(self, nblocks_list: list[int], drop: bool = False,
+                  replacing: Sequence[Any] = ()) -> list[int]:
         """Allocate runs, evicting LRU entries as needed; -1 where nothing more can go.
+
+        ``replacing`` are the keys being written: under pressure their current (unpinned)
+        entries go first, before any other entry is evicted, since the write replaces
+        them anyway. Without this an overwrite in a full pool would cost one unrelated
+        entry each, and the store would keep less than an exact LRU of the same size.
+        Until the new entry is committed such a key reads as a miss.
 
         With a tier, a dirty LRU entry is spilled rather than dropped, and ``self._wait``
         tells whether a -1 may succeed once spills in flight complete; ``drop`` evicts
@@ -254,6 +273,7 @@ class Store:
         starts = self.alloc.alloc_many(nblocks_list) if nblocks_list else []
         tier = self.tier
         self._wait = False
+        stale = None
         for i, s in enumerate(starts):
             if s >= 0:
                 continue
@@ -263,6 +283,10 @@ class Store:
                 if s >= 0:
                     break
                 if tier is None:
+                    if stale is None:
+                        stale = [k for k in replacing if type(k) is bytes]
+                    if self._drop_replaced(stale):
+                        continue
                     if not self._evict_one():
                         break
                     continue
@@ -313,7 +337,7 @@ class Store:
                 want.append(self._nblocks(size))
                 want_idx.append(i)
         entries: list[Entry | None] = [None] * n
-        starts = self._allocate(want, drop)
+        starts = self._allocate(want, drop, [keys[i] for i in want_idx])
         if self.tier is not None:
             self.tier.submit()          # spills started to make room
         if defer and self._wait and -1 in starts:
@@ -987,7 +1011,7 @@ class Store:
         usage (float 0..1), clients (with open grants) and the counters: hits, misses,
         evictions, evicted_bytes, bytes_in, bytes_out, puts, gets, commits, aborts,
         lease_expired_writes, lease_expired_pins, deletes, purged, pool_full, too_large,
-        invalid_keys, quota_refusals. With ``verify``: entry_blocks (blocks held by live,
+        invalid_keys, quota_refusals, replaced_early. With ``verify``: entry_blocks (blocks held by live,
         pending, dead and promoting entries, counted one by one) and accounting_ok
         (entry_blocks == used blocks). ``pins`` includes the pins of spill writes in
         flight and of parked reads.

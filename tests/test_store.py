@@ -197,3 +197,20 @@ def test_zero_byte_value(store):
     assert off >= 0
     assert read(store, b"empty") == b""
     check_accounting(store)
+
+
+def test_overwrite_in_a_full_pool_frees_the_old_copy_not_another_key(store):
+    # 64 blocks of one value each: full. Overwriting k5 must not evict k0 (the LRU).
+    for i in range(64):
+        put(store, b"k%d" % i, bytes([i]) * BS)
+    assert store.alloc.num_free == 0
+    put(store, b"k5", b"new" * 10)
+    assert all(store.exists([b"k%d" % i for i in range(64)]))
+    assert store.counters["evictions"] == 0 and store.counters["replaced_early"] == 1
+    assert read(store, b"k5") == b"new" * 10
+    # a pinned old copy is kept for its reader: then the LRU entry goes instead
+    store.lookup(b"reader", 9, [b"k6"])
+    put(store, b"k6", b"six")
+    assert store.exists([b"k0"]) == [False] and store.counters["evictions"] == 1
+    store.release(b"reader", [9])
+    check_accounting(store)
