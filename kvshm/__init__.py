@@ -18,6 +18,7 @@ except ImportError as _exc:  # pragma: no cover - exercised only on a broken ins
     ) from _exc
 
 from kvshm.errors import (
+    AuthenticationFailed,
     CorruptValue,
     InvalidKey,
     InvalidRequest,
@@ -46,6 +47,7 @@ __all__ = [
     "BitmapAllocator",
     "Pool",
     "KvshmError",
+    "AuthenticationFailed",
     "KeyNotFound",
     "PoolFull",
     "ValueTooLarge",

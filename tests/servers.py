@@ -14,6 +14,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from typing import Any
@@ -75,13 +76,27 @@ class ServerProcess:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      env={**os.environ, **(env or {})},
                                      start_new_session=True)
-        self.stderr_text = ""
+        self._err_chunks: list[bytes] = []
+        self._drain: threading.Thread | None = None
         self.ready_line = ""
         try:
             self._wait_ready(ready_timeout)
         except BaseException:
             self.kill()
             raise
+        # Drain stderr all along: a chatty server must never block on a full pipe.
+        self._drain = threading.Thread(target=self._drain_stderr, daemon=True)
+        self._drain.start()
+
+    def _drain_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        for chunk in iter(lambda: self.proc.stderr.read1(65536), b""):  # type: ignore[union-attr]
+            self._err_chunks.append(chunk)
+
+    @property
+    def stderr_text(self) -> str:
+        """What the server wrote to stderr so far (complete once it stopped)."""
+        return b"".join(self._err_chunks).decode(errors="replace")
 
     def _wait_ready(self, timeout: float) -> None:
         assert self.proc.stdout is not None
@@ -146,13 +161,13 @@ class ServerProcess:
         self._collect()
 
     def _collect(self) -> None:
+        if self._drain is not None:
+            self._drain.join(10)
+        elif self.proc.stderr is not None and not self.proc.stderr.closed:
+            self._err_chunks.append(self.proc.stderr.read())
         for f in (self.proc.stdout, self.proc.stderr):
             if f is not None and not f.closed:
-                try:
-                    if f is self.proc.stderr:
-                        self.stderr_text += f.read().decode(errors="replace")
-                finally:
-                    f.close()
+                f.close()
 
     def remove_segment(self) -> None:
         """Unlink the segment a killed server left (as `kvshm ctl cleanup` would)."""

@@ -535,3 +535,38 @@ def test_per_client_limits_hold_one_greedy_client_back():
         greedy.flush()
         st = other.stats(verify=True)
         assert st["pinned"] == 0 and st["pending"] == 0 and st["accounting_ok"]
+
+
+@pytest.mark.parametrize("client", TRANSPORTS, indirect=True)
+def test_end_to_end_checksums_catch_corruption(client):
+    client.put("sum", b"A" * 100_000, checksum=True)
+    client.put("nosum", b"B" * 1000)
+    assert client.get("sum", verify=True) == b"A" * 100_000
+    out = bytearray(100_000)
+    assert client.get_into("sum", out, verify=True) == 100_000
+    with pytest.raises(kvshm.CorruptValue, match="without a checksum"):
+        client.get("nosum", verify=True)
+    # flip one byte in the pool behind the store's back (a stray writer, bad memory)
+    info = client.server_info
+    with Client(client.address, transport="shm") as spy:
+        spy._run(spy._session.op_simple(Op.STATS, {}, "stats"))   # a HELLO'd shm session
+        r = spy._run(_lookup_raw(spy, b"sum"))
+        pool = kvshm.Pool.attach(info["pool"]["name"])
+        try:
+            pool.write(r["offsets"][0] + 777, b"Z")
+        finally:
+            pool.close()
+        spy.flush()
+    with pytest.raises(kvshm.CorruptValue, match="does not match its checksum"):
+        client.get("sum", verify=True)
+    with pytest.raises(kvshm.CorruptValue):
+        client.get_batch(["nosum", "sum"], verify=True)
+    assert client.get("sum")[777:778] == b"Z"        # without verify: the bytes as stored
+
+
+def _lookup_raw(c, key):
+    from kvshm.client import _Req
+
+    r = yield _Req(Op.LOOKUP, {"keys": [key]}, stateful=True)
+    c._session.releases.append(r.req_id)
+    return r.body
