@@ -682,6 +682,20 @@ class AsyncClient:
             raise ValueError(f"to_ratio must be in [0, 1], got {to_ratio}")
         return (await self._simple(Op.EVICT, {"ratio": float(to_ratio)}, "evict"))["n"]
 
+    async def list_keys(self, prefix: Any = b"", limit: int | None = None,
+                        page: int = 10_000) -> list[bytes]:
+        """Committed keys starting with ``prefix`` (see :meth:`kvshm.Client.list_keys`)."""
+        p = prefix.encode() if isinstance(prefix, str) else bytes(prefix)
+        out: list[bytes] = []
+        while limit is None or len(out) < limit:
+            n = page if limit is None else min(page, limit - len(out))
+            body = await self._simple(Op.LIST, {"prefix": p, "start": len(out),
+                                                "limit": max(1, n)}, "list")
+            out.extend(body["keys"])
+            if not body["more"]:
+                break
+        return out
+
     async def purge(self) -> int:
         """Remove every entry. Returns entries removed."""
         return (await self._simple(Op.PURGE, {}, "purge"))["n"]

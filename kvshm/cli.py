@@ -246,6 +246,9 @@ def cmd_ctl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             elif args.action == "exists":
                 for k, found in zip(args.keys, c.exists_batch(args.keys)):
                     print(f"{k}\t{'yes' if found else 'no'}")
+            elif args.action == "keys":
+                for k in c.list_keys(args.prefix.encode(), limit=args.limit):
+                    print(k.decode(errors="backslashreplace"))
             elif args.action == "ping":
                 info = c.ping()
                 print(json.dumps({"epoch": info["epoch"], "pool": info["pool"]["name"],
@@ -294,6 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     de.add_argument("keys", nargs="+")
     ex = csub.add_parser("exists", help="check keys")
     ex.add_argument("keys", nargs="+")
+    ks = csub.add_parser("keys", help="list keys (an O(keys) scan on the server)")
+    ks.add_argument("--prefix", default="", help="only keys starting with this")
+    ks.add_argument("--limit", type=pos_int, default=None, help="at most this many")
     csub.add_parser("ping", help="HELLO: print the server's pool and identity")
     cl = csub.add_parser("cleanup", help="remove segments left by dead servers")
     cl.add_argument("--prefix", default="kvshm-", help="segment name prefix (default kvshm-)")

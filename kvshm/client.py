@@ -684,6 +684,26 @@ class Client:
         return self._run(self._session.op_simple(Op.EVICT, {"ratio": float(to_ratio)},
                                                  "evict"))["n"]  # type: ignore[no-any-return]
 
+    def list_keys(self, prefix: Key = b"", limit: int | None = None,
+                  page: int = 10_000) -> list[bytes]:
+        """Committed keys starting with ``prefix`` (at most ``limit``), as bytes.
+
+        Pages through the server's LIST, ``page`` keys a request. An administrative
+        scan, O(keys) on the server: not for the data path. Keys written or removed while
+        it runs may be missed or listed twice.
+        """
+        p = prefix.encode() if isinstance(prefix, str) else bytes(prefix)
+        out: list[bytes] = []
+        while limit is None or len(out) < limit:
+            n = page if limit is None else min(page, limit - len(out))
+            n = max(1, min(n, self._session.limits.max_batch))
+            body = self._run(self._session.op_simple(
+                Op.LIST, {"prefix": p, "start": len(out), "limit": n}, "list"))
+            out.extend(body["keys"])
+            if not body["more"]:
+                break
+        return out
+
     def purge(self) -> int:
         """Remove every entry. Returns entries removed."""
         return self._run(self._session.op_simple(Op.PURGE, {}, "purge"))["n"]  # type: ignore[no-any-return]

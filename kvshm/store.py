@@ -612,6 +612,30 @@ class Store:
         except TypeError:   # an unhashable key from a malformed request: a miss
             return [type(k) is bytes and k in d for k in keys]
 
+    def list_keys(self, prefix: bytes = b"", start: int = 0, limit: int = 1000
+                  ) -> tuple[list[bytes], bool]:
+        """Committed keys starting with ``prefix`` (pool, then a tier below), from the
+        ``start``-th match, at most ``limit``. Returns the keys and whether more follow.
+
+        O(keys): an administrative scan, not a data path.
+        """
+        keys: Any = self.index.keys()
+        if self.tier is not None and hasattr(self.tier, "keys"):
+            import itertools
+
+            keys = itertools.chain(keys, self.tier.keys())
+        out: list[bytes] = []
+        seen = 0
+        for k in keys:
+            if not k.startswith(prefix):
+                continue
+            if seen >= start:
+                if len(out) == limit:
+                    return out, True
+                out.append(k)
+            seen += 1
+        return out, False
+
     def match_prefix(self, keys: Sequence[Any]) -> int:
         """How many leading keys are present (committed; pool or a tier below)."""
         d = self.index.mapping

@@ -426,6 +426,7 @@ def test_ctl_commands(server):
     r = ctl("exists", "c1", "nope")
     assert r.stdout.split() == ["c1", "yes", "nope", "no"]
     assert ctl("delete", "c1").stdout.strip() == "1"
+    assert sorted(ctl("keys", "--prefix", "c").stdout.split()) == ["c2", "c3"]
     assert ctl("evict", "0").stdout.strip() == "2"
     assert ctl("purge").stdout.strip() == "0"
     r = subprocess.run([sys.executable, "-m", "kvshm", "ctl", "--address", "127.0.0.1:1",
@@ -570,3 +571,13 @@ def _lookup_raw(c, key):
     r = yield _Req(Op.LOOKUP, {"keys": [key]}, stateful=True)
     c._session.releases.append(r.req_id)
     return r.body
+
+
+@pytest.mark.parametrize("client", TRANSPORTS, indirect=True)
+def test_list_keys(client):
+    client.put_batch([f"lst/a{i}" for i in range(25)] + ["other"], [b"v"] * 26)
+    assert sorted(client.list_keys("lst/")) == sorted(f"lst/a{i}".encode() for i in range(25))
+    assert len(client.list_keys("lst/", page=7)) == 25           # pages of 7
+    assert len(client.list_keys(b"lst/", limit=10, page=3)) == 10
+    assert client.list_keys("nothing-here") == []
+    assert set(client.list_keys()) >= {b"other"}

@@ -266,7 +266,11 @@ class KvshmConnector(RemoteConnector):
         await self._offload(self._put_sync, [key], [memory_obj])
 
     async def list(self) -> List[str]:
-        return []
+        # CacheEngineKey strings of this plugin's chunks (kvshm's LIST: an O(keys) scan
+        # on the server, for inspection, not the data path)
+        p = self.key_prefix.encode()
+        keys = await self._offload(lambda: self._kv.call(lambda c: c.list_keys(p)))
+        return [k[len(p):].decode(errors="replace") for k in keys]
 
     async def close(self) -> None:
         self._close()

@@ -749,6 +749,10 @@ class SsdTier:
         """True when ``key`` lives on SSD only (exists / match_prefix count it)."""
         return key in self._only
 
+    def keys(self) -> list[bytes]:
+        """Keys that live on SSD only, oldest first."""
+        return list(self._only)
+
     def lookup(self, key: bytes) -> SsdEntry | None:
         """The SSD-only entry of ``key`` (to promote), or None."""
         return self._only.get(key)

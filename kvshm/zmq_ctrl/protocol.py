@@ -27,6 +27,9 @@ Wire format (ZeroMQ multipart, DEALER client -> ROUTER server)::
   ``counts[i]`` consecutive values back to back (small values packed, large ones alone:
   :mod:`kvshm.zmq_ctrl.frames`); without ``counts``, one frame per value.
 
+LIST pages through the keys (``prefix``, ``start``, ``limit``) for administration and
+engines that ask for it; it is O(keys) on the server, not a data path.
+
 Per-key results of batch operations are lists of :class:`Status` values; a miss or a
 refused key never fails the whole batch.
 """
@@ -73,6 +76,7 @@ class Op(enum.IntEnum):
     EVICT = 11
     STATS = 12
     PURGE = 13
+    LIST = 14
 
 
 class Status(enum.IntEnum):

@@ -176,6 +176,7 @@ class ServiceLoop:
             Op.EVICT: self._on_evict,
             Op.STATS: self._on_stats,
             Op.PURGE: self._on_purge,
+            Op.LIST: self._on_list,
         }
         self._stateful = {Op.ALLOC, Op.LOOKUP, Op.COMMIT}
 
@@ -639,6 +640,18 @@ class ServiceLoop:
                                       "sum": self.latency_sum[op]}
                             for op in Op if sum(self.latency[op])}
         return Status.OK, {"stats": s}, []
+
+    def _on_list(self, client, req_id, body, frames, on_sent):
+        prefix = body.get("prefix", b"")
+        start = body.get("start", 0)
+        limit = body.get("limit", 1000)
+        if (type(prefix) is not bytes or type(start) is not int or type(limit) is not int
+                or start < 0 or not 0 < limit <= self.store.config.limits.max_batch):
+            return Status.INVALID_REQUEST, {
+                "error": "LIST takes prefix (bytes), start >= 0 and 0 < limit <= the "
+                         "batch limit"}, []
+        keys, more = self.store.list_keys(prefix, start, limit)
+        return Status.OK, {"keys": keys, "more": more}, []
 
     def _on_purge(self, client, req_id, body, frames, on_sent):
         return Status.OK, {"n": self.store.purge()}, []
