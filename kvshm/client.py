@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 from typing import Any, Callable, Generator, Iterable, NamedTuple, Sequence
 
 import xxhash

@@ -67,9 +67,10 @@ class ServerProcess:
 
     def __init__(self, *flags: str, service_port: int = 0, prealloc_size: float = 0.125,
                  shm_name: str | None = None, ready_timeout: float = 30.0,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None,
+                 launcher: list[str] | None = None) -> None:
         self.shm_name = shm_name or unique_shm_name()
-        cmd = [sys.executable, "-m", "kvshm", "serve", "--service-port", str(service_port),
+        cmd = [*(launcher or [sys.executable, "-m", "kvshm"]), "serve", "--service-port", str(service_port),
                "--manage-port", "0", "--prealloc-size", str(prealloc_size),
                "--shm-name", self.shm_name, "--log-level", "WARNING", *flags]
         self.cmd = cmd

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import array
 import errno
-import fcntl
 import gc
 import mmap
 import os

@@ -11,7 +11,6 @@ checks keys, states and routes as a NIC would, and produces completions and erro
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import threading
 
@@ -460,25 +459,11 @@ def test_server_in_another_process(fabric, tmp_path, cverbs):
     here = os.path.dirname(os.path.abspath(__file__))
     script = os.path.join(here, "rdma_double.py")
 
-    class DoubleServer(ServerProcess):
-        def __init__(self):
-            from servers import unique_shm_name
+    from servers import unique_shm_name
 
-            self.shm_name = unique_shm_name("rdma-")
-            self.cmd = [sys.executable, script, "serve", "--fabric", fabric,
-                        "--service-port", "0", "--no-manage", "--no-ipc",
-                        "--prealloc-size", "0.0625", "--shm-name", self.shm_name,
-                        "--log-level", "WARNING", "--dev-name", "fake0"]
-            self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE, start_new_session=True)
-            self.stderr_text = ""
-            try:
-                self._wait_ready(30)
-            except BaseException:
-                self.kill()
-                raise
-
-    with DoubleServer() as srv:
+    with ServerProcess("--fabric", fabric, "--no-manage", "--no-ipc", "--dev-name", "fake0",
+                       prealloc_size=0.0625, shm_name=unique_shm_name("rdma-"),
+                       launcher=[sys.executable, script]) as srv:
         assert "rdma fake0:1 RoCEv2" in srv.ready_line
         vals = values(4, 1 * MiB, seed=9)
         with Client(srv.address, transport="rdma", timeout=10,
