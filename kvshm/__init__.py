@@ -2,7 +2,7 @@
 
 One store server per host owns a pre-allocated POSIX shared-memory pool; clients on the
 same host copy straight into and out of it, remote clients use RDMA or TCP, and ZeroMQ
-messages carry the control (see DESIGN.md in the repository).
+messages carry the control (see docs/DESIGN.md and docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations

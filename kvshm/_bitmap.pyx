@@ -52,7 +52,7 @@ cdef class BitmapAllocator:
 
     Notes
     -----
-    Not thread-safe: the server owns its allocator from one thread (DESIGN.md,
+    Not thread-safe: the server owns its allocator from one thread (docs/DESIGN.md,
     "Concurrency").
     """
 

@@ -9,6 +9,11 @@ __all__ = ["byte_view", "nbytes"]
 
 def _tensor_view(t: Any, writable: bool) -> memoryview:
     dev = getattr(t, "device", None)
+    if dev is not None and dev.type == "meta":
+        raise ValueError("a meta tensor has no data to store")
+    if getattr(t, "is_sparse", False) or getattr(t, "layout", None) not in (None,) and \
+            str(getattr(t, "layout", "")) not in ("torch.strided", ""):
+        raise ValueError(f"a {t.layout} tensor has no single buffer; store t.to_dense()")
     if dev is not None and dev.type != "cpu":
         raise ValueError(f"a tensor on {dev} needs the CUDA path (kvshm.cuda); "
                          "this call takes CPU memory")
@@ -16,6 +21,8 @@ def _tensor_view(t: Any, writable: bool) -> memoryview:
         raise ValueError("tensor must be contiguous (call .contiguous() first)")
     import torch
 
+    if getattr(t, "is_conj", lambda: False)() or getattr(t, "is_neg", lambda: False)():
+        t = t.resolve_conj().resolve_neg()     # lazy views: materialize first
     flat = t.detach().reshape(-1)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
@@ -49,10 +56,11 @@ def byte_view(obj: Any, *, writable: bool = False, what: str = "value") -> memor
                             f"tensor, got {type(obj).__name__}") from None
     if writable and m.readonly:
         raise TypeError(f"{what} must be writable, got a read-only {type(obj).__name__}")
+    if not m.c_contiguous:
+        raise ValueError(f"{what} must be C-contiguous (a strided view or a transposed "
+                         "array is not; copy it with numpy.ascontiguousarray first)")
     if m.ndim == 1 and m.format == "B":
         return m
-    if not m.c_contiguous:
-        raise ValueError(f"{what} must be C-contiguous")
     return m.cast("B")
 
 

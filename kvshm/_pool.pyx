@@ -209,7 +209,7 @@ cdef class Pool:
         size : int
             Bytes of the data area, a positive multiple of ``block_size``.
         block_size : int
-            Bytes per block, a multiple of 4096 (default 64 KiB, DESIGN.md "Words").
+            Bytes per block, a multiple of 4096 (default 64 KiB, docs/DESIGN.md "Words").
         token : bytes, optional
             16 bytes recorded in the header (random by default).
         populate : bool

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import os
 import warnings
 from typing import Any, Callable, Sequence
@@ -46,7 +47,7 @@ from kvshm.errors import (
     ProtocolError,
     ServerUnavailable,
 )
-from kvshm.zmq_ctrl.channel import endpoint_of
+from kvshm.zmq_ctrl.channel import check_resolvable, endpoint_of
 from kvshm.zmq_ctrl.protocol import DecodeError, Op, Status, decode_reply, encode_request
 
 __all__ = ["AsyncClient"]
@@ -98,6 +99,7 @@ class _Conn:
         self.monitor: Any = None
         try:
             s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.IPV6, 1)
             s.setsockopt(zmq.ROUTING_ID, client._routing_id)
             if client._socket_setup is not None:
                 client._socket_setup(s)
@@ -181,6 +183,13 @@ class _Conn:
             except zmq.ZMQError as exc:
                 self.fail(ServerUnavailable, f"cannot send to kvshm server at "
                           f"{self.client._where(self.endpoint)}: {exc}")
+            except BaseException as exc:
+                # a frame failed after earlier parts went out: the socket holds a
+                # half-sent message the next send would complete; this connection is done
+                self.fail(ServerUnavailable, f"connection to kvshm server at "
+                          f"{self.client._where(self.endpoint)} dropped after a failed "
+                          f"send ({exc!r})")
+                raise
             return await fut
         finally:
             timer.cancel()
@@ -284,7 +293,7 @@ class AsyncClient:
                  curve_keypair: tuple[bytes, bytes] | str | None = None,
                  context: zmq.Context | None = None, rdma: Any = None,
                  copy_threshold: int = 1 << 20, copy_threads: int = 4) -> None:
-        if timeout <= 0:
+        if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
             raise ValueError(f"timeout must be > 0, got {timeout}")
         if copy_threads < 1:
             raise ValueError(f"copy_threads must be >= 1, got {copy_threads}")
@@ -292,6 +301,7 @@ class AsyncClient:
         self.timeout = float(timeout)
         self.copy_threshold = int(copy_threshold)
         self._base_endpoint = endpoint_of(address)
+        check_resolvable(self._base_endpoint)
         self._session = _Session(transport, lazy_commit, rdma)
         self._socket_setup = _curve_setup(curve_server_key, curve_keypair)
         if context is None:
@@ -403,6 +413,7 @@ class AsyncClient:
             grants.append((rid, req_op))
         st, rbody, rframes = await conn.request(req_op, body, frames, self._session.epoch,
                                                 rid)
+        self._session.note_reply(rbody)
         return _Reply(rid, st, rbody, rframes)
 
     async def _roundtrip(self, req: _Req, grants: list[tuple[int, int]]) -> _Reply:
@@ -711,3 +722,5 @@ class AsyncClient:
         a lazy commit came too late."""
         if self._session.piggyback_pending():
             await self._run(self._session.op_commit_flush())
+        else:
+            self._session.raise_lost_commits()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import logging
 import signal
 import sys
@@ -34,7 +35,7 @@ def _typed(conv: Callable[[str], Any], check: Callable[[Any], bool], what: str
 
 
 port_t = _typed(int, lambda v: 0 <= v <= 65535, "a port number (0-65535)")
-pos_float = _typed(float, lambda v: v > 0, "a number > 0")
+pos_float = _typed(float, lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
 ratio_t = _typed(float, lambda v: 0.0 <= v <= 1.0, "a ratio in [0, 1]")
 block_kib_t = _typed(int, lambda v: v >= 4 and v % 4 == 0, "a block size in KiB (>= 4, multiple of 4)")
 pos_int = _typed(int, lambda v: v > 0, "an integer > 0")
@@ -220,6 +221,7 @@ def cmd_ctl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     _setup_logging("WARNING")
     if args.action == "cleanup":
         removed = segments.cleanup(args.prefix, dry_run=args.dry_run)
+        removed += segments.cleanup_ipc_dirs(dry_run=args.dry_run)
         for name in removed:
             print(("would remove " if args.dry_run else "removed ") + name)
         if not removed:
@@ -230,7 +232,19 @@ def cmd_ctl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             print(f"{name}\t{'in use' if held else 'orphaned'}")
         return 0
     from kvshm.client import Client
+    from kvshm.security import load_public_key
+    from kvshm.zmq_ctrl.channel import endpoint_of
 
+    try:
+        endpoint_of(args.address)
+    except ValueError as exc:
+        parser.error(f"argument --address: {exc}")
+    for flag, value in (("--curve-server-key", args.curve_server_key),):
+        if value is not None:
+            try:
+                load_public_key(value)
+            except ValueError as exc:
+                parser.error(f"argument {flag}: {exc}")
     try:
         with Client(args.address, transport="tcp", timeout=args.timeout,
                     curve_server_key=args.curve_server_key,
@@ -264,7 +278,11 @@ def cmd_ctl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def cmd_keygen(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from kvshm.security import keygen
 
-    public, secret = keygen(args.directory, args.name)
+    try:
+        public, secret = keygen(args.directory, args.name, force=args.force)
+    except OSError as exc:
+        print(f"kvshm keygen: {exc}", file=sys.stderr)
+        return 1
     print(f"public key: {public}\nsecret key: {secret} (mode 0600; keep it on the server)")
     return 0
 
@@ -311,6 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("keygen", help="write a CurveZMQ key pair (DIR/NAME.key, .key_secret)")
     k.add_argument("directory")
     k.add_argument("--name", default="server")
+    k.add_argument("--force", action="store_true", help="replace an existing key pair")
     k.set_defaults(func=cmd_keygen, parser=k)
 
     try:

@@ -14,7 +14,9 @@ device, else TCP.
 
 from __future__ import annotations
 
+import collections
 import logging
+import math
 import os
 import socket
 from typing import Any, Callable, Generator, Iterable, NamedTuple, Sequence
@@ -27,6 +29,7 @@ from kvshm._pool import Pool
 from kvshm.errors import (
     CorruptValue,
     InvalidKey,
+    InvalidRequest,
     KeyNotFound,
     KvshmError,
     LeaseExpired,
@@ -37,7 +40,7 @@ from kvshm.errors import (
     ValueTooLarge,
 )
 from kvshm.movers import OneSidedMover, ShmMover
-from kvshm.zmq_ctrl.channel import Channel, endpoint_of
+from kvshm.zmq_ctrl.channel import Channel, check_resolvable, endpoint_of
 from kvshm.zmq_ctrl.frames import FrameLayoutError
 from kvshm.zmq_ctrl.frames import pack as pack_frames
 from kvshm.zmq_ctrl.frames import unpack as unpack_frames
@@ -49,6 +52,9 @@ log = logging.getLogger(__name__)
 
 Key = str | bytes
 TRANSPORTS = ("auto", "shm", "tcp", "rdma")
+#: A client maps a pool up to this size pre-faulted (MAP_POPULATE); larger ones fault
+#: pages in as they are first touched. 4 GiB costs a client 8 MiB of page tables.
+POPULATE_MAX_BYTES = 4 << 30
 
 
 class _Req(NamedTuple):
@@ -112,6 +118,7 @@ class _Session:
         self.epoch = 0
         self.hello: dict[str, Any] = {}
         self.limits = Limits()
+        self.max_message = 0        # bytes in one message the server takes (0: unknown)
         self.capacity = 0
         self.mover: OneSidedMover | None = None
         self.commits: list[int] = []
@@ -119,13 +126,19 @@ class _Session:
         self.releases: list[int] = []
         self.need_hello = True
         self._retired: list[OneSidedMover] = []
+        self.lazy_rids: "collections.OrderedDict[int, None]" = collections.OrderedDict()
+        self.lost_commits: list[int] = []   # lazily committed writes the server refused
         self.rdma_options = rdma   # kvshm.rdma.RdmaOptions or dict, for "rdma"/"auto"
         self.rdma: Any = None      # kvshm.rdma.ClientLink, made by kvshm.rdma on first use
 
     # ---------------------------------------------------------------- keys
 
     def keys(self, keys: Iterable[Key]) -> list[bytes]:
-        out: list[Any] = [k.encode() if type(k) is str else k for k in keys]
+        try:
+            out: list[Any] = [k.encode() if type(k) is str else k for k in keys]
+        except UnicodeEncodeError as exc:
+            raise InvalidKey(f"a str key must encode as UTF-8 ({exc}); pass bytes for "
+                             "arbitrary keys") from None
         limit = self.limits.max_key_bytes
         for i, k in enumerate(out):
             if type(k) is not bytes:
@@ -139,8 +152,12 @@ class _Session:
                 raise InvalidKey(f"key of {len(k)} bytes exceeds the server's limit of "
                                  f"{limit} bytes: {k[:32]!r}...")
         if len(out) > self.limits.max_batch:
-            raise KvshmError(f"batch of {len(out)} keys exceeds the server's limit of "
-                             f"{self.limits.max_batch}")
+            raise InvalidRequest(f"batch of {len(out)} keys exceeds the server's limit of "
+                                 f"{self.limits.max_batch}")
+        if self.max_message and sum(map(len, out)) + 8 * len(out) > self.max_message:
+            raise InvalidRequest(f"the {len(out)} keys of this batch take more than the "
+                                 f"{self.max_message} bytes the server takes in one "
+                                 "message; split the batch")
         return out
 
     # ---------------------------------------------------------------- piggyback
@@ -159,6 +176,24 @@ class _Session:
                 body[name] = body.get(name, []) + taken
         return body
 
+    def note_reply(self, body: dict[str, Any]) -> None:
+        """Keep the lazily committed writes a reply says were refused (their lease ran
+        out): the next put or :meth:`Client.flush` raises LeaseExpired for them."""
+        failed = body.get("commit_failed")
+        if failed:
+            for rid in failed:
+                if rid in self.lazy_rids:
+                    del self.lazy_rids[rid]
+                    self.lost_commits.append(rid)
+
+    def raise_lost_commits(self) -> None:
+        if self.lost_commits:
+            n = len(self.lost_commits)
+            self.lost_commits.clear()
+            raise LeaseExpired(f"{n} earlier write(s) committed lazily were refused by the "
+                               "server (their lease ran out before the COMMIT arrived); "
+                               "those keys were not stored")
+
     def piggyback_pending(self) -> bool:
         return bool(self.commits or self.aborts or self.releases)
 
@@ -166,6 +201,7 @@ class _Session:
 
     def hello_body(self) -> dict[str, Any]:
         body = {"client": f"{socket.gethostname()}:{os.getpid()}",
+                "host": socket.gethostname(), "pid": os.getpid(),
                 "version": PROTOCOL_VERSION, "transport": self.transport}
         if self.transport in ("rdma", "auto"):
             from kvshm import rdma
@@ -180,6 +216,7 @@ class _Session:
         same_server = int(h["epoch"]) == self.epoch
         self.epoch = int(h["epoch"])
         self.limits = Limits.from_wire(h["limits"])
+        self.max_message = int(h.get("max_message", 0))
         self.capacity = int(h["pool"]["size"])
         if not same_server:   # the same instance still holds the grants they name
             self.commits.clear()
@@ -194,7 +231,11 @@ class _Session:
         if t in ("auto", "shm"):
             pool_info = h["pool"]
             try:
-                pool = Pool.attach(pool_info["name"])
+                # Pre-fault the mapping (no page faults in the first copies) only for pools
+                # up to POPULATE_MAX_BYTES: beyond, every client would pay seconds and
+                # megabytes of page tables for memory it may never touch.
+                pool = Pool.attach(pool_info["name"],
+                                   populate=int(pool_info["size"]) <= POPULATE_MAX_BYTES)
             except (OSError, ValueError) as exc:
                 if t == "shm":
                     raise TransportError(
@@ -253,14 +294,22 @@ class _Session:
                                     f"takes at most {self.limits.max_value_bytes or self.capacity}")
         return views
 
-    @staticmethod
-    def raise_failures(keys: Sequence[bytes], statuses: Sequence[int], what: str) -> None:
+    def raise_failures(self, keys: Sequence[bytes], statuses: Sequence[int],
+                       what: str) -> None:
         failed = {keys[i]: Status(s) for i, s in enumerate(statuses) if s != Status.OK}
         if not failed:
             return
         first_key, first = next(iter(failed.items()))
         more = f" (and {len(failed) - 1} more keys)" if len(failed) > 1 else ""
-        exc = error_for(first, f"{what} of key {first_key!r} failed: {first.name}{more}")
+        why = first.name
+        if first == Status.QUOTA_EXCEEDED:
+            why += (": over this client's limit on uncommitted bytes (the server's "
+                    "--max-client-pending, default 3/4 of the pool); write smaller batches")
+        elif first == Status.POOL_FULL:
+            why += ": nothing left to evict (every entry is pinned or being written)"
+        elif first == Status.TOO_LARGE:
+            why += f": larger than the pool ({self.capacity} bytes)"
+        exc = error_for(first, f"{what} of key {first_key!r} failed: {why}{more}")
         exc.failed = failed  # type: ignore[attr-defined]
         raise exc
 
@@ -275,6 +324,7 @@ class _Session:
         ``to_pool(mover, offsets, indices)`` (copy values ``indices`` to ``offsets``).
         ``lazy`` overrides the session's ``lazy_commit`` for this call (kvshm.layerwise).
         """
+        self.raise_lost_commits()
         bkeys = self.keys(keys)
         src = _Buffers(bkeys, self._values(bkeys, values)) if source is None else source
         if not bkeys:
@@ -306,7 +356,11 @@ class _Session:
                     self.aborts.append(r.req_id)
                     raise
                 self.commits.append(r.req_id)
-                if not (self.lazy_commit if lazy is None else lazy):
+                if self.lazy_commit if lazy is None else lazy:
+                    self.lazy_rids[r.req_id] = None
+                    while len(self.lazy_rids) > 65536:   # old ones long settled
+                        self.lazy_rids.popitem(last=False)
+                else:
                     try:
                         c = yield _Req(Op.COMMIT, {}, stateful=True, retry_stale=False)
                     except _Restarted:
@@ -437,13 +491,9 @@ class _Session:
         return r.body
 
     def op_commit_flush(self) -> OpGen:
-        pending = list(self.commits)
         r = yield _Req(Op.COMMIT, {}, stateful=True, retry_stale=False)
         _check(r, "flush")
-        failed = [rid for rid in r.body.get("commit_failed", ()) if rid in pending]
-        if failed:
-            raise LeaseExpired(f"{len(failed)} lazily committed writes were reclaimed "
-                               "before their COMMIT arrived")
+        self.raise_lost_commits()    # note_reply saw this reply's commit_failed already
         return None
 
 
@@ -497,10 +547,11 @@ class Client:
                  curve_keypair: tuple[bytes, bytes] | str | None = None,
                  connect: bool = True, context: zmq.Context | None = None,
                  rdma: Any = None) -> None:
-        if timeout <= 0:
+        if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
             raise ValueError(f"timeout must be > 0, got {timeout}")
         self.address = address
         self._base_endpoint = endpoint_of(address)
+        check_resolvable(self._base_endpoint)
         self._session = _Session(transport, lazy_commit, rdma)
         self._chan = Channel(self._base_endpoint, timeout, context=context,
                              socket_setup=_curve_setup(curve_server_key, curve_keypair),
@@ -548,6 +599,7 @@ class Client:
                                          "during the operation")
                     rid, st, rbody, frames = self._chan.request(req.op, req.body, req.frames,
                                                                 epoch=s.epoch)
+                s.note_reply(rbody)
             except ServerUnavailable:
                 s.need_hello = True
                 raise
@@ -721,6 +773,8 @@ class Client:
         commit came too late."""
         if self._session.piggyback_pending():
             self._run(self._session.op_commit_flush())
+        else:
+            self._session.raise_lost_commits()
 
     def ping(self) -> dict[str, Any]:
         """Say HELLO again; returns the server's HELLO reply."""
@@ -750,6 +804,8 @@ class Client:
         try:
             if self._session.piggyback_pending() and not self._session.need_hello:
                 self._run(self._session.op_commit_flush())
+        except LeaseExpired as exc:
+            log.warning("kvshm client %s closed: %s", self.address, exc)
         except KvshmError as exc:
             log.debug("flush at close failed: %s", exc)
         self._closed = True

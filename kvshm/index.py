@@ -2,7 +2,7 @@
 
 The index is the only structure that knows which keys are visible. It sits behind this
 narrow interface (get / insert / remove / iterate from the LRU end) so that it can later
-move into the shared segment for same-host reads without a round trip (DESIGN.md,
+move into the shared segment for same-host reads without a round trip (docs/DESIGN.md,
 "Where speed comes from").
 """
 
@@ -99,9 +99,18 @@ class Index:
         return iter(self._d.values())
 
     def oldest_unpinned(self) -> Entry | None:
-        for e in self._d.values():
+        """The least recently used entry without pins, or None.
+
+        Pinned entries met at the old end are moved to the young end on the way (they
+        are being read, and a reader that holds pins long must not make every eviction
+        scan past them again): amortized O(1) per call, however many pins there are.
+        """
+        d = self._d
+        for _ in range(len(d)):
+            e = next(iter(d.values()))
             if e.pins == 0:
                 return e
+            d.move_to_end(e.key)
         return None
 
     def keys(self) -> Iterator[bytes]:

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import selectors
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -171,6 +172,7 @@ class ManageServer:
 
         class Handler(BaseHTTPRequestHandler):
             server_version = "kvshm-manage"
+            timeout = 10          # seconds a connection may sit idle or half-sent
 
             def log_message(self, fmt: str, *args: Any) -> None:
                 log.debug("manage %s - " + fmt, self.address_string(), *args)
@@ -197,7 +199,10 @@ class ManageServer:
                         rep = selftest(owner.client())
                         self._json(200 if rep["ok"] else 503, rep)
                     elif path in ("/", "/healthz"):
+                        owner.client().stats()       # the service loop answers
                         self._json(200, {"ok": True})
+                    elif path == "/purge":
+                        self._json(405, {"error": "use POST /purge"})
                     else:
                         self._json(404, {"error": f"no such path {path}"})
                 except Exception as exc:
@@ -215,7 +220,12 @@ class ManageServer:
                     self._json(503, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
 
         self.host = host
-        self._http = ThreadingHTTPServer((host, port), Handler)
+        server_cls = ThreadingHTTPServer
+        if ":" in host:                       # an IPv6 address
+            class _V6(ThreadingHTTPServer):
+                address_family = socket.AF_INET6
+            server_cls = _V6
+        self._http = server_cls((host.strip("[]"), port), Handler)
         self._http.daemon_threads = True
         self.port: int = self._http.server_address[1]
         self._thread: threading.Thread | None = None

@@ -1230,6 +1230,13 @@ def cmd_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         d = os.path.dirname(os.path.abspath(args.plot))
         if not os.path.isdir(d):
             parser.error(f"argument --plot: no such directory: {d}")
+    if args.ssd_path is not None and not args.ssd_gib:
+        parser.error("argument --ssd-path: needs --ssd-gib (the SSD tier's size)")
+    if args.shm_name is not None:
+        bare = args.shm_name.lstrip("/")
+        if not bare or "/" in bare or len(bare) > 250:
+            parser.error(f"argument --shm-name: {args.shm_name!r} is not a valid POSIX "
+                         "shared-memory name (1-250 characters, no '/')")
     opts = ReplayOptions(trace=args.trace, requests=args.requests,
                          block_bytes=args.block_bytes, pool_gib=args.pool_gib,
                          clients=args.clients, backend=args.backend, address=args.address,

@@ -36,10 +36,25 @@ def is_loopback(host: str) -> bool:
     return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
 
 
-def keygen(directory: str, name: str = "server") -> tuple[str, str]:
+def keygen(directory: str, name: str = "server", *, force: bool = False) -> tuple[str, str]:
     """Write a CurveZMQ key pair as ``DIR/NAME.key`` (public) and ``DIR/NAME.key_secret``
-    (secret, mode 0600). Returns both paths."""
+    (secret, mode 0600). Returns both paths.
+
+    Raises
+    ------
+    FileExistsError
+        A key pair of that name is there (``force`` replaces it: clients holding the old
+        public key are then refused).
+    OSError
+        ``directory`` cannot be made or written.
+    """
     os.makedirs(directory, mode=0o700, exist_ok=True)
+    existing = [p for p in (os.path.join(directory, name + ".key"),
+                            os.path.join(directory, name + ".key_secret"))
+                if os.path.exists(p)]
+    if existing and not force:
+        raise FileExistsError(f"{existing[0]} exists; replacing it locks out every client "
+                              "that has the old public key (use --force to do it anyway)")
     public, secret = zmq.auth.create_certificates(directory, name)
     os.chmod(secret, 0o600)
     return public, secret

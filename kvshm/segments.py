@@ -11,6 +11,11 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import shutil
+import socket
+import stat
+import tempfile
+import time
 
 __all__ = ["SHM_DIR", "hold", "is_held", "list_segments", "cleanup", "DEFAULT_PREFIX"]
 
@@ -78,6 +83,55 @@ def list_segments(prefix: str = DEFAULT_PREFIX) -> list[tuple[str, bool]]:
     except OSError:
         return []
     return [(n, is_held(n)) for n in names if n.startswith(prefix) and _is_pool(n)]
+
+
+def _ipc_dir_stale(path: str, grace: float = 60.0) -> bool:
+    """True when ``path`` (a server's private ipc directory) has no server behind it: its
+    socket refuses connections, or it has none and is older than ``grace`` seconds (a
+    server binds it right after making the directory)."""
+    sock_path = os.path.join(path, "service.sock")
+    if not os.path.exists(sock_path):
+        try:
+            return time.time() - os.stat(path).st_mtime > grace
+        except OSError:
+            return False
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.settimeout(1.0)
+        s.connect(sock_path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+    return False
+
+
+def cleanup_ipc_dirs(tmpdir: str | None = None, dry_run: bool = False) -> list[str]:
+    """Remove the private ipc directories (``$TMPDIR/kvshm-ipc-*``) of servers that are
+    gone (a SIGKILLed server cannot remove its own). Returns the paths removed."""
+    base = tmpdir or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return []
+    uid = os.getuid()
+    for n in names:
+        path = os.path.join(base, n)
+        if not n.startswith("kvshm-ipc-"):
+            continue
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or not _ipc_dir_stale(path):
+            continue
+        if not dry_run:
+            shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
 
 
 def cleanup(prefix: str = DEFAULT_PREFIX, dry_run: bool = False) -> list[str]:

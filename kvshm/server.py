@@ -14,6 +14,7 @@ import atexit
 import dataclasses
 import ipaddress
 import logging
+import math
 import os
 import shutil
 import signal
@@ -30,7 +31,7 @@ from kvshm import segments
 from kvshm._pool import Pool
 from kvshm.store import Store, StoreConfig
 from kvshm.zmq_ctrl.protocol import PROTOCOL_VERSION, Limits
-from kvshm.zmq_ctrl.router import ServiceLoop
+from kvshm.zmq_ctrl.router import ServiceLoop, bind, make_router
 
 __all__ = ["Server", "ServerConfig", "ConfigError", "GiB", "KiB"]
 
@@ -186,6 +187,11 @@ class ServerConfig:
                 continue
             if type(v) is not int or not 0 <= v <= 65535:
                 raise ConfigError(name, f"must be a port number 0-65535, got {v!r}")
+        for name in ("prealloc_size", "lease_timeout", "evict_interval",
+                     "evict_min_threshold", "evict_max_threshold"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ConfigError(name, f"must be a finite number, got {v!r}")
         if not self.prealloc_size > 0:
             raise ConfigError("prealloc_size", f"must be > 0 GiB, got {self.prealloc_size}")
         if type(self.block_size) is not int or self.block_size < 4 or self.block_size % 4:
@@ -222,6 +228,11 @@ class ServerConfig:
             raise ConfigError("host", f"{self.host} is not a loopback address: serving other "
                                       "hosts needs --curve-secret-key (see `kvshm keygen`) "
                                       "or an explicit --insecure")
+        if self.shm_name is not None:
+            bare = self.shm_name[1:] if self.shm_name.startswith("/") else self.shm_name
+            if not bare or "/" in bare or "\0" in bare or len(bare) > 250:
+                raise ConfigError("shm_name", f"{self.shm_name!r} is not a valid POSIX "
+                                              "shared-memory name (1-250 characters, no '/')")
         if self.max_key_bytes < 1:
             raise ConfigError("max_key_bytes", "must be >= 1")
         if self.max_batch < 1:
@@ -319,6 +330,7 @@ class Server:
         self._lock_fd = -1
         self._ipc_dir: str | None = None
         self._curve: Any = None
+        self._router: Any = None
         self.rdma: Any = None    # kvshm.rdma.server.ServerEndpoint with dev_name
         self._rdma_backend = rdma_backend   # a verbs double; tests only (never the CLI)
         self._started = False
@@ -335,16 +347,25 @@ class Server:
         cfg = self.config
         _tune_malloc()
         removed = segments.cleanup()
+        segments.cleanup_ipc_dirs()
         if removed:
             log.info("removed %d segment(s) left by dead servers: %s", len(removed),
                      ", ".join(removed))
         try:
             self._ctx = zmq.Context()
-            endpoints = [f"tcp://{_bracket(cfg.host)}:{cfg.service_port}"]
-            if cfg.ipc:
-                self._ipc_dir = tempfile.mkdtemp(prefix="kvshm-ipc-")
-                endpoints.append(f"ipc://{self._ipc_dir}/service.sock")
-            # Bind first so a taken port fails before the pool is allocated.
+            socket_setup = None
+            if cfg.curve_secret_key is not None:
+                from kvshm.security import CurveServer
+
+                self._curve = CurveServer(cfg.curve_secret_key, cfg.curve_allowed_clients,
+                                          self._ctx)
+                socket_setup = self._curve.setup
+            # Bind the service port first, so a taken port fails before the pool (and
+            # the RDMA registration) cost anything.
+            self._router = make_router(self._ctx, socket_setup,
+                                       max(cfg.pool_bytes, 256 << 20) + (1 << 20),
+                                       ipv6=":" in cfg.host)
+            bound = [bind(self._router, f"tcp://{_bracket(cfg.host)}:{cfg.service_port}")]
             store_cfg = StoreConfig(
                 lease_timeout=cfg.lease_timeout,
                 limits=Limits(cfg.max_key_bytes, cfg.max_batch, 0),
@@ -377,29 +398,29 @@ class Server:
                 "lease_timeout": cfg.lease_timeout,
                 "server": {"pid": os.getpid(), "host": socket.gethostname()},
                 "ipc": None,
+                "max_message": max(cfg.pool_bytes, 256 << 20) + (1 << 20),
             }
-            socket_setup = None
-            if cfg.curve_secret_key is not None:
-                from kvshm.security import CurveServer
-
-                self._curve = CurveServer(cfg.curve_secret_key, cfg.curve_allowed_clients,
-                                          self._ctx)
-                socket_setup = self._curve.setup
+            if self._curve is not None:
                 hello["curve_public_key"] = self._curve.public
+            if cfg.ipc:   # after the pool: its segment's lock marks the server alive
+                self._ipc_dir = tempfile.mkdtemp(prefix="kvshm-ipc-")
+                bound.append(bind(self._router, f"ipc://{self._ipc_dir}/service.sock"))
             # The management port's own client comes in over inproc, which CURVE does
             # not apply to (and which no other process can reach).
-            endpoints.append(f"inproc://kvshm-service-{self.epoch}")
+            bound.append(bind(self._router, f"inproc://kvshm-service-{self.epoch}"))
             periodic = None
             if cfg.enable_periodic_evict:
                 periodic = (cfg.evict_interval, cfg.evict_min_threshold,
                             cfg.evict_max_threshold)
-            self.loop = ServiceLoop(self.store, endpoints, hello, self.epoch,
+            self.loop = ServiceLoop(self.store, [], hello, self.epoch,
                                     periodic_evict=periodic, context=self._ctx,
-                                    socket_setup=socket_setup,
                                     hello_hook=(self.rdma.hello_hook
                                                 if self.rdma is not None else None),
                                     log_handshakes=socket_setup is not None,
-                                    max_frame_bytes=max(pool_bytes, 256 << 20) + (1 << 20))
+                                    sock=self._router, bound=bound)
+            self._router = None           # the loop owns it now
+            if self.rdma is not None:
+                self.store.reclaim_hook = self.rdma.drop
             if self.tier is not None:
                 self.tier.notify = self.loop.wake
             if cfg.ipc:
@@ -510,6 +531,9 @@ class Server:
             self.manage = None
         if self.loop is not None:
             self.loop.close()
+        if self._router is not None:      # set-up failed before the loop took it
+            self._router.close(0)
+            self._router = None
         if self.tier is not None:   # its I/O threads use pool memory: before the pool
             try:
                 if self.tier.persist and self.store is not None and self._clean_stop:

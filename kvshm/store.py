@@ -26,6 +26,7 @@ store never sees a file; see docs/SSD.md.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict, deque
@@ -83,7 +84,7 @@ class StoreConfig:
 
 
 class _Grant:
-    __slots__ = ("kind", "client", "entries", "deadline", "nbytes")
+    __slots__ = ("kind", "client", "entries", "deadline", "nbytes", "held")
 
     def __init__(self, kind: int, client: bytes, entries: list[Entry], deadline: float,
                  nbytes: int) -> None:
@@ -92,6 +93,17 @@ class _Grant:
         self.entries = entries
         self.deadline = deadline
         self.nbytes = nbytes
+        self.held = False        # lease ran out, but its live client may still copy
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:     # alive, another user's
+        return True
+    return True
 
 
 class ReadHold:
@@ -158,6 +170,11 @@ class Store:
         # Called with each entry about to be evicted (without a tier); the entry's
         # blocks are freed after the hook returns.
         self.evict_hook: Callable[[Entry], None] | None = None
+        # Called with a client id before its expired grants are reclaimed (the RDMA
+        # endpoint drops that client's QP); local clients' pids (register_client).
+        self.reclaim_hook: Callable[[bytes], Any] | None = None
+        self._local_pids: dict[bytes, int] = {}
+        self._held = 0
         # A tier below the pool (attach_tier); None: evicted entries are dropped.
         self.tier: Any = None
         self.clean_target = 0       # bytes the cleaner keeps free or clean
@@ -390,6 +407,8 @@ class Store:
 
     def _settle(self, gkey: tuple[bytes, int], g: _Grant, commit: bool) -> None:
         del self._grants[gkey]
+        if g.held:
+            self._held -= 1
         st = self._clients.get(g.client)
         if st is not None:
             st.grants -= 1
@@ -791,13 +810,17 @@ class Store:
         tier = self.tier
         victim = None
         busy = 0
+        read_pinned: list[Entry] = []
         for e in self.index.lru():
             if e.pins:          # readers, or a spill write in flight
                 m: Any = e.meta
                 if e.pins == 1 and m is not None and m.state == WRITING and not drop:
                     # the LRU entry is being written: evict it when written, not a
                     # newer one now (so entries reach the SSD in LRU order)
+                    self._touch_all(read_pinned)
                     return _WAIT
+                if m is None or m.state != WRITING:
+                    read_pinned.append(e)
                 continue
             if e.meta is not None or drop:
                 victim = e
@@ -812,10 +835,18 @@ class Store:
             busy += 1                   # the write queue is full: look for a clean one
             if busy >= _SCAN_LIMIT:
                 break
+        self._touch_all(read_pinned)
         if victim is None:
             return _WAIT if tier.io_in_flight else _NOTHING
         self._evict_entry(victim)
         return _EVICTED
+
+    def _touch_all(self, entries: list[Entry]) -> None:
+        # Entries pinned by readers met at the old end go to the young end, so the next
+        # eviction does not scan past them again (see Index.oldest_unpinned).
+        for e in entries:
+            if self.index.get(e.key) is e:
+                self.index.touch(e.key)
 
     def _evict_entry(self, e: Entry) -> None:
         self.index.remove(e.key)
@@ -908,8 +939,12 @@ class Store:
                 p.holds.append(hold)
                 hold.waiting += 1
             ready = False
-        # Allocate and queue the reads a job's worth at a time, so the disk starts on the
-        # first ones while room is made for the rest.
+        # The disk reads start now, into the tier's private buffers (checksums checked
+        # there); each entry below is then placed in new pool blocks (tier.read) or
+        # given up (tier.unreserve), and only then copied into the pool. Room is made a
+        # job's worth at a time (values larger than a job are read once placed).
+        if new:
+            tier.prefetch([se for _, se in new])
         step = max(1, MAX_JOB_BYTES // self.block_size)
         for c in range(0, len(new), step):
             chunk = new[c:c + step]
@@ -927,7 +962,7 @@ class Store:
                     if start < 0 and self._wait:
                         ready = False       # room comes when spills complete
                     continue                # else: the pool is pinned full; a miss
-                e = Entry(k, start, se.nblocks, se.size, None)
+                e = Entry(k, start, se.nblocks, se.size, se.checksum)   # xxh64, as the client's
                 p = promoting[k] = _Promotion(e, se)
                 tier.read(se, e)
                 hold.ssd_keys.add(k)
@@ -990,6 +1025,22 @@ class Store:
 
     # ------------------------------------------------------------------ leases
 
+    def register_client(self, client: bytes, pid: int | None) -> None:
+        """A client on this host said HELLO with its pid (None: remote, or unknown).
+
+        Lease expiry then reclaims that client's grants only once its process is gone:
+        a client that is merely stalled (a GC pause, SIGSTOP, a starved CPU) may still be
+        copying into or out of those blocks through its mapping of the pool, and reusing
+        them would hand its late bytes to another key. Its grants stay held (not visible,
+        not reused, counted in ``held_grants``) until it settles them or exits.
+        """
+        if pid is None:
+            self._local_pids.pop(client, None)
+        else:
+            self._local_pids[client] = pid
+            while len(self._local_pids) > 100_000:        # forget the oldest clients
+                self._local_pids.pop(next(iter(self._local_pids)))
+
     def expire(self, now: float | None = None) -> float | None:
         """Reclaim grants whose lease ran out. Returns the next deadline, or None."""
         if now is None:
@@ -1004,6 +1055,24 @@ class Store:
             if deadline > now:
                 return deadline
             leases.popleft()
+            pid = self._local_pids.get(g.client)
+            if pid is not None and _pid_alive(pid):
+                if not g.held:
+                    g.held = True
+                    self._held += 1
+                    log.warning("lease expired for %d entries of live client %s (pid %d): "
+                                "held, not reused, until it settles them or exits",
+                                len(g.entries), g.client.hex(), pid)
+                g.deadline = now + self.config.lease_timeout    # look again later
+                leases.append((g.deadline, gkey))
+                continue
+            if self.reclaim_hook is not None:
+                # a remote one-sided client (RDMA): cut its QP before its blocks are
+                # reused, so a late WRITE or READ fails at the NIC instead of landing
+                try:
+                    self.reclaim_hook(g.client)
+                except Exception:
+                    log.exception("reclaim hook failed for client %s", g.client.hex())
             if g.kind == _ALLOC:
                 self.counters["lease_expired_writes"] += 1
                 log.warning("lease expired: pending write of %d entries from client %s "
@@ -1060,6 +1129,7 @@ class Store:
             "usage": a.num_used / a.num_blocks,
             "clients": len(self._clients),
             "grants": len(self._grants),
+            "held_grants": self._held,
         }
         s.update(self.counters)
         if verify:

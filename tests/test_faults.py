@@ -295,3 +295,74 @@ def test_client_exception_mid_write_aborts_pending(tmp_path):
         assert c.exists_batch(["a", "b"]) == [False, False]
         c.put("a", b"ok")
         assert c.get("a") == b"ok"
+
+
+def test_stalled_live_client_keeps_its_blocks_past_the_lease():
+    """A client that is alive but stalled past the lease (GC pause, SIGSTOP) must not
+    have its blocks handed to another key: its late copy would corrupt that key."""
+    import threading
+
+    from kvshm.movers import ShmMover
+
+    with ServerProcess("--lease-timeout", "0.5", "--max-client-pending", "0",
+                       prealloc_size=1 / 256) as srv, \
+            Client(srv.address, transport="shm") as stalled, \
+            Client(srv.address, transport="shm") as other:
+        cap = other.stats()["capacity_bytes"]
+        orig_write, orig_read = ShmMover.write, ShmMover.read_into
+        gate = threading.Event()
+
+        def slow_write(self, *a):
+            if threading.current_thread().name == "stalled":
+                gate.wait(20)            # stalled after ALLOC, before the copy
+            return orig_write(self, *a)
+
+        def slow_read(self, *a):
+            if threading.current_thread().name == "stalled":
+                gate.wait(20)            # stalled after LOOKUP, before the copy
+            return orig_read(self, *a)
+
+        ShmMover.write, ShmMover.read_into = slow_write, slow_read
+        try:
+            other.put("mine", b"M" * 65536)
+            results = {}
+
+            def writer():
+                stalled.put("late", b"L" * 65536)
+                out = bytearray(65536)
+                stalled.get_into("mine", out)
+                results["read"] = bytes(out)
+
+            t = threading.Thread(target=writer, name="stalled")
+            t.start()
+            wait_for(lambda: other.stats()["pending"] == 1, what="the stalled ALLOC")
+            wait_for(lambda: other.stats()["held_grants"] == 1, what="the lease to expire")
+            # churn: fill the pool again and again while the writer is stalled
+            for i in range(3):
+                other.purge()
+                n = cap // 65536 - 2
+                other.put_batch([f"fill{j}" for j in range(n)],
+                                [bytes([i]) * 65536] * n)
+                assert other.get("fill3") == bytes([i]) * 65536
+            other.put("mine", b"M" * 65536)
+            gate.set()                   # the write resumes and is committed
+            # now stall the read: LOOKUP, lease runs out, the key is deleted and refilled
+            gate.clear()
+            wait_for(lambda: other.stats()["pinned"] >= 1, what="the stalled LOOKUP")
+            wait_for(lambda: other.stats()["held_grants"] == 1, what="the pin's lease")
+            assert other.get("late") == b"L" * 65536   # the held write was committed
+            other.delete(["mine"])
+            other.purge()
+            n = cap // 65536 - 2
+            other.put_batch([f"refill{j}" for j in range(n)], [b"X" * 65536] * n)
+            gate.set()
+            t.join(20)
+            assert results["read"] == b"M" * 65536     # the old bytes, intact
+            for j in range(0, n, 7):
+                assert other.get(f"refill{j}") == b"X" * 65536
+            stalled.flush()
+            s = other.stats(verify=True)
+            assert s["accounting_ok"] and s["held_grants"] == 0 and s["pending"] == 0
+        finally:
+            ShmMover.write, ShmMover.read_into = orig_write, orig_read
+            gate.set()

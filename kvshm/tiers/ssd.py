@@ -68,6 +68,16 @@ ALIGN = 4096
 #: the virtio disk measured, one 8 MiB read ran at 2.1 GB/s, 4 threads of 1 MiB at 1.4).
 MAX_JOB_BYTES = 8 * MiB
 MAX_JOB_ITEMS = 512
+#: A promotion read is started in pieces of at most this many bytes, each on its own
+#: worker: the checksum and the copy into the pool of one piece overlap the disk reads
+#: of the others (see :class:`_Prefetch`).
+READ_PIECE_BYTES = 2 * MiB
+#: Promotion reads in flight at once, started in the order they were queued (so the
+#: disk sees one sequential stream, as a plain sequential read does).
+READ_DEPTH = 2
+#: Seconds a prefetch waits for its destinations before giving them up (a safety net:
+#: the loop places every entry within the call that started the read).
+PLACE_TIMEOUT = 30.0
 
 # SsdEntry.state
 WRITING = 0
@@ -100,6 +110,52 @@ CHECK_INTERVAL = 1.0
 
 def _round_up(n: int, a: int) -> int:
     return -(-n // a) * a
+
+
+def _load_xxh64() -> Callable[[int, int, int], int] | None:
+    """``XXH64(address, length, seed)`` of the xxhash library that python-xxhash bundles,
+    called through ctypes, which releases the GIL for the call: python-xxhash's own
+    ``xxh64_intdigest`` holds it for inputs under about 1 MiB (measured: two threads
+    hashing 64 KiB values run no faster than one), so a worker checking the values of a
+    read would stall the loop thread meanwhile. None (python-xxhash is used) where the
+    symbol cannot be loaded or gives another result."""
+    if os.environ.get("KVSHM_SSD_CTYPES_XXH", "1") == "0":
+        return None
+    try:
+        import ctypes
+
+        from xxhash import _xxhash     # type: ignore[attr-defined]
+
+        fn = ctypes.CDLL(_xxhash.__file__).XXH64
+        fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_ulonglong)
+        fn.restype = ctypes.c_ulonglong
+        probe = (ctypes.c_char * 5000).from_buffer_copy(bytes(range(250)) * 20)
+        addr = ctypes.addressof(probe)
+        for a, n in ((0, 5000), (3, 4093), (17, 0)):
+            if fn(addr + a, n, 0) != xxhash.xxh64_intdigest(bytes(probe[a:a + n])):
+                raise ValueError("another result than python-xxhash")
+        return fn                                   # type: ignore[no-any-return]
+    except Exception as exc:   # noqa: BLE001 - any failure: the portable path
+        log.debug("SSD tier: XXH64 through ctypes not used (%s)", exc)
+        return None
+
+
+_XXH64 = _load_xxh64()
+
+
+def _buffer_address(mem: mmap.mmap) -> int:
+    """The address of a worker's private buffer (for :data:`_XXH64`); 0: unknown."""
+    if _XXH64 is None:
+        return 0
+    try:
+        import ctypes
+
+        c = ctypes.c_char.from_buffer(mem)
+        addr = ctypes.addressof(c)
+        del c           # no export left behind: the buffer can be closed
+        return addr
+    except Exception:   # noqa: BLE001
+        return 0
 
 
 @dataclass
@@ -207,7 +263,7 @@ class _Job:
             v.release()
         self.views = []
 
-    def run(self, bounce: memoryview | None) -> None:
+    def run(self, bounce: memoryview | None, addr: int = 0) -> None:
         try:
             if self.kind == "m":
                 self.payload()
@@ -216,7 +272,7 @@ class _Job:
             total = sum(v.nbytes for v in self.views)
             if self.direct and bounce is not None and total <= bounce.nbytes:
                 with bounce[:total] as buf:
-                    self._run_bounced(buf)
+                    self._run_bounced(buf, addr)
             elif self.kind == "w":
                 self.sums = [_xxh(v, se.size) for (se, _), v in
                              zip(self.items, self.views)]
@@ -232,7 +288,7 @@ class _Job:
         finally:
             self.release()
 
-    def _run_bounced(self, buf: memoryview) -> None:
+    def _run_bounced(self, buf: memoryview, addr: int = 0) -> None:
         """O_DIRECT through the worker's private buffer: the kernel pins anonymous pages
         much faster than shared-memory ones (measured: 1.9 vs 1.3 GB/s reading 8 MiB),
         and the copy to/from the pool (GIL released) costs a fraction of that. The
@@ -246,19 +302,138 @@ class _Job:
         for n in sizes:
             starts.append(pos)
             pos += n
+        xxh = _XXH64 if addr else None
         if self.kind == "w":
             pool.gather(offsets, sizes, buf)
-            self.sums = [_xxh_at(buf, a, se.size) for (se, _), a in zip(self.items, starts)]
+            if xxh is not None:
+                self.sums = [xxh(addr + a, se.size, 0) for (se, _), a in zip(self.items, starts)]
+            else:
+                self.sums = [_xxh_at(buf, a, se.size) for (se, _), a in zip(self.items, starts)]
             _pwritev_all(self.fd, [buf], self.offset)
             self.oks = [True] * len(self.items)
             return
         _preadv_all(self.fd, [buf], self.offset)
-        self.oks = [_xxh_at(buf, a, se.size) == se.checksum
-                    for (se, _), a in zip(self.items, starts)]
+        if xxh is not None:
+            self.oks = [xxh(addr + a, se.size, 0) == se.checksum
+                        for (se, _), a in zip(self.items, starts)]
+        else:
+            self.oks = [_xxh_at(buf, a, se.size) == se.checksum
+                        for (se, _), a in zip(self.items, starts)]
         keep = [i for i, ok in enumerate(self.oks) if ok]
         if keep:
             pool.scatter(buf, [offsets[i] for i in keep], [sizes[i] for i in keep],
                          [starts[i] for i in keep])
+
+
+class _Prefetch:
+    """A promotion read started before its pool blocks exist: one ``preadv`` of a run of
+    SSD-only entries adjacent in one file into the worker's private buffer, then the
+    checksum of every entry. Meanwhile the loop thread makes room in the pool and gives
+    each entry its destination (:meth:`place`: a pool Entry, or None when it could not
+    be placed or is no longer wanted); the worker copies the entries that passed their
+    checksum to their destinations only once every entry was given one, so pool blocks
+    are written only while the promotion owns them (allocated, not published)."""
+
+    __slots__ = ("kind", "fd", "path", "offset", "items", "dests", "oks", "error", "pool",
+                 "nbytes", "_left", "_lock", "_ready", "abandoned", "gate", "ticket")
+
+    def __init__(self, fd: int, path: str, offset: int, pool: Any) -> None:
+        self.kind = "r"
+        self.fd = fd
+        self.path = path
+        self.offset = offset
+        self.pool = pool
+        self.items: list[tuple[SsdEntry, Any]] = []     # (entry, pool Entry or None)
+        self.dests: list[Any] = []
+        self.oks: list[bool] = []
+        self.error: BaseException | None = None
+        self.nbytes = 0
+        self._left = 0
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self.abandoned = False
+        self.gate: _ReadGate | None = None     # set when queued
+        self.ticket = 0
+
+    def add(self, se: SsdEntry, io_len: int) -> None:
+        self.items.append((se, None))
+        self.dests.append(None)
+        self.nbytes += io_len
+        self._left += 1
+
+    def place(self, i: int, e: Any) -> bool:
+        """Item ``i`` goes to pool entry ``e`` (None: nowhere). False when the worker gave
+        up waiting (never in practice: the loop places every item within the call that
+        started the read); the caller then reads the entry again the ordinary way."""
+        with self._lock:
+            if self.abandoned:
+                return False
+            self.dests[i] = e
+            self.items[i] = (self.items[i][0], e)
+            self._left -= 1
+            if self._left == 0:
+                self._ready.set()
+            return True
+
+    def abandon(self) -> None:
+        with self._lock:
+            self.abandoned = True
+            self._ready.set()
+
+    def release(self) -> None:
+        pass
+
+    def run(self, bounce: memoryview | None, addr: int = 0) -> None:
+        items = self.items
+        try:
+            if bounce is None or self.nbytes > bounce.nbytes:
+                raise AssertionError("a prefetch larger than the I/O buffer")
+            with bounce[:self.nbytes] as buf:
+                gate = self.gate
+                if gate is not None:
+                    gate.enter(self.ticket)
+                try:
+                    _preadv_all(self.fd, [buf], self.offset)
+                finally:
+                    if gate is not None:
+                        gate.leave()
+                bs = self.pool.block_size
+                sums = []
+                pos = 0
+                xxh = _XXH64
+                if xxh is not None and addr:
+                    for se, _ in items:
+                        sums.append(xxh(addr + pos, se.size, 0) == se.checksum)
+                        pos += se.nblocks * bs
+                else:
+                    for se, _ in items:
+                        sums.append(_xxh_at(buf, pos, se.size) == se.checksum)
+                        pos += se.nblocks * bs
+                # Wait for the destinations (set by the loop thread while the disk read
+                # ran, so almost never a wait); bounded, in case the loop died.
+                deadline = time.monotonic() + PLACE_TIMEOUT
+                while not self._ready.wait(0.5):
+                    if time.monotonic() > deadline:
+                        self.abandon()
+                with self._lock:
+                    self.abandoned = True    # a late place() is refused from now on
+                    dests = list(self.dests)
+                self.oks = sums
+                offs, sizes, srcs = [], [], []
+                pos = 0
+                for (se, _), e, ok in zip(items, dests, sums):
+                    if e is not None and ok:
+                        offs.append(e.start * bs)
+                        sizes.append(se.size)
+                        srcs.append(pos)
+                    pos += se.nblocks * bs
+                if offs:
+                    self.pool.scatter(buf, offs, sizes, srcs)
+        except BaseException as exc:   # OSError from the disk; anything else is a bug
+            self.error = exc
+            with self._lock:
+                self.abandoned = True
+            self.oks = [False] * len(items)
 
 
 def _xxh_at(buf: memoryview, start: int, size: int) -> int:
@@ -308,6 +483,43 @@ def _preadv_all(fd: int, views: list[memoryview], offset: int) -> None:
         pos += n
 
 
+class _ReadGate:
+    """Prefetch reads start in the order they were queued, at most READ_DEPTH at once:
+    the disk sees one sequential stream (as a plain sequential read), while the workers
+    that finished their read check and copy it. A read never waits for anything but
+    the reads queued before it."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._issued = 0        # tickets handed out (under the pool's lock, in queue order)
+        self._next = 0          # the ticket allowed to start next
+        self._busy = 0
+        self._stop = False
+
+    def ticket(self) -> int:
+        t = self._issued
+        self._issued += 1
+        return t
+
+    def enter(self, t: int) -> None:
+        with self._cv:
+            while (t != self._next or self._busy >= READ_DEPTH) and not self._stop:
+                self._cv.wait()
+            if t == self._next:
+                self._next += 1
+            self._busy += 1
+
+    def leave(self) -> None:
+        with self._cv:
+            self._busy -= 1
+            self._cv.notify_all()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+
+
 class _IoPool:
     """Worker threads running jobs; reads (a client waits) go before writes, but a write
     gets every fourth turn so spills are never starved."""
@@ -319,6 +531,7 @@ class _IoPool:
         self._writes: deque[_Job] = deque()
         self._turn = 0
         self._stop = False
+        self._gate = _ReadGate()
         self._done = done
         self._wake = wake
         self._threads = [threading.Thread(target=self._run, name=f"kvshm-ssd-io-{i}",
@@ -326,8 +539,11 @@ class _IoPool:
         for t in self._threads:
             t.start()
 
-    def put(self, job: _Job) -> None:
+    def put(self, job: Any) -> None:
         with self._cv:
+            if type(job) is _Prefetch:
+                job.gate = self._gate
+                job.ticket = self._gate.ticket()
             (self._reads if job.kind == "r" else self._writes).append(job)
             self._cv.notify()
 
@@ -345,13 +561,14 @@ class _IoPool:
     def _run(self) -> None:
         # A private, page-aligned buffer for O_DIRECT jobs (see _Job._run_bounced).
         mem = mmap.mmap(-1, MAX_JOB_BYTES)
+        addr = _buffer_address(mem)
         bounce = memoryview(mem)
         try:
             while True:
                 job = self._take()
                 if job is None:
                     return
-                job.run(bounce)
+                job.run(bounce, addr)
                 self._done.put(job)
                 self._wake()
         finally:
@@ -367,6 +584,10 @@ class _IoPool:
             self._reads.clear()
             self._writes.clear()
             self._cv.notify_all()
+        self._gate.stop()       # reads queued behind dropped ones must not wait for them
+        for j in left:
+            if type(j) is _Prefetch:
+                j.abandon()
         for j in left:
             j.release()
         deadline = time.monotonic() + timeout
@@ -431,6 +652,9 @@ class SsdTier:
         self.reads_in_flight = 0
         self._wbatch: list[tuple[SsdEntry, Any, memoryview]] = []
         self._rbatch: list[tuple[SsdEntry, Any, memoryview]] = []
+        #: Entries whose read was started by :meth:`prefetch` and that were not yet
+        #: placed (:meth:`read`) or given up (:meth:`unreserve`): their job and index.
+        self._pending: dict[SsdEntry, tuple[_Prefetch, int]] = {}
         self._done: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._woken = False
         self._next_file = 0
@@ -801,13 +1025,70 @@ class SsdTier:
         se.io += 1
 
     def unreserve(self, se: SsdEntry) -> None:
+        p = self._pending.pop(se, None)
+        if p is not None:
+            p[0].place(p[1], None)      # its prefetch reads it for nothing
         se.io -= 1
         if se.state == DEAD and se.io == 0:
             self._free(se)
 
+    def prefetch(self, ses: list[SsdEntry]) -> None:
+        """Start reading reserved SSD-only entries now, before room is made for them in
+        the pool: into the workers' private buffers, checksums checked there. Each entry
+        must then be placed (:meth:`read`) or given up (:meth:`unreserve`) before the
+        loop thread turns to anything else; the copy into the pool waits for that.
+        Runs of entries adjacent on disk are read together, in pieces of at most
+        READ_PIECE_BYTES (a value larger than the buffer is read by :meth:`read`)."""
+        io = self._io
+        if io is None or not ses:
+            return
+        pending = self._pending
+        todo = []
+        for se in ses:
+            if se.state == STORED and se not in pending and se.nblocks * self.bs <= MAX_JOB_BYTES:
+                todo.append(se)
+        if not todo:
+            return
+        todo.sort(key=lambda x: (x.file, x.start))
+        bs = self.bs
+        files = self.files
+        pool = self.pool
+        job: _Prefetch | None = None
+        job_file = end = -1
+        last_whole = last_io = 0
+        jobs = []
+        for se in todo:
+            if se in pending:           # the same entry twice in the list
+                continue
+            whole = se.nblocks * bs
+            io_len = max(ALIGN, _round_up(se.size, ALIGN))
+            if (job is None or se.file != job_file or se.start != end
+                    or len(job.items) >= MAX_JOB_ITEMS
+                    or job.nbytes + (last_whole - last_io) + io_len > READ_PIECE_BYTES):
+                if job is not None:
+                    jobs.append(job)
+                f = files[se.file]
+                job = _Prefetch(f.fd, f.path, se.start * bs, pool)
+                job_file = se.file
+            else:
+                # the previous entry is no longer the last of the run: all its blocks
+                job.nbytes += last_whole - last_io
+            pending[se] = (job, len(job.items))
+            se.io += 1                  # the prefetch's own hold on the blocks
+            job.add(se, io_len)
+            last_whole, last_io = whole, io_len
+            end = se.start + se.nblocks
+        if job is not None:
+            jobs.append(job)
+        for j in jobs:
+            io.put(j)
+
     def read(self, se: SsdEntry, e: Any) -> None:
         """Read reserved ``se`` into the blocks of ``e`` (allocated, unpublished)."""
         self.reads_in_flight += 1
+        p = self._pending.pop(se, None)
+        if p is not None and p[0].place(p[1], e):
+            return                      # its prefetch copies it there
         view = self.pool.view(e.start * self.bs, e.nblocks * self.bs)
         self._rbatch.append((se, e, view))
 
@@ -919,6 +1200,9 @@ class SsdTier:
             if job.kind == "m":
                 self._manifest_done(job)
                 continue
+            if type(job) is _Prefetch:
+                self._prefetch_done(job, out)
+                continue
             if job.error is not None:
                 self._io_error(job)
             for i, (se, e) in enumerate(job.items):
@@ -927,6 +1211,19 @@ class SsdTier:
                 else:
                     ok = self._read_done(se, job.oks[i], job.error is not None)
                 out.append((job.kind, se, e, ok))
+
+    def _prefetch_done(self, job: _Prefetch,
+                       out: list[tuple[str, SsdEntry, Any, bool]]) -> None:
+        placed = [(i, se, e) for i, (se, e) in enumerate(job.items) if e is not None]
+        if job.error is not None and placed:
+            self._io_error(job)
+        io_error = job.error is not None
+        for se, _ in job.items:         # the prefetch's own hold
+            se.io -= 1
+            if se.state == DEAD and se.io == 0:
+                self._free(se)
+        for i, se, e in placed:
+            out.append(("r", se, e, self._read_done(se, job.oks[i], io_error)))
 
     def _write_done(self, se: SsdEntry, ok: bool, csum: int) -> bool:
         se.io -= 1
@@ -1122,6 +1419,9 @@ class SsdTier:
             if self._lock_fd >= 0:
                 os.close(self._lock_fd)
             return
+        for job, _ in list(self._pending.values()):
+            job.abandon()
+        self._pending.clear()
         for _, _, v in self._wbatch + self._rbatch:
             v.release()
         self._wbatch.clear()

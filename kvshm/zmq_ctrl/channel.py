@@ -9,7 +9,9 @@ the server can name this client's grants across reconnects.
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -32,6 +34,10 @@ def endpoint_of(address: str) -> str:
     """
     if address.startswith(("tcp://", "ipc://", "inproc://")):
         return address
+    if "://" in address:
+        raise ValueError(f"address must be 'host:port', 'tcp://host:port' or 'ipc://path', "
+                         f"got {address!r} (kvshm speaks ZeroMQ, not "
+                         f"{address.split('://', 1)[0]})")
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"address must be 'host:port', 'tcp://host:port' or "
@@ -39,6 +45,24 @@ def endpoint_of(address: str) -> str:
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return f"tcp://{host}:{port}"
+
+
+def check_resolvable(endpoint: str) -> None:
+    """Raise ServerUnavailable at once for a tcp endpoint whose host does not resolve
+    (instead of a timeout that blames the server)."""
+    if not endpoint.startswith("tcp://"):
+        return
+    host = endpoint[len("tcp://"):].rpartition(":")[0].strip("[]")
+    try:
+        ipaddress.ip_address(host)
+        return
+    except ValueError:
+        pass
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError as exc:
+        raise ServerUnavailable(f"cannot resolve the kvshm server's host {host!r}: "
+                                f"{exc}") from None
 
 
 class Channel:
@@ -78,6 +102,7 @@ class Channel:
         if self._sock is None:
             s = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.IPV6, 1)
             s.setsockopt(zmq.ROUTING_ID, self.routing_id)
             if self._setup is not None:
                 self._setup(s)
@@ -147,6 +172,11 @@ class Channel:
             self.reset()
             raise ServerUnavailable(f"cannot send to kvshm server at {self._where()}: "
                                     f"{exc}") from None
+        except BaseException:
+            # A frame failed after earlier parts went out with SNDMORE: this socket holds
+            # a half-sent message that the next send would complete. Drop the socket.
+            self.reset()
+            raise
         deadline = time.monotonic() + wait
         assert self._poller is not None
         while True:

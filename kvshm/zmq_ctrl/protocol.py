@@ -21,7 +21,7 @@ Wire format (ZeroMQ multipart, DEALER client -> ROUTER server)::
 * ``body`` is a map with short string keys. Any request may carry the lists
   ``commit``, ``abort`` and ``release`` (request ids of earlier ALLOC/LOOKUP grants):
   they are applied before the request itself, so COMMIT and RELEASE can ride on the next
-  request without a round trip of their own (DESIGN.md, "One protocol, three movers").
+  request without a round trip of their own (docs/DESIGN.md, "One protocol, three movers").
 * Payload frames carry value bytes for PUT (request) and GET (reply), in key order
   (hits only for GET). With ``sizes`` and ``counts`` in the body, a frame holds
   ``counts[i]`` consecutive values back to back (small values packed, large ones alone:

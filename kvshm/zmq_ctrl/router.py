@@ -23,7 +23,7 @@ import logging
 import os
 import time
 from bisect import bisect_left
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import zmq
 
@@ -98,6 +98,37 @@ def _list(body: dict[str, Any], name: str, *, ints: bool = False, optional: bool
     return v
 
 
+def make_router(ctx: zmq.Context, socket_setup: Callable[[zmq.Socket], None] | None = None,
+                max_frame_bytes: int = -1, ipv6: bool = False) -> zmq.Socket:
+    """The server's ROUTER socket with its options set, not bound yet (``ipv6``: to bind
+    an IPv6 address)."""
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    if ipv6:
+        sock.setsockopt(zmq.IPV6, 1)
+    if max_frame_bytes > 0:
+        sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+    if socket_setup is not None:
+        socket_setup(sock)
+    return sock
+
+
+def bind(sock: zmq.Socket, endpoint: str) -> str:
+    """Bind ``endpoint``; returns the bound address (the port chosen for port 0).
+
+    Raises
+    ------
+    OSError
+        The address is taken or cannot be bound, with the endpoint in the message.
+    """
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as exc:
+        raise OSError(exc.errno, f"cannot bind {endpoint}: {exc.strerror}") from None
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
 class ServiceLoop:
     """Serve the control protocol for one :class:`Store`.
 
@@ -124,26 +155,27 @@ class ServiceLoop:
                  socket_setup: Callable[[zmq.Socket], None] | None = None,
                  hello_hook: Callable[[bytes, dict[str, Any]], dict[str, Any]] | None = None,
                  context: zmq.Context | None = None, max_frame_bytes: int = -1,
-                 log_handshakes: bool = False) -> None:
+                 log_handshakes: bool = False, sock: zmq.Socket | None = None,
+                 bound: Sequence[str] = ()) -> None:
         self.store = store
         self.epoch = epoch
         self.hello = dict(hello)
+        # Bytes one peer may have pinned in zero-copy GET replies not yet sent (a peer
+        # that stops reading must not pin the pool): beyond it, replies are copied.
+        pinned_cap = store.config.max_client_pinned_bytes
+        self.zero_copy_cap = min(pinned_cap or store.pool.size, store.pool.size // 4)
+        self._zc_out: dict[bytes, int] = {}
         self.hello_hook = hello_hook
         self._periodic = periodic_evict
         self._ctx = context or zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        if max_frame_bytes > 0:
-            self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
-        if socket_setup is not None:
-            socket_setup(self._sock)
-        self.endpoints: list[str] = []
+        if sock is None:
+            sock = make_router(self._ctx, socket_setup, max_frame_bytes)
+        self._sock = sock
+        self.endpoints: list[str] = list(bound)
         try:
             for ep in endpoints:
-                self._sock.bind(ep)
-                self.endpoints.append(self._sock.getsockopt_string(zmq.LAST_ENDPOINT))
-        except zmq.ZMQError:
+                self.endpoints.append(bind(self._sock, ep))
+        except OSError:
             self._sock.close(0)
             raise
         self._monitor: zmq.Socket | None = None
@@ -158,7 +190,7 @@ class ServiceLoop:
         self._parked: list[_Parked] = []
         self._seen_progress = -1
         self._tier_deadline: float | None = None
-        self._sending: list[tuple[zmq.MessageTracker, list[Any]]] = []
+        self._sending: list[tuple[zmq.MessageTracker, list[Any], bytes]] = []
         self.latency = {op: [0] * len(LATENCY_BUCKETS) for op in Op}
         self.latency_sum = {op: 0.0 for op in Op}
         self.errors: dict[str, int] = {}
@@ -201,7 +233,7 @@ class ServiceLoop:
 
     def close(self) -> None:
         """Close the socket (after :meth:`run` returned). Unpins entries still in flight."""
-        for _, entries in self._sending:
+        for _, entries, _ in self._sending:
             self.store.unpin(entries)
         self._sending.clear()
         for p in self._parked:
@@ -281,7 +313,8 @@ class ServiceLoop:
             t = max(0.0, min(deadlines) - now)
         if self._sending:
             t = _STALE_CHECK_S if t is None else min(t, _STALE_CHECK_S)
-        return None if t is None else int(t * 1000) + 1
+        # at most an hour: a timer far away (or infinite) is looked at again then
+        return None if t is None else int(min(t, 3600.0) * 1000) + 1
 
     def _log_handshakes(self) -> None:
         from zmq.utils.monitor import recv_monitor_message
@@ -333,11 +366,16 @@ class ServiceLoop:
 
     def _reap_sends(self) -> None:
         keep = []
-        for tracker, entries in self._sending:
+        for tracker, entries, ident in self._sending:
             if tracker.done:
                 self.store.unpin(entries)
+                left = self._zc_out.get(ident, 0) - sum(e.size for e in entries)
+                if left > 0:
+                    self._zc_out[ident] = left
+                else:
+                    self._zc_out.pop(ident, None)
             else:
-                keep.append((tracker, entries))
+                keep.append((tracker, entries, ident))
         self._sending = keep
 
     # ------------------------------------------------------------------ dispatch
@@ -410,7 +448,9 @@ class ServiceLoop:
             if tracker is None:
                 self.store.unpin(on_sent)
             else:
-                self._sending.append((tracker, on_sent))
+                self._sending.append((tracker, on_sent, ident))
+                self._zc_out[ident] = (self._zc_out.get(ident, 0)
+                                       + sum(e.size for e in on_sent))
         dt = time.perf_counter() - t0
         self.latency[Op(op)][bisect_left(LATENCY_BUCKETS, dt)] += 1
         self.latency_sum[Op(op)] += dt
@@ -453,6 +493,9 @@ class ServiceLoop:
                   on_sent: list[Any]) -> tuple[int, dict[str, Any], list[Any]]:
         reply = dict(self.hello)
         reply["epoch"] = self.epoch
+        pid, host = body.get("pid"), body.get("host")
+        local = type(pid) is int and pid > 0 and host == self.hello.get("server", {}).get("host")
+        self.store.register_client(client, pid if local else None)
         if self.hello_hook is not None:
             reply.update(self.hello_hook(client, body))
         return Status.OK, reply, []
@@ -559,20 +602,20 @@ class ServiceLoop:
             return Status.INVALID_REQUEST, {"error": str(exc)}, []
         store = self.store
         if store.tier is None:
-            return self._get_reply(keys, on_sent, None)
+            return self._get_reply(keys, on_sent, None, client)
         hold = store.read_hold()
 
         def attempt(force: bool) -> tuple[int, dict[str, Any], list[Any]] | None:
             if not store.prepare_read(keys, hold, force):
                 return None
             try:
-                return self._get_reply(keys, on_sent, hold)
+                return self._get_reply(keys, on_sent, hold, client)
             finally:
                 store.release_hold(hold)
 
         return _attempt_now(attempt, lambda: store.release_hold(hold))
 
-    def _get_reply(self, keys: list[Any], on_sent: list[Any], hold: Any
+    def _get_reply(self, keys: list[Any], on_sent: list[Any], hold: Any, client: bytes
                    ) -> tuple[int, dict[str, Any], list[Any]]:
         entries, sums = self.store.pin_for_send(keys, hold)
         sizes = [e.size if e is not None else -1 for e in entries]
@@ -581,11 +624,18 @@ class ServiceLoop:
         counts: list[int] = []
         small: list[Any] = []
         bs = self.store.block_size
+        budget = self.zero_copy_cap - self._zc_out.get(client, 0)
         for first, count in plan_frames([e.size for e in hits]):
             group = hits[first:first + count]
-            if count == 1 and group[0].size >= PACK_BELOW:
+            if count == 1 and group[0].size >= PACK_BELOW and group[0].size <= budget:
                 out.append(self.store.view(group[0]))      # zero-copy, pinned until sent
                 on_sent.append(group[0])
+                budget -= group[0].size
+            elif count == 1 and group[0].size >= PACK_BELOW:
+                # this peer has too much unsent: copy (its replies then wait in memory,
+                # bounded by the socket's high-water mark, not in the pool)
+                out.append(bytes(self.store.view(group[0])))
+                small.append(group[0])
             else:                                           # small values: one packed copy
                 buf = bytearray(sum(e.size for e in group))
                 self.store.pool.gather([e.start * bs for e in group],
