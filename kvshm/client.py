@@ -140,6 +140,13 @@ class _Session:
             raise InvalidKey(f"a str key must encode as UTF-8 ({exc}); pass bytes for "
                              "arbitrary keys") from None
         limit = self.limits.max_key_bytes
+        if not out:
+            return out
+        if set(map(type, out)) == {bytes}:      # the common case, checked at C speed
+            lens = list(map(len, out))
+            if min(lens) > 0 and max(lens) <= limit:
+                self._check_batch(len(out), sum(lens))
+                return out
         for i, k in enumerate(out):
             if type(k) is not bytes:
                 if isinstance(k, (bytearray, memoryview)):
@@ -151,14 +158,17 @@ class _Session:
             if len(k) > limit:
                 raise InvalidKey(f"key of {len(k)} bytes exceeds the server's limit of "
                                  f"{limit} bytes: {k[:32]!r}...")
-        if len(out) > self.limits.max_batch:
-            raise InvalidRequest(f"batch of {len(out)} keys exceeds the server's limit of "
+        self._check_batch(len(out), sum(map(len, out)))
+        return out
+
+    def _check_batch(self, n: int, key_bytes: int) -> None:
+        if n > self.limits.max_batch:
+            raise InvalidRequest(f"batch of {n} keys exceeds the server's limit of "
                                  f"{self.limits.max_batch}")
-        if self.max_message and sum(map(len, out)) + 8 * len(out) > self.max_message:
-            raise InvalidRequest(f"the {len(out)} keys of this batch take more than the "
+        if self.max_message and key_bytes + 8 * n > self.max_message:
+            raise InvalidRequest(f"the {n} keys of this batch take more than the "
                                  f"{self.max_message} bytes the server takes in one "
                                  "message; split the batch")
-        return out
 
     # ---------------------------------------------------------------- piggyback
 
