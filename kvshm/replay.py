@@ -651,6 +651,28 @@ class _Pacer:
         self.shared[self.wid] = 1 << 62
 
 
+def _remove_stale_handoffs() -> None:
+    """Remove the request hand-off directories of replays that were killed (SIGKILL
+    leaves no chance to clean up): ``$TMPDIR/kvshm-replay-<pid>-*`` of dead pids."""
+    base = tempfile.gettempdir()
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return
+    for n in names:
+        parts = n.split("-")
+        if len(parts) < 4 or parts[:2] != ["kvshm", "replay"] or not parts[2].isdigit():
+            continue
+        try:
+            os.kill(int(parts[2]), 0)
+            continue                      # its replay is still running
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        shutil.rmtree(os.path.join(base, n), ignore_errors=True)
+
+
 def _worker_main(wid: int, k: int, spec: _BackendSpec, requests_file: str,
                  block_bytes: int, key_prefix: bytes, q: Any, go: Any,
                  parent: int, shared: Any, window: int | None) -> None:
@@ -725,7 +747,8 @@ def _run_processes(spec: _BackendSpec, requests: Sequence[Sequence[int]], k: int
     shared = ctx.Array("q", list(range(k)), lock=False)   # next unfinished request each
     procs = []
     shares: dict[int, _Share] = {}
-    tmpdir = tempfile.mkdtemp(prefix="kvshm-replay-")
+    _remove_stale_handoffs()
+    tmpdir = tempfile.mkdtemp(prefix=f"kvshm-replay-{os.getpid()}-")
     try:
         requests_file = os.path.join(tmpdir, "requests.pickle")
         with open(requests_file, "wb") as f:
