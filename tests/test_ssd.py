@@ -249,6 +249,121 @@ def test_concurrent_lookups_read_once(tiered):
     assert s["tiers"]["ssd"]["hits"] == 4
 
 
+def _wait_io_idle(t: Tiered, keys: list[bytes], timeout: float = 10.0) -> None:
+    """Run the loop's part until no job holds the SSD blocks of ``keys`` (prefetches
+    whose entries were not placed count too)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        t.woke.clear()
+        t.store.service()
+        ses = [t.tier._only.get(k) for k in keys]
+        if t.idle() and all(se is None or se.io == 0 for se in ses):
+            return
+        assert time.monotonic() < deadline, "SSD I/O did not complete"
+        t.woke.wait(0.2)
+
+
+def test_promotion_read_starts_before_room_and_never_writes_unplaced_blocks(tiered):
+    """The disk read of a promotion starts before room is made in the pool; an entry
+    that then finds no room is a miss, and its bytes never reach the pool."""
+    t = tiered(pool_blocks=16)
+    for i in range(40):
+        t.put(b"k%d" % i, bytes(value(i, BS)))
+    t.drain()
+    in_pool = [k for k in (b"k%d" % i for i in range(40)) if k in t.store.index]
+    assert len(in_pool) == 16 and t.tier.has(b"k0")
+    t.store.lookup(b"pin", 1, in_pool)                  # the whole pool pinned
+    before = t.pool.read_bytes(0, 16 * BS)
+    hold = t.store.read_hold()
+    assert t.store.prepare_read([b"k0"], hold)     # no room: answered now, as a miss
+    _wait_io_idle(t, [b"k0"])
+    assert t.pool.read_bytes(0, 16 * BS) == before
+    assert t.store.lookup(b"r", 2, [b"k0"], hold)[0] == [-1]
+    t.store.release_hold(hold)
+    s = t.check()
+    assert s["tiers"]["ssd"]["checksum_failures"] == 0
+    assert s["tiers"]["pool"]["promotions"] == 0 and t.tier.has(b"k0")
+    t.store.release(b"pin", [1])
+    assert t.get(b"k0") == bytes(value(0, BS))
+    t.check()
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_promotion_in_pieces(tiered, monkeypatch, depth):
+    """One request promotes many values of mixed sizes, read in small pieces in order
+    (the read gate), the same key twice, a key that is nowhere: all bytes right."""
+    monkeypatch.setattr(ssd_mod, "READ_PIECE_BYTES", 3 * BS)
+    monkeypatch.setattr(ssd_mod, "READ_DEPTH", depth)
+    t = tiered(pool_blocks=128, ssd_blocks=256, workers=3)
+    vals = {b"k%d" % i: bytes(value(i, BS * (1 + i % 3) - 7 * i)) for i in range(40)}
+    for k, v in vals.items():
+        t.put(k, v)
+    deadline = time.monotonic() + 10
+    while t.store.stats()["num_keys"]:    # EVICT 0: everything written down, then out
+        assert time.monotonic() < deadline
+        t.store.evict(0.0)
+        t.drain()
+    keys = list(vals) + [b"k3", b"nowhere"]
+    hold = t.store.read_hold()
+    deadline = time.monotonic() + 10
+    while not t.store.prepare_read(keys, hold):
+        assert time.monotonic() < deadline
+        t.woke.wait(0.2)
+        t.woke.clear()
+        t.store.service()
+    offsets, sizes, _ = t.store.lookup(b"r", 1, keys, hold)
+    t.store.release_hold(hold)
+    for k, off, size in zip(keys, offsets, sizes):
+        if k == b"nowhere":
+            assert off == -1
+        else:
+            assert t.pool.read_bytes(off, size) == vals[k], k
+    t.store.release(b"r", [1])
+    s = t.check()
+    assert s["tiers"]["pool"]["promotions"] == 40
+    assert s["tiers"]["ssd"]["checksum_failures"] == 0
+
+
+def test_prefetch_not_placed_in_time_falls_back(tiered, monkeypatch):
+    """A prefetch whose entries are not placed in time gives up (a safety net); the
+    entry is then read the ordinary way, with the right bytes."""
+    monkeypatch.setattr(ssd_mod, "PLACE_TIMEOUT", 0.2)
+    t = tiered(pool_blocks=16)
+    for i in range(40):
+        t.put(b"k%d" % i, bytes(value(i, BS)))
+    t.drain()
+    se = t.tier.lookup(b"k1")
+    t.tier.reserve(se)
+    t.tier.prefetch([se])
+    time.sleep(1.0)                       # the worker gave up waiting for a place
+    assert t.get(b"k1") == bytes(value(1, BS))
+    t.tier.unreserve(se)
+    _wait_io_idle(t, [b"k1"])
+    t.check()
+
+
+def test_close_with_prefetches_waiting(tiered, monkeypatch):
+    """Closing the tier while prefetches wait (for the disk, or for a place that will
+    never come) does not hang."""
+    gate = threading.Event()
+    real = ssd_mod._preadv_all
+    monkeypatch.setattr(ssd_mod, "_preadv_all",
+                        lambda fd, views, off: (gate.wait(10), real(fd, views, off)))
+    monkeypatch.setattr(ssd_mod, "READ_PIECE_BYTES", BS)
+    t = tiered(pool_blocks=16)
+    for i in range(40):
+        t.put(b"k%d" % i, bytes(value(i, BS)))
+    t.drain()
+    ses = [t.tier.lookup(b"k%d" % i) for i in range(8)]
+    for se in ses:
+        t.tier.reserve(se)
+    t.tier.prefetch(ses)                  # 8 pieces; the first reads wait at the gate
+    threading.Timer(0.3, gate.set).start()
+    t0 = time.monotonic()
+    t.close()
+    assert time.monotonic() - t0 < 5
+
+
 def test_overwrite_delete_purge_drop_the_ssd_copy(tiered):
     t = tiered(pool_blocks=16)
     for i in range(40):
