@@ -39,7 +39,7 @@ from typing import Any, Callable, Sequence
 import zmq
 import zmq.asyncio
 
-from kvshm.client import Key, OpGen, _curve_setup, _Reply, _Req, _Restarted, _Session
+from kvshm.client import IDLE_FLUSH_S, Key, OpGen, _curve_setup, _Reply, _Req, _Restarted, _Session
 from kvshm.errors import (
     AuthenticationFailed,
     KeyNotFound,
@@ -319,6 +319,8 @@ class AsyncClient:
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=copy_threads, thread_name_prefix="kvshm-aio-copy")
         self._closed = False
+        self._idle_handle: asyncio.TimerHandle | None = None
+        self._idle_tasks: set[asyncio.Task[None]] = set()
 
     # ---------------------------------------------------------------- plumbing
 
@@ -489,7 +491,31 @@ class AsyncClient:
                 done, val = await self._step_in_thread(gen, reply, grants)
             else:
                 done, val = _step(gen.send, reply)
+        self._arm_idle_flush()
         return val
+
+    def _arm_idle_flush(self) -> None:
+        # as Client: queued RELEASE/COMMIT go out by themselves once the client is idle
+        if self._closed or self._idle_handle is not None or \
+                not self._session.piggyback_pending():
+            return
+        loop = asyncio.get_running_loop()
+        self._idle_handle = loop.call_later(IDLE_FLUSH_S, self._idle_flush)
+
+    def _idle_flush(self) -> None:
+        self._idle_handle = None
+        if self._closed or not self._session.piggyback_pending():
+            return
+
+        async def flush() -> None:
+            try:
+                await self._run(self._session.op_simple(Op.COMMIT, {}, "flush"))
+            except Exception as exc:
+                log.debug("idle flush to %s failed: %s", self.address, exc)
+
+        task = asyncio.get_running_loop().create_task(flush())
+        self._idle_tasks.add(task)
+        task.add_done_callback(self._idle_tasks.discard)
 
     async def _step_in_thread(self, gen: OpGen, reply: _Reply,
                               grants: list[tuple[int, int]]) -> tuple[bool, Any]:
@@ -540,6 +566,9 @@ class AsyncClient:
         """
         if self._closed:
             return
+        if self._idle_handle is not None:
+            self._idle_handle.cancel()
+            self._idle_handle = None
         if self._loop is not None and self._loop is not asyncio.get_running_loop():
             self._close_now()      # from another loop: no flush, just let go
             return

@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import socket
+import threading
 from typing import Any, Callable, Generator, Iterable, NamedTuple, Sequence
 
 import xxhash
@@ -52,6 +53,8 @@ log = logging.getLogger(__name__)
 
 Key = str | bytes
 TRANSPORTS = ("auto", "shm", "tcp", "rdma")
+#: Seconds an idle client waits before it sends queued RELEASE/COMMIT on its own.
+IDLE_FLUSH_S = 0.05
 #: A client maps a pool up to this size pre-faulted (MAP_POPULATE); larger ones fault
 #: pages in as they are first touched. 4 GiB costs a client 8 MiB of page tables.
 POPULATE_MAX_BYTES = 4 << 30
@@ -567,6 +570,8 @@ class Client:
                              socket_setup=_curve_setup(curve_server_key, curve_keypair),
                              label=address)
         self._closed = False
+        self._timer: threading.Timer | None = None
+        self._timer_lock = threading.Lock()
         if connect:
             with self._chan.lock:
                 self._hello_locked()
@@ -633,6 +638,37 @@ class Client:
                 req = gen.send(reply)
         except StopIteration as stop:
             return stop.value
+        finally:
+            self._arm_idle_flush()
+
+    def _arm_idle_flush(self) -> None:
+        # RELEASE (and lazy COMMIT) ride on the next request; a client that goes idle
+        # sends them after IDLE_FLUSH_S so its pins do not outlive its reads (the server
+        # holds a live local client's grants past their lease).
+        if self._closed or not self._session.piggyback_pending():
+            return
+        with self._timer_lock:
+            if self._timer is None and not self._closed:
+                t = threading.Timer(IDLE_FLUSH_S, self._idle_flush)
+                t.daemon = True
+                t.name = "kvshm-idle-flush"
+                self._timer = t
+                t.start()
+
+    def _idle_flush(self) -> None:
+        with self._timer_lock:
+            self._timer = None
+        if self._closed or not self._session.piggyback_pending():
+            return
+        if self._chan.lock.locked():       # a call is under way: it carries them
+            self._arm_idle_flush()
+            return
+        try:
+            # a plain COMMIT: refused lazy commits are kept for the caller's next
+            # put/flush (note_reply), never swallowed here
+            self._run(self._session.op_simple(Op.COMMIT, {}, "flush"))
+        except Exception as exc:
+            log.debug("idle flush to %s failed: %s", self.address, exc)
 
     # ---------------------------------------------------------------- writes
 
@@ -819,6 +855,12 @@ class Client:
         except KvshmError as exc:
             log.debug("flush at close failed: %s", exc)
         self._closed = True
+        with self._timer_lock:
+            t, self._timer = self._timer, None
+        if t is not None:
+            t.cancel()
+            if t is not threading.current_thread():
+                t.join(5)
         with self._chan.lock:
             self._session.close()
             self._chan.close()

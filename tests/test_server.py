@@ -581,3 +581,29 @@ def test_list_keys(client):
     assert len(client.list_keys(b"lst/", limit=10, page=3)) == 10
     assert client.list_keys("nothing-here") == []
     assert set(client.list_keys()) >= {b"other"}
+
+
+@pytest.mark.parametrize("client", TRANSPORTS, indirect=True)
+def test_idle_client_lets_go_of_its_pins(client):
+    client.put_batch(["idle1", "idle2"], [b"a" * 70_000, b"b" * 70_000])
+    assert client.get_batch(["idle1", "idle2"])[0] == b"a" * 70_000
+    # no further call: the queued RELEASE goes out by itself (Client.IDLE_FLUSH_S)
+    with Client(client.address, transport="tcp") as probe:
+        deadline = time.monotonic() + 5
+        while probe.stats()["pins"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert probe.stats()["pins"] == 0
+
+
+def test_idle_async_client_lets_go_of_its_pins(server):
+    import asyncio
+
+    async def main():
+        async with kvshm.AsyncClient(server.address, transport="shm") as a:
+            await a.put("aidle", b"z" * 70_000)
+            await a.get("aidle")
+            await asyncio.sleep(0.3)
+            with Client(server.address, transport="tcp") as probe:
+                assert probe.stats()["pins"] == 0
+
+    asyncio.run(main())
