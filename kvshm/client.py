@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 Key = str | bytes
 TRANSPORTS = ("auto", "shm", "tcp", "rdma")
 #: Seconds an idle client waits before it sends queued RELEASE/COMMIT on its own.
-IDLE_FLUSH_S = 0.05
+IDLE_FLUSH_S = 0.1
 #: A client maps a pool up to this size pre-faulted (MAP_POPULATE); larger ones fault
 #: pages in as they are first touched. 4 GiB costs a client 8 MiB of page tables.
 POPULATE_MAX_BYTES = 4 << 30

@@ -602,7 +602,7 @@ def test_idle_async_client_lets_go_of_its_pins(server):
         async with kvshm.AsyncClient(server.address, transport="shm") as a:
             await a.put("aidle", b"z" * 70_000)
             await a.get("aidle")
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(0.5)
             with Client(server.address, transport="tcp") as probe:
                 assert probe.stats()["pins"] == 0
 
