@@ -173,27 +173,7 @@ def copy_to_pool(pool: Any, tensor: Any, pool_offsets: Any, sizes: Any,
     IndexError
         A piece outside the pool or the tensor (checked before any copy).
     """
-    torch = _torch()
-    if getattr(tensor, "device", None) is None or tensor.device.type != "cuda":
-        raise ValueError("copy_to_pool takes a CUDA tensor")
-    po, sz, bo = coalesce(pool_offsets, sizes, src_offsets)
-    src = _device_bytes(tensor)
-    _check_pieces(po, sz, bo, pool.size, src.numel())
-    register_pool(pool)
-    dst, view = _pool_bytes(torch, pool)
-    try:
-        with torch.cuda.device(tensor.device):
-            stream = torch.cuda.current_stream()
-            for o, s, b in zip(po.tolist(), sz.tolist(), bo.tolist()):
-                dst[o:o + s].copy_(src[b:b + s], non_blocking=True)
-            stream.synchronize()
-    finally:
-        del dst
-        try:
-            view.release()
-        except BufferError:   # torch still holds it: freed with the tensor
-            pass
-    return int(sz.sum())
+    return _copy(pool, tensor, pool_offsets, sizes, src_offsets, to_pool=True)
 
 
 def copy_from_pool(pool: Any, pool_offsets: Any, sizes: Any, tensor: Any,
@@ -201,22 +181,31 @@ def copy_from_pool(pool: Any, pool_offsets: Any, sizes: Any, tensor: Any,
     """Copy pool pieces into a CUDA ``tensor``: piece i is ``sizes[i]`` bytes from pool
     ``pool_offsets[i]`` to tensor byte ``dst_offsets[i]``. Raises as
     :func:`copy_to_pool`; returns after the copies completed."""
+    return _copy(pool, tensor, pool_offsets, sizes, dst_offsets, to_pool=False)
+
+
+def _copy(pool: Any, tensor: Any, pool_offsets: Any, sizes: Any, tensor_offsets: Any, *,
+          to_pool: bool) -> int:
     torch = _torch()
+    what = "copy_to_pool" if to_pool else "copy_from_pool"
     if getattr(tensor, "device", None) is None or tensor.device.type != "cuda":
-        raise ValueError("copy_from_pool takes a CUDA tensor")
-    po, sz, bo = coalesce(pool_offsets, sizes, dst_offsets)
-    dst = _device_bytes(tensor)
-    _check_pieces(po, sz, bo, pool.size, dst.numel())
+        raise ValueError(f"{what} takes a CUDA tensor")
+    po, sz, bo = coalesce(pool_offsets, sizes, tensor_offsets)
+    dev = _device_bytes(tensor)
+    _check_pieces(po, sz, bo, pool.size, dev.numel())
     register_pool(pool)
-    src, view = _pool_bytes(torch, pool)
+    host, view = _pool_bytes(torch, pool)
     try:
         with torch.cuda.device(tensor.device):
             stream = torch.cuda.current_stream()
             for o, s, b in zip(po.tolist(), sz.tolist(), bo.tolist()):
-                dst[b:b + s].copy_(src[o:o + s], non_blocking=True)
+                if to_pool:
+                    host[o:o + s].copy_(dev[b:b + s], non_blocking=True)
+                else:
+                    dev[b:b + s].copy_(host[o:o + s], non_blocking=True)
             stream.synchronize()
     finally:
-        del src
+        del host
         try:
             view.release()
         except BufferError:   # torch still holds it: freed with the tensor

@@ -431,6 +431,8 @@ class ServiceLoop:
         except _Malformed as exc:
             self._count_error("malformed")
             status, rbody, frames = Status.MALFORMED, {"error": str(exc)}, []
+        except _BatchTooLarge as exc:
+            status, rbody, frames = Status.INVALID_REQUEST, {"error": str(exc)}, []
         except Exception as exc:  # a bug: log it, answer, keep serving
             log.exception("internal error handling op %s", op)
             self._count_error("internal")
@@ -483,6 +485,11 @@ class ServiceLoop:
             if failed:
                 extra["commit_failed"] = failed
 
+    def _keys(self, body: dict[str, Any]) -> list[Any]:
+        keys = _list(body, "keys")
+        self._check_batch(keys)
+        return keys
+
     def _check_batch(self, keys: list[Any]) -> None:
         if len(keys) > self.store.config.limits.max_batch:
             raise _BatchTooLarge(len(keys), self.store.config.limits.max_batch)
@@ -508,10 +515,7 @@ class ServiceLoop:
         sums = body.get("sums")
         if sums is not None and (not isinstance(sums, list) or len(sums) != len(keys)):
             raise _Malformed("sums must be a list as long as keys")
-        try:
-            self._check_batch(keys)
-        except _BatchTooLarge as exc:
-            return Status.INVALID_REQUEST, {"error": str(exc)}, []
+        self._check_batch(keys)
         store = self.store
         if store.tier is None:
             offsets, statuses = store.alloc_entries(client, req_id, keys, sizes,  # type: ignore[misc]
@@ -532,25 +536,8 @@ class ServiceLoop:
         return Status.OK, {}, []
 
     def _on_lookup(self, client, req_id, body, frames, on_sent):
-        keys = _list(body, "keys")
-        try:
-            self._check_batch(keys)
-        except _BatchTooLarge as exc:
-            return Status.INVALID_REQUEST, {"error": str(exc)}, []
-        store = self.store
-        if store.tier is None:
-            return self._lookup_reply(client, req_id, keys, None)
-        hold = store.read_hold()
-
-        def attempt(force: bool) -> tuple[int, dict[str, Any], list[Any]] | None:
-            if not store.prepare_read(keys, hold, force):
-                return None
-            try:
-                return self._lookup_reply(client, req_id, keys, hold)
-            finally:
-                store.release_hold(hold)
-
-        return _attempt_now(attempt, lambda: store.release_hold(hold))
+        keys = self._keys(body)
+        return self._read(keys, lambda hold: self._lookup_reply(client, req_id, keys, hold))
 
     def _lookup_reply(self, client: bytes, req_id: int, keys: list[Any], hold: Any
                       ) -> tuple[int, dict[str, Any], list[Any]]:
@@ -580,10 +567,7 @@ class ServiceLoop:
         sums = body.get("sums")
         if sums is not None and (not isinstance(sums, list) or len(sums) != len(keys)):
             raise _Malformed("sums must be a list as long as keys")
-        try:
-            self._check_batch(keys)
-        except _BatchTooLarge as exc:
-            return Status.INVALID_REQUEST, {"error": str(exc)}, []
+        self._check_batch(keys)
         store = self.store
         if store.tier is None:
             return Status.OK, {"st": store.put(keys, frames, sums)}, []
@@ -595,21 +579,24 @@ class ServiceLoop:
         return _attempt_now(attempt)
 
     def _on_get(self, client, req_id, body, frames, on_sent):
-        keys = _list(body, "keys")
-        try:
-            self._check_batch(keys)
-        except _BatchTooLarge as exc:
-            return Status.INVALID_REQUEST, {"error": str(exc)}, []
+        keys = self._keys(body)
+        return self._read(keys, lambda hold: self._get_reply(keys, on_sent, hold, client))
+
+    def _read(self, keys: list[Any], reply: Callable[[Any], tuple[int, dict[str, Any],
+                                                                  list[Any]]]
+              ) -> tuple[int, dict[str, Any], list[Any]]:
+        """Answer a read with ``reply(hold)``; with a tier, first promote what lives only
+        below (the request is parked until it is in the pool)."""
         store = self.store
         if store.tier is None:
-            return self._get_reply(keys, on_sent, None, client)
+            return reply(None)
         hold = store.read_hold()
 
         def attempt(force: bool) -> tuple[int, dict[str, Any], list[Any]] | None:
             if not store.prepare_read(keys, hold, force):
                 return None
             try:
-                return self._get_reply(keys, on_sent, hold, client)
+                return reply(hold)
             finally:
                 store.release_hold(hold)
 
@@ -650,27 +637,15 @@ class ServiceLoop:
         return Status.OK, rbody, out
 
     def _on_exists(self, client, req_id, body, frames, on_sent):
-        keys = _list(body, "keys")
-        try:
-            self._check_batch(keys)
-        except _BatchTooLarge as exc:
-            return Status.INVALID_REQUEST, {"error": str(exc)}, []
+        keys = self._keys(body)
         return Status.OK, {"found": self.store.exists(keys)}, []
 
     def _on_match_prefix(self, client, req_id, body, frames, on_sent):
-        keys = _list(body, "keys")
-        try:
-            self._check_batch(keys)
-        except _BatchTooLarge as exc:
-            return Status.INVALID_REQUEST, {"error": str(exc)}, []
+        keys = self._keys(body)
         return Status.OK, {"n": self.store.match_prefix(keys)}, []
 
     def _on_delete(self, client, req_id, body, frames, on_sent):
-        keys = _list(body, "keys")
-        try:
-            self._check_batch(keys)
-        except _BatchTooLarge as exc:
-            return Status.INVALID_REQUEST, {"error": str(exc)}, []
+        keys = self._keys(body)
         return Status.OK, {"n": self.store.delete(keys)}, []
 
     def _on_evict(self, client, req_id, body, frames, on_sent):
