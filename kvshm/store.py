@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 
 from kvshm._bitmap import BitmapAllocator
 from kvshm._pool import Pool
-from kvshm.index import DEAD, LIVE, PENDING, Entry, Index
+from kvshm.index import DEAD, LIVE, Entry, Index
 from kvshm.tiers.ssd import MAX_JOB_BYTES, SPILL_BUSY, SPILL_REFUSED, SPILL_STARTED, WRITING
 from kvshm.zmq_ctrl.protocol import Limits, Status
 

@@ -307,7 +307,7 @@ def test_a_silent_nic_times_out_then_reconnects(server, cverbs):
 
 
 def test_lazy_commits_survive_a_reconnect(server, cverbs):
-    with rdma_client(server, cverbs, max_sge=1) as c, \
+    with rdma_client(server, cverbs, max_sge=1), \
             Client(server.address, transport="tcp") as t:
         c2 = Client(server.address, transport="rdma", timeout=10, lazy_commit=True,
                     rdma=RdmaOptions(backend=cverbs))

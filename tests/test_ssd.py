@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -22,7 +21,6 @@ import urllib.request
 import numpy as np
 import pytest
 
-import kvshm
 from kvshm import Client, Pool
 from kvshm.server import ConfigError, Server
 from kvshm.store import Store, StoreConfig
