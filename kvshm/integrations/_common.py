@@ -336,7 +336,25 @@ def put_framed(client: Any, keys: Sequence[Any], headers: Sequence[bytes],
     put_pieces(client, keys, [(h, p) for h, p in zip(headers, payloads)])
 
 
-class _PiecesSink:
+class _PrefixGate:
+    """Prefix semantics for hits that arrive one by one over TCP: with ``prefix``, only
+    the leading run of keys is taken; a gap (a miss, a refused value) ends it."""
+
+    prefix: bool
+    _next: int
+    _stopped: bool
+
+    def _in_prefix(self, i: int) -> bool:
+        if not self.prefix:
+            return True
+        if self._stopped or i != self._next:
+            self._stopped = True
+            return False
+        self._next = i + 1
+        return True
+
+
+class _PiecesSink(_PrefixGate):
     """Hits of a lookup copied into several destination pieces per key."""
 
     def __init__(self, keys: list[bytes], outs: Sequence[Sequence[memoryview]],
@@ -381,11 +399,8 @@ class _PiecesSink:
             mover.read_into(offs, lens, views, ks)
 
     def from_frame(self, i: int, buf: Any) -> None:
-        if self.prefix:
-            if self._stopped or i != self._next:
-                self._stopped = True
-                return
-            self._next = i + 1
+        if not self._in_prefix(i):
+            return
         m = memoryview(buf).cast("B")
         if not self._size_ok(i, m.nbytes):
             self._stopped = True
@@ -434,7 +449,7 @@ def get_pieces_into(client: Any, keys: Sequence[Any], outs: Sequence[Sequence[me
 Allocator = Callable[[ChunkHeader, int], "tuple[Any, memoryview] | None"]
 
 
-class _FramedSink:
+class _FramedSink(_PrefixGate):
     """Hits of a lookup: parse each header, allocate the destination, copy the payload
     once from the pool into it."""
 
@@ -534,11 +549,8 @@ class _FramedSink:
             raise
 
     def _from_frame(self, i: int, buf: Any) -> None:
-        if self.prefix:
-            if self._stopped or i != self._next:
-                self._stopped = True
-                return
-            self._next = i + 1
+        if not self._in_prefix(i):
+            return
         m = memoryview(buf).cast("B")
         h = self._header(i, m, m.nbytes)
         view = self._alloc(i, h) if h is not None else None
