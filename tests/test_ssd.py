@@ -25,6 +25,7 @@ from kvshm import Client, Pool
 from kvshm.server import ConfigError, Server
 from kvshm.store import Store, StoreConfig
 from kvshm.tiers import ssd as ssd_mod
+from kvshm.tiers.ssd import workers as ssd_io
 from kvshm.tiers import SsdConfig, SsdTier
 from kvshm.zmq_ctrl.protocol import Limits, Status
 from servers import ServerProcess
@@ -176,13 +177,13 @@ def test_entry_readable_while_its_spill_is_in_flight(tiered, monkeypatch):
     """The blocks of an entry being written are never reused, and it stays readable;
     an ALLOC that needs them is deferred (not refused, not spinning)."""
     gate = threading.Event()
-    real = ssd_mod._pwritev_all
+    real = ssd_io.pwritev_all
 
     def slow(fd, views, offset):
         gate.wait(10)
         real(fd, views, offset)
 
-    monkeypatch.setattr(ssd_mod, "_pwritev_all", slow)
+    monkeypatch.setattr(ssd_io, "pwritev_all", slow)
     t = tiered(pool_blocks=16, clean_blocks=0)
     for i in range(16):
         t.put(b"k%d" % i, bytes(value(i, BS)))
@@ -205,8 +206,8 @@ def test_entry_readable_while_its_spill_is_in_flight(tiered, monkeypatch):
 
 def test_forced_alloc_drops_when_spills_hang(tiered, monkeypatch):
     gate = threading.Event()
-    real = ssd_mod._pwritev_all
-    monkeypatch.setattr(ssd_mod, "_pwritev_all",
+    real = ssd_io.pwritev_all
+    monkeypatch.setattr(ssd_io, "pwritev_all",
                         lambda fd, views, off: (gate.wait(10), real(fd, views, off)))
     t = tiered(pool_blocks=16, clean_blocks=0, queue_blocks=2)
     for i in range(16):
@@ -290,8 +291,8 @@ def test_promotion_read_starts_before_room_and_never_writes_unplaced_blocks(tier
 def test_promotion_in_pieces(tiered, monkeypatch, depth):
     """One request promotes many values of mixed sizes, read in small pieces in order
     (the read gate), the same key twice, a key that is nowhere: all bytes right."""
-    monkeypatch.setattr(ssd_mod, "READ_PIECE_BYTES", 3 * BS)
-    monkeypatch.setattr(ssd_mod, "READ_DEPTH", depth)
+    monkeypatch.setattr(ssd_io, "READ_PIECE_BYTES", 3 * BS)
+    monkeypatch.setattr(ssd_io, "READ_DEPTH", depth)
     t = tiered(pool_blocks=128, ssd_blocks=256, workers=3)
     vals = {b"k%d" % i: bytes(value(i, BS * (1 + i % 3) - 7 * i)) for i in range(40)}
     for k, v in vals.items():
@@ -325,7 +326,7 @@ def test_promotion_in_pieces(tiered, monkeypatch, depth):
 def test_prefetch_not_placed_in_time_falls_back(tiered, monkeypatch):
     """A prefetch whose entries are not placed in time gives up (a safety net); the
     entry is then read the ordinary way, with the right bytes."""
-    monkeypatch.setattr(ssd_mod, "PLACE_TIMEOUT", 0.2)
+    monkeypatch.setattr(ssd_io, "PLACE_TIMEOUT", 0.2)
     t = tiered(pool_blocks=16)
     for i in range(40):
         t.put(b"k%d" % i, bytes(value(i, BS)))
@@ -344,10 +345,10 @@ def test_close_with_prefetches_waiting(tiered, monkeypatch):
     """Closing the tier while prefetches wait (for the disk, or for a place that will
     never come) does not hang."""
     gate = threading.Event()
-    real = ssd_mod._preadv_all
-    monkeypatch.setattr(ssd_mod, "_preadv_all",
+    real = ssd_io.preadv_all
+    monkeypatch.setattr(ssd_io, "preadv_all",
                         lambda fd, views, off: (gate.wait(10), real(fd, views, off)))
-    monkeypatch.setattr(ssd_mod, "READ_PIECE_BYTES", BS)
+    monkeypatch.setattr(ssd_io, "READ_PIECE_BYTES", BS)
     t = tiered(pool_blocks=16)
     for i in range(40):
         t.put(b"k%d" % i, bytes(value(i, BS)))
@@ -580,7 +581,7 @@ def test_read_error_is_a_miss_with_a_log_line(server_factory, monkeypatch, caplo
         def eio(fd, views, offset):
             raise OSError(5, "Input/output error")
 
-        monkeypatch.setattr(ssd_mod, "_preadv_all", eio)
+        monkeypatch.setattr(ssd_io, "preadv_all", eio)
         with caplog.at_level(logging.ERROR, logger="kvshm.tiers.ssd"):
             assert c.get_batch(["e0", "e99"]) == [None, bytes(value(99, MiB))]
         monkeypatch.undo()
@@ -597,7 +598,7 @@ def test_write_errors_keep_serving(server_factory, monkeypatch, caplog):
     def eio(fd, views, offset):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ssd_mod, "_pwritev_all", eio)
+    monkeypatch.setattr(ssd_io, "pwritev_all", eio)
     with caplog.at_level(logging.ERROR, logger="kvshm.tiers.ssd"), \
             Client(srv.address, timeout=30) as c:
         for b in range(0, 160, 8):
@@ -659,7 +660,7 @@ def test_no_o_direct_falls_back_to_buffered_io(server_factory, monkeypatch, capl
             raise OSError(22, "Invalid argument")
         return real_open(path, flags, *a, **kw)
 
-    monkeypatch.setattr(ssd_mod.os, "open", open_no_direct)
+    monkeypatch.setattr(os, "open", open_no_direct)
     with caplog.at_level(logging.WARNING, logger="kvshm.tiers.ssd"):
         srv = server_factory(ssd_size=0.125)
     monkeypatch.undo()
