@@ -8,40 +8,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import logging
 import signal
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
+
+from kvshm.cliargs import (block_kib_t, ib_port_t, nonneg_float, nonneg_int, port_t,
+                           pos_float, pos_int, ratio_t)
 
 __all__ = ["main"]
 
 log = logging.getLogger("kvshm")
-
-
-def _typed(conv: Callable[[str], Any], check: Callable[[Any], bool], what: str
-           ) -> Callable[[str], Any]:
-    def parse(text: str) -> Any:
-        try:
-            v = conv(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-        if not check(v):
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
-        return v
-
-    parse.__name__ = what
-    return parse
-
-
-port_t = _typed(int, lambda v: 0 <= v <= 65535, "a port number (0-65535)")
-pos_float = _typed(float, lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
-ratio_t = _typed(float, lambda v: 0.0 <= v <= 1.0, "a ratio in [0, 1]")
-block_kib_t = _typed(int, lambda v: v >= 4 and v % 4 == 0, "a block size in KiB (>= 4, multiple of 4)")
-pos_int = _typed(int, lambda v: v > 0, "an integer > 0")
-nonneg_int = _typed(int, lambda v: v >= 0, "an integer >= 0")
-nonneg_float = _typed(float, lambda v: v >= 0, "a number >= 0")
-ib_port_t = _typed(int, lambda v: 1 <= v <= 255, "a port number (1-255)")
 
 
 def _link_type(text: str) -> str:
@@ -332,12 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--force", action="store_true", help="replace an existing key pair")
     k.set_defaults(func=cmd_keygen, parser=k)
 
-    try:
-        from kvshm import replay
-    except ImportError:  # pragma: no cover
-        pass
-    else:
-        replay.add_parser(sub)
+    from kvshm.replay.cli import add_parser as add_replay_parser
+
+    add_replay_parser(sub)
     return p
 
 

@@ -189,7 +189,7 @@ def test_replay_three_free_clients_over_tcp(shm_name: str) -> None:
 
 
 def test_pacer_lets_the_oldest_request_go() -> None:
-    from kvshm.replay import _Pacer
+    from kvshm.replay.clients import Pacer as _Pacer
 
     shared = [0, 1, 2]                       # next unfinished request of 3 clients
     p = _Pacer(shared, wid=2, k=3, window=4, parent=os.getppid())

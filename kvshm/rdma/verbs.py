@@ -35,7 +35,7 @@ from types import SimpleNamespace
 from typing import Any, Protocol, Sequence
 
 from kvshm.rdma import constants as C
-from kvshm.rdma.device import DeviceCaps, GidEntry, PortInfo, no_device_cause
+from kvshm.rdma.ports import DeviceCaps, GidEntry, PortInfo, no_device_cause
 from kvshm.rdma.errors import DeviceError, PostError, RdmaError
 from kvshm.rdma.qp import QpAttrs
 from kvshm.rdma.wr import WorkRequest
