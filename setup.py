@@ -1,4 +1,5 @@
-"""Build the Cython core (kvshm._bitmap, kvshm._pool); metadata lives in pyproject.toml."""
+"""Build the Cython core (kvshm._bitmap, kvshm._pool, kvshm._shmindex); metadata lives in
+pyproject.toml."""
 
 from Cython.Build import cythonize
 from setuptools import Extension, setup
@@ -6,6 +7,7 @@ from setuptools import Extension, setup
 extensions = [
     Extension("kvshm._bitmap", ["kvshm/_bitmap.pyx"], extra_compile_args=["-O3"]),
     Extension("kvshm._pool", ["kvshm/_pool.pyx"], extra_compile_args=["-O3"]),
+    Extension("kvshm._shmindex", ["kvshm/_shmindex.pyx"], extra_compile_args=["-O3"]),
 ]
 
 setup(ext_modules=cythonize(extensions, compiler_directives={"language_level": "3"}))

@@ -697,6 +697,11 @@ class AsyncClient:
         bkeys = await self._keys(keys)
         if not bkeys:
             return []
+        lr = self._session.local_reader()
+        if lr is not None:                  # same host: no round trip
+            found = lr.exists_batch(bkeys)
+            if found is not None:
+                return found  # type: ignore[no-any-return]
         return (await self._simple(Op.EXISTS, {"keys": bkeys}, "exists"))["found"]
 
     async def match_prefix(self, keys: Sequence[Key]) -> int:
@@ -704,6 +709,11 @@ class AsyncClient:
         bkeys = await self._keys(keys)
         if not bkeys:
             return 0
+        lr = self._session.local_reader()
+        if lr is not None:                  # same host: no round trip
+            n = lr.match_prefix(bkeys)
+            if n >= 0:
+                return n  # type: ignore[no-any-return]
         body = {"keys": bkeys}
         return (await self._simple(Op.MATCH_PREFIX, body, "match_prefix"))["n"]
 

@@ -25,6 +25,7 @@ from typing import Any, Callable, Generator, Iterable, NamedTuple, Sequence
 import xxhash
 import zmq
 
+from kvshm import localread
 from kvshm._buffers import byte_view
 from kvshm._pool import Pool
 from kvshm.errors import (
@@ -133,6 +134,7 @@ class _Session:
         self.lost_commits: list[int] = []   # lazily committed writes the server refused
         self.rdma_options = rdma   # kvshm.rdma.RdmaOptions or dict, for "rdma"/"auto"
         self.rdma: Any = None      # kvshm.rdma.ClientLink, made by kvshm.rdma on first use
+        self.local: Any = None     # kvshm.localread reader of the server's shared index
 
     # ---------------------------------------------------------------- keys
 
@@ -235,9 +237,28 @@ class _Session:
             self.commits.clear()
             self.aborts.clear()
             self.releases.clear()
+        self._close_local()
         self._retire_mover()
         self.mover = self._pick_mover(h, address)
+        self.local = localread.attach(h, self.mover, self.epoch, self.limits.max_key_bytes)
         self.need_hello = False
+
+    def local_reader(self) -> Any:
+        """The shared-index reader when a read may skip the server now, else None (not
+        local, HELLO due, or lazy commits of this client not yet sent: it must read its
+        own writes)."""
+        r = self.local
+        if r is None or self.commits or self.need_hello:
+            return None
+        return r
+
+    def _close_local(self) -> None:
+        r, self.local = self.local, None
+        if r is not None:
+            try:
+                r.close()
+            except BufferError:       # a read runs in another thread: keep it mapped
+                self._retired.append(r)
 
     def _pick_mover(self, h: dict[str, Any], address: str) -> OneSidedMover | None:
         t = self.transport
@@ -280,6 +301,7 @@ class _Session:
                 self._retired.append(m)
 
     def close(self) -> None:
+        self._close_local()
         self._retire_mover()
         for m in self._retired:
             try:
@@ -406,6 +428,11 @@ class _Session:
                      for k, o in zip(bkeys, outs)]
         if not bkeys:
             return [], []
+        lr = self.local_reader()
+        if lr is not None and not verify:
+            done = localread.read_batch(lr, bkeys, views, sink, self.mover)
+            if done is not None:
+                return done
         mover = self.mover
         if mover is None:
             r = yield _Req(Op.GET, {"keys": bkeys})
@@ -696,6 +723,13 @@ class Client:
     def get(self, key: Key, *, verify: bool = False) -> bytes:
         """The value of ``key``. Raises KeyNotFound on a miss, CorruptValue on a checksum
         mismatch with ``verify``."""
+        lr = self._session.local_reader()
+        if lr is not None and not verify:       # same host: no round trip
+            v = lr.get(key)
+            if v is not localread.FALLBACK:
+                if v is None:
+                    raise KeyNotFound(f"key {key!r} not found")
+                return v  # type: ignore[no-any-return]
         sizes, data = self._run(self._session.op_lookup_copy([key], None, verify))
         if sizes[0] < 0:
             raise KeyNotFound(f"key {key!r} not found")
@@ -707,6 +741,13 @@ class Client:
         Returns the value's size in bytes. Raises KeyNotFound, or ValueError when
         ``out`` is smaller than the value.
         """
+        lr = self._session.local_reader()
+        if lr is not None and not verify:       # same host: no round trip
+            n = lr.get_into(key, out)
+            if n != localread.FALLBACK:
+                if n == localread.MISS:
+                    raise KeyNotFound(f"key {key!r} not found")
+                return n  # type: ignore[no-any-return]
         sizes, _ = self._run(self._session.op_lookup_copy([key], [out], verify))
         if sizes[0] < 0:
             raise KeyNotFound(f"key {key!r} not found")
@@ -755,6 +796,11 @@ class Client:
         bkeys = self._session.keys(keys)
         if not bkeys:
             return []
+        lr = self._session.local_reader()
+        if lr is not None:
+            found = lr.exists_batch(bkeys)
+            if found is not None:
+                return found  # type: ignore[no-any-return]
         return self._run(self._session.op_simple(Op.EXISTS, {"keys": bkeys}, "exists"))["found"]  # type: ignore[no-any-return]
 
     def match_prefix(self, keys: Sequence[Key]) -> int:
@@ -762,6 +808,11 @@ class Client:
         bkeys = self._session.keys(keys)
         if not bkeys:
             return 0
+        lr = self._session.local_reader()
+        if lr is not None:
+            n = lr.match_prefix(bkeys)
+            if n >= 0:
+                return n  # type: ignore[no-any-return]
         return self._run(self._session.op_simple(Op.MATCH_PREFIX, {"keys": bkeys},
                                                  "match_prefix"))["n"]  # type: ignore[no-any-return]
 

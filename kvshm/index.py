@@ -1,17 +1,23 @@
 """Entries and the key index: key -> entry, in LRU order.
 
 The index is the only structure that knows which keys are visible. It sits behind this
-narrow interface (get / insert / remove / iterate from the LRU end) so that it can later
-move into the shared segment for same-host reads without a round trip (docs/DESIGN.md,
-"Where speed comes from").
+narrow interface (get / insert / remove / iterate from the LRU end). With a shared table
+attached (:meth:`Index.attach_shared`, a :class:`kvshm._shmindex.IndexWriter`), every
+entry that becomes live is published there for same-host readers, and every entry that
+leaves is unpublished before the call returns, so before its blocks can be freed or
+reused (docs/DESIGN.md, "Same-host reads without a round trip"). The reads those readers
+record are applied (:meth:`Index.sync`) before every LRU decision.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterator
+from typing import Any, Iterator
 
-__all__ = ["Entry", "Index", "PENDING", "LIVE", "DEAD"]
+__all__ = ["Entry", "Index", "PENDING", "LIVE", "DEAD", "MAX_EXTENTS"]
+
+#: Most block runs one entry may hold.
+MAX_EXTENTS = 8
 
 #: Allocated, bytes being written, invisible to readers.
 PENDING = 0
@@ -60,13 +66,48 @@ class Entry:
                 f"pins={self.pins} {state}>")
 
 
+def _runs(e: Entry) -> tuple[tuple[int, int], ...]:
+    runs = getattr(e, "extents", None)
+    return runs if runs else ((e.start, e.nblocks),)
+
+
 class Index:
     """Committed entries by key, least recently used first."""
 
-    __slots__ = ("_d",)
+    __slots__ = ("_d", "_shared")
 
     def __init__(self) -> None:
         self._d: OrderedDict[bytes, Entry] = OrderedDict()
+        self._shared: Any = None
+
+    # ------------------------------------------------------------ shared table
+
+    def attach_shared(self, table: Any) -> None:
+        """Publish into ``table`` (a :class:`kvshm._shmindex.IndexWriter`) from now on;
+        the entries live now are published at once."""
+        self._shared = table
+        for e in self._d.values():
+            table.publish(e.key, e.size, _runs(e), e.checksum)
+
+    def detach_shared(self) -> None:
+        """Stop publishing (the server is closing the table)."""
+        self._shared = None
+
+    @property
+    def shared(self) -> Any:
+        """The attached shared table, or None."""
+        return self._shared
+
+    def sync(self) -> None:
+        """Apply the lock-free reads recorded since the last call, in their global order
+        (each makes its key most recently used, if its entry is still the one read).
+        Called before every LRU decision and before the store's own LRU touches."""
+        t = self._shared
+        if t is not None:
+            d = self._d
+            for k in t.drain():
+                if k in d:
+                    d.move_to_end(k)
 
     def __len__(self) -> int:
         return len(self._d)
@@ -89,13 +130,20 @@ class Index:
         """
         old = self._d.pop(entry.key, None)
         self._d[entry.key] = entry
+        if self._shared is not None:
+            # in place of the old entry's slot: its readers notice before it is freed
+            self._shared.publish(entry.key, entry.size, _runs(entry), entry.checksum)
         return old
 
     def remove(self, key: bytes) -> Entry | None:
-        return self._d.pop(key, None)
+        e = self._d.pop(key, None)
+        if e is not None and self._shared is not None:
+            self._shared.unpublish(key)
+        return e
 
     def lru(self) -> Iterator[Entry]:
         """Entries from least to most recently used (do not mutate while iterating)."""
+        self.sync()
         return iter(self._d.values())
 
     def oldest_unpinned(self) -> Entry | None:
@@ -105,6 +153,7 @@ class Index:
         are being read, and a reader that holds pins long must not make every eviction
         scan past them again): amortized O(1) per call, however many pins there are.
         """
+        self.sync()
         d = self._d
         for _ in range(len(d)):
             e = next(iter(d.values()))
@@ -119,6 +168,8 @@ class Index:
     def clear(self) -> list[Entry]:
         entries = list(self._d.values())
         self._d.clear()
+        if self._shared is not None:
+            self._shared.clear()
         return entries
 
     @property

@@ -25,6 +25,11 @@ SHM_DIR = "/dev/shm"
 #: Default name prefix of server segments (``kvshm-<port>-<pid>-<random>``).
 DEFAULT_PREFIX = "kvshm-"
 _MAGIC = b"KVSHMPL1"
+# The shared index and its reads ring (kvshm/_shmindex.pyx) live and die with the pool.
+_INDEX_MAGIC = b"KVSHMIX1"
+_SEGMENT_MAGICS = (_MAGIC, _INDEX_MAGIC, b"KVSHMRR1")
+_INDEX_STATE_OFFSET = 56     # kvshm._shmindex.STATE_OFFSET
+_INDEX_CLOSED = 2            # kvshm._shmindex.STATE_CLOSED
 
 
 def _path(name: str) -> str:
@@ -67,12 +72,31 @@ def is_held(name: str) -> bool:
         os.close(fd)
 
 
-def _is_pool(name: str) -> bool:
+def _magic(name: str) -> bytes:
     try:
         with open(_path(name), "rb") as f:
-            return f.read(8) == _MAGIC
+            return f.read(8)
     except OSError:
-        return False
+        return b""
+
+
+def _is_pool(name: str) -> bool:
+    return _magic(name) in _SEGMENT_MAGICS
+
+
+def _mark_index_closed(name: str) -> None:
+    # A client may still map a dead server's index: mark it closed so its lock-free
+    # reads stop at once (they would otherwise notice only by the missing lock).
+    try:
+        fd = os.open(_path(name), os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.pwrite(fd, _INDEX_CLOSED.to_bytes(8, "little"), _INDEX_STATE_OFFSET)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def list_segments(prefix: str = DEFAULT_PREFIX) -> list[tuple[str, bool]]:
@@ -148,6 +172,8 @@ def cleanup(prefix: str = DEFAULT_PREFIX, dry_run: bool = False) -> list[str]:
             continue
         try:
             if not dry_run:
+                if _magic(name) == _INDEX_MAGIC:
+                    _mark_index_closed(name)
                 os.unlink(_path(name))
                 log.info("removed segment %s of a server that is gone", name)
             removed.append(name)

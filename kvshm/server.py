@@ -122,6 +122,11 @@ class ServerConfig:
         before it is answered anyway. Default 1.
     ssd_manifest_interval : float
         Seconds between manifest writes while entries change (``ssd_persist``).
+    shared_index : bool
+        Publish the index in a read-only shm table next to the pool, so same-host
+        clients read without a round trip (docs/DESIGN.md). Default True.
+    shared_index_slots : int
+        Slots of that table (0: twice the pool's blocks, a power of two; 256 bytes each).
     """
 
     host: str = "127.0.0.1"
@@ -156,6 +161,8 @@ class ServerConfig:
     ssd_queue: float = 0.0
     ssd_wait: float = 1.0
     ssd_manifest_interval: float = 5.0
+    shared_index: bool = True
+    shared_index_slots: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -332,6 +339,7 @@ class Server:
         self._curve: Any = None
         self._router: Any = None
         self.rdma: Any = None    # kvshm.rdma.server.ServerEndpoint with dev_name
+        self.shared_index: Any = None   # kvshm._shmindex.IndexWriter with shared_index
         self._rdma_backend = rdma_backend   # a verbs double; tests only (never the CLI)
         self._started = False
         self._stopped = False
@@ -390,6 +398,8 @@ class Server:
             self.store = Store(self.pool, store_cfg)
             if cfg.ssd_path is not None:
                 self._tier_create()
+            if cfg.shared_index:
+                self._shared_index_create()
             hello = {
                 "version": PROTOCOL_VERSION,
                 "pool": {"name": self.pool.name, "size": self.pool.size,
@@ -402,6 +412,8 @@ class Server:
             }
             if self._curve is not None:
                 hello["curve_public_key"] = self._curve.public
+            if self.shared_index is not None:
+                hello["shared_index"] = self.shared_index.info()
             if cfg.ipc:   # after the pool: its segment's lock marks the server alive
                 self._ipc_dir = tempfile.mkdtemp(prefix="kvshm-ipc-")
                 bound.append(bind(self._router, f"ipc://{self._ipc_dir}/service.sock"))
@@ -448,6 +460,18 @@ class Server:
                                 f"{os.urandom(4).hex()}")
         # Pool.create holds the segment's liveness lock until unlink (see segments.py).
         self.pool = Pool.create(name, cfg.pool_bytes, cfg.block_size * KiB)
+
+    def _shared_index_create(self) -> None:
+        from kvshm._shmindex import IndexWriter, default_slots
+
+        assert self.pool is not None and self.store is not None
+        pool = self.pool
+        self.shared_index = IndexWriter.create(
+            pool.name + "-index", pool.name + "-reads",
+            self.config.shared_index_slots or default_slots(pool.num_blocks),
+            epoch=self.epoch, block_size=pool.block_size, num_blocks=pool.num_blocks,
+            token=pool.token, misses_final=self.tier is None)
+        self.store.index.attach_shared(self.shared_index)
 
     def _tier_create(self) -> None:
         from kvshm.tiers import SsdConfig, SsdTier
@@ -553,6 +577,11 @@ class Server:
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
+        if self.shared_index is not None:    # readers see it closed, then it goes
+            if self.store is not None:
+                self.store.index.detach_shared()
+            self.shared_index.unlink()
+            self.shared_index = None
         if self.pool is not None:
             try:
                 self.pool.unlink()

@@ -537,6 +537,7 @@ class Store:
         sizes = [-1] * n
         sums: list[int | None] = [None] * n
         pinned: list[Entry] = []
+        self.index.sync()           # lock-free reads recorded before this one go first
         d = self.index.mapping
         bs = self.block_size
         nbytes = 0
@@ -588,6 +589,7 @@ class Store:
         Returns the entry per key (None for a miss) and its checksum. With a tier, call
         :meth:`prepare_read` first, as for :meth:`lookup`.
         """
+        self.index.sync()           # lock-free reads recorded before this one go first
         d = self.index.mapping
         out: list[Entry | None] = []
         sums: list[int | None] = []

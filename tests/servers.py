@@ -171,11 +171,13 @@ class ServerProcess:
                 f.close()
 
     def remove_segment(self) -> None:
-        """Unlink the segment a killed server left (as `kvshm ctl cleanup` would)."""
-        try:
-            os.unlink("/dev/shm/" + self.shm_name.lstrip("/"))
-        except FileNotFoundError:
-            pass
+        """Unlink the segments a killed server left (as `kvshm ctl cleanup` would): the
+        pool and its shared index with its reads ring."""
+        for suffix in ("", "-index", "-reads"):
+            try:
+                os.unlink("/dev/shm/" + self.shm_name.lstrip("/") + suffix)
+            except FileNotFoundError:
+                pass
 
     def __enter__(self) -> "ServerProcess":
         return self

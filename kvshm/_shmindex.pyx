@@ -1,0 +1,1387 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""The shared index: a hash table in its own POSIX shm segment that same-host clients read
+without asking the server (docs/DESIGN.md, "Same-host reads without a round trip").
+
+The server is the only writer (:class:`IndexWriter`); clients map the table read-only
+(:class:`IndexReader`, ``PROT_READ``: a reader cannot corrupt it) and read optimistically.
+
+Index segment layout::
+
+    [ header: 4096 bytes | nslots slots of 256 bytes ]
+
+Header: magic ``KVSHMIX1``, layout version, epoch (the server instance, as in HELLO),
+nslots, block size, state (OPEN / CLOSED: a stopped server, or one ``kvshm ctl cleanup``
+found dead), a table sequence (odd while the table is rebuilt), the count of live keys
+the table does not hold (too long, table full) and flags (misses are final: no tier
+below the pool). Slot::
+
+    version u64 (seqlock: odd while the server writes the slot; only ever grows)
+    hash u64 | size u64 | checksum u64 | state u32 (empty/live/tombstone)
+    key length u16 | extent count u8 | flags u8 (has checksum)
+    extents: 8 x (first block u32, block count u32) | key: up to KEY_MAX bytes inline
+
+A reader loads the version (acquire), the fields, copies the value out of the pool,
+fences (acquire) and loads the version again; any change means the entry moved, was
+overwritten or deleted meanwhile, and the read is retried or sent to the server. The
+server changes a slot's version before the entry's blocks can be freed or reused
+(:meth:`IndexWriter.unpublish`), so a racing reader never keeps bytes of another key.
+Deletion leaves tombstones; the table is rebuilt in place (table sequence odd) when they
+pile up.
+
+Reads segment (writable by same-user clients)::
+
+    [ header: 256 bytes (magic KVSHMRR1, nrec, head @64, tail @128) | nrec x 16 bytes ]
+
+Every lock-free get takes tickets (a CAS on ``head``: the global order of reads) and
+writes ``(seq, slot, version)`` records; the server applies them in ticket order
+(:meth:`IndexWriter.drain`) before its own LRU touches and before every eviction
+decision, so the LRU stays exact. A full ring makes readers ask the server instead.
+"""
+
+import fcntl
+import os
+import time
+import warnings
+
+import posix_ipc
+
+from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t, uintptr_t
+from libc.string cimport memcmp, memcpy, memset
+from libc.stdlib cimport malloc, free as c_free
+from posix.mman cimport mmap, munmap, PROT_READ, PROT_WRITE, MAP_SHARED
+from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE,
+                             PyBUF_ANY_CONTIGUOUS, PyBUF_WRITABLE)
+from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING, PyBytes_GET_SIZE
+from libc.errno cimport errno
+
+cdef extern from "<sys/mman.h>" nogil:
+    void* MAP_FAILED
+
+cdef extern from "<sys/file.h>" nogil:
+    int flock(int fd, int op)
+    int LOCK_SH
+    int LOCK_NB
+    int LOCK_UN
+
+cdef extern from "<unistd.h>" nogil:
+    int c_close_fd "close"(int fd)
+
+cdef extern from "Python.h":
+    const char* PyUnicode_AsUTF8AndSize(object s, Py_ssize_t* size) except NULL
+
+cdef extern from *:
+    """
+    #include <stdint.h>
+    #include <string.h>
+    #include <time.h>
+    static inline uint64_t kvx_load_acq(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+    static inline uint64_t kvx_load_rlx(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+    static inline void kvx_store_rel(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+    static inline void kvx_store_rlx(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
+    static inline void kvx_fence_acq(void) { __atomic_thread_fence(__ATOMIC_ACQUIRE); }
+    static inline void kvx_fence_rel(void) { __atomic_thread_fence(__ATOMIC_RELEASE); }
+    static inline int kvx_cas(uint64_t *p, uint64_t *expected, uint64_t desired) {
+        return __atomic_compare_exchange_n(p, expected, desired, 0,
+                                           __ATOMIC_ACQ_REL, __ATOMIC_RELAXED);
+    }
+    static inline void kvx_prefetch(const void *p) { __builtin_prefetch(p, 0, 1); }
+    static inline void kvx_pause(void) {
+    #if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+    #elif defined(__aarch64__)
+        __asm__ __volatile__("yield");
+    #endif
+    }
+    static inline uint64_t kvx_fmix(uint64_t h) {
+        h ^= h >> 33; h *= 0xff51afd7ed558ccdULL;
+        h ^= h >> 33; h *= 0xc4ceb9fe1a85ec53ULL;
+        h ^= h >> 33; return h;
+    }
+    /* 64-bit hash of a key: 8 bytes a step, mixed, then murmur3's finalizer. The
+       server and every reader run this same function (the table stores it). */
+    static inline uint64_t kvx_hash(const char *s, size_t n) {
+        uint64_t h = 0x9e3779b97f4a7c15ULL ^ (n * 0xc2b2ae3d27d4eb4fULL);
+        uint64_t w;
+        while (n >= 8) {
+            memcpy(&w, s, 8);
+            h ^= w * 0x87c37b91114253d5ULL;
+            h = (h << 31) | (h >> 33);
+            h *= 0x4cf5ad432745937fULL;
+            s += 8; n -= 8;
+        }
+        w = 0;
+        memcpy(&w, s, n);
+        h ^= w * 0x87c37b91114253d5ULL;
+        return kvx_fmix(h);
+    }
+    static inline double kvx_now(void) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+        return ts.tv_sec + ts.tv_nsec * 1e-9;
+    }
+    """
+    uint64_t kvx_load_acq(const uint64_t* p) nogil
+    uint64_t kvx_load_rlx(const uint64_t* p) nogil
+    void kvx_store_rel(uint64_t* p, uint64_t v) nogil
+    void kvx_store_rlx(uint64_t* p, uint64_t v) nogil
+    void kvx_fence_acq() nogil
+    void kvx_fence_rel() nogil
+    int kvx_cas(uint64_t* p, uint64_t* expected, uint64_t desired) nogil
+    void kvx_prefetch(const void* p) nogil
+    void kvx_pause() nogil
+    uint64_t kvx_hash(const char* s, size_t n) nogil
+    double kvx_now() nogil
+
+
+#: Most block runs one entry may have (kvshm.index.MAX_EXTENTS).
+MAX_EXTENTS = 8
+#: Longest key the table holds inline; longer keys are not published (readers ask the server).
+KEY_MAX = 152
+#: Bytes per slot.
+SLOT_SIZE = 256
+#: Bytes of the index segment's header.
+HEADER_SIZE = 4096
+#: Records of the reads ring.
+RING_RECORDS = 65536
+
+_MAGIC = b"KVSHMIX1"
+_RING_MAGIC = b"KVSHMRR1"
+_LAYOUT = 1
+
+DEF C_MAX_EXT = 8
+DEF C_KEY_MAX = 152
+DEF C_SLOT = 256
+DEF C_HEADER = 4096
+DEF C_RING_HEADER = 256
+
+# slot states
+DEF S_EMPTY = 0
+DEF S_LIVE = 1
+DEF S_TOMB = 2
+# header states
+DEF H_OPEN = 1
+DEF H_CLOSED = 2
+# header flags
+DEF F_MISSES_FINAL = 1
+
+#: Result of a read that must be asked of the server instead (busy slot, closed or dead
+#: server, key not publishable, misses not final, ring full).
+FALLBACK = -2
+#: Result of a read that found nothing (and misses are final).
+MISS = -1
+
+DEF R_FALLBACK = -2
+DEF R_MISS = -1
+DEF R_HIT = 0
+DEF TRIES = 4
+DEF VOID_SLOT = 0xFFFFFFFF
+
+
+cdef struct Header:
+    char magic[8]
+    uint32_t layout
+    uint32_t header_size
+    uint64_t epoch
+    uint64_t nslots
+    uint64_t slot_size
+    uint64_t block_size
+    uint32_t key_max
+    uint32_t max_extents
+    uint64_t state          # @56
+    uint64_t table_seq      # @64
+    uint64_t unpublished    # @72
+    uint64_t flags          # @80
+    uint64_t live           # @88
+    uint64_t tombs          # @96
+    uint64_t num_blocks     # @104
+    char token[16]          # @112
+
+
+cdef struct Slot:
+    uint64_t version
+    uint64_t hash
+    uint64_t size
+    uint64_t checksum
+    uint32_t state
+    uint16_t keylen
+    uint8_t nextents
+    uint8_t flags
+    uint32_t ext[C_MAX_EXT][2]
+    char key[C_KEY_MAX]
+
+
+cdef struct Rec:
+    uint64_t seq
+    uint32_t slot
+    uint32_t ver
+
+
+cdef struct Found:
+    uint64_t slot
+    uint64_t version
+    uint64_t size
+    uint64_t checksum
+    int has_sum
+    int nextents
+    uint32_t ext[C_MAX_EXT][2]
+
+
+#: Byte offset of the header's state word (kvshm.segments marks dead servers' tables).
+STATE_OFFSET = 56
+#: Value of the state word of a closed table.
+STATE_CLOSED = H_CLOSED
+
+
+def _norm(name):
+    if not isinstance(name, str):
+        raise TypeError(f"segment name must be str, got {type(name).__name__}")
+    bare = name[1:] if name.startswith("/") else name
+    if not bare or "/" in bare or len(bare) > 250 or "\0" in bare:
+        raise ValueError(f"invalid shared-memory name {name!r}")
+    return "/" + bare
+
+
+cdef int _key_ptr(object key, const char** p, Py_ssize_t* n) except -1:
+    """Pointer and length of a bytes or str key (str: its cached UTF-8)."""
+    if type(key) is bytes:
+        p[0] = PyBytes_AS_STRING(key)
+        n[0] = PyBytes_GET_SIZE(key)
+        return 1
+    if type(key) is str:
+        try:
+            p[0] = PyUnicode_AsUTF8AndSize(key, n)
+        except UnicodeEncodeError:
+            return 0
+        return 1
+    return 0
+
+
+def key_hash(key):
+    """The table's 64-bit hash of ``key`` (bytes or str)."""
+    cdef const char* p
+    cdef Py_ssize_t n
+    if not _key_ptr(key, &p, &n):
+        raise TypeError("key must be bytes or str")
+    return kvx_hash(p, n)
+
+
+cdef uint64_t _pow2(uint64_t n):
+    cdef uint64_t p = 64
+    while p < n:
+        p <<= 1
+    return p
+
+
+def default_slots(Py_ssize_t num_blocks):
+    """Slots for a pool of ``num_blocks`` blocks: the next power of two >= 2 x blocks (every
+    live entry holds a block, so the table is at most half full)."""
+    return _pow2(2 * max(1, num_blocks))
+
+
+cdef char* _map(int fd, size_t size, bint writable) except NULL:
+    cdef void* p
+    cdef int prot = PROT_READ | (PROT_WRITE if writable else 0)
+    with nogil:
+        p = mmap(NULL, size, prot, MAP_SHARED, fd, 0)
+    if p == MAP_FAILED:
+        raise OSError(errno, f"mmap of {size} bytes failed: {os.strerror(errno)}")
+    return <char*>p
+
+
+cdef object _create_segment(str name, size_t size):
+    try:
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
+    except posix_ipc.ExistentialError:
+        raise FileExistsError(f"shared-memory segment {name} already exists") from None
+    except posix_ipc.PermissionsError as exc:
+        raise PermissionError(f"cannot create shared-memory segment {name}: {exc}") from None
+    return shm
+
+
+cdef class IndexWriter:
+    """The server's side of the shared index and of the reads ring.
+
+    Made with :meth:`create`; holds an ``flock`` on both segments (its liveness proof, as
+    the pool's) until :meth:`unlink`. Runs in the server's one store thread.
+    """
+
+    cdef char* _map
+    cdef size_t _map_size
+    cdef Header* _h
+    cdef char* _slots
+    cdef uint64_t _mask
+    cdef uint64_t _nslots
+    cdef uint64_t _live
+    cdef uint64_t _tombs
+    cdef uint64_t _limit      # live + tombs above this: rebuild or refuse
+    cdef char* _ring
+    cdef size_t _ring_size
+    cdef uint64_t _nrec
+    cdef uint64_t _tail
+    cdef double _stuck_since
+    cdef uint64_t _stuck_at
+    cdef readonly str name
+    cdef readonly str reads_name
+    cdef readonly uint64_t epoch
+    cdef readonly uint64_t rebuilds
+    cdef readonly uint64_t skipped_records
+    cdef set _unpub
+    cdef long _pid
+    cdef int _lock_fd
+    cdef int _ring_lock_fd
+    cdef bint _unlinked
+
+    def __cinit__(self):
+        self._map = NULL
+        self._ring = NULL
+        self._lock_fd = -1
+        self._ring_lock_fd = -1
+        self._unpub = set()
+
+    def __init__(self):
+        raise TypeError("use IndexWriter.create(...)")
+
+    @staticmethod
+    def create(str name, str reads_name, uint64_t nslots, *, uint64_t epoch,
+               uint64_t block_size, uint64_t num_blocks, bytes token=b"\0" * 16,
+               bint misses_final=True, uint64_t ring_records=RING_RECORDS):
+        """Create the index segment ``name`` (``nslots`` slots, rounded up to a power of
+        two) and the reads ring ``reads_name`` (``ring_records`` records), both mode 0600.
+
+        ``misses_final``: a key absent from the table is absent from the store (no tier
+        below the pool); readers then answer misses themselves.
+
+        Raises FileExistsError, PermissionError, OSError (ENOSPC and other errno).
+        """
+        cdef IndexWriter self = IndexWriter.__new__(IndexWriter)
+        cdef uint64_t n = _pow2(nslots)
+        cdef uint64_t nrec = _pow2(ring_records)
+        cdef Header* h
+        if len(token) != 16:
+            raise ValueError("token must be 16 bytes")
+        self.name = _norm(name)
+        self.reads_name = _norm(reads_name)
+        self._pid = os.getpid()
+        self._map_size = C_HEADER + n * C_SLOT
+        self._ring_size = C_RING_HEADER + nrec * sizeof(Rec)
+        shm = _create_segment(self.name, self._map_size)
+        try:
+            self._map = _map(shm.fd, self._map_size, True)
+            self._lock_fd = os.dup(shm.fd)
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BaseException:
+            shm.close_fd()
+            shm.unlink()
+            self._cleanup()
+            raise
+        shm.close_fd()
+        try:
+            rshm = _create_segment(self.reads_name, self._ring_size)
+        except BaseException:
+            self._unlinked = True
+            posix_ipc.unlink_shared_memory(self.name)
+            self._cleanup()
+            raise
+        try:
+            self._ring = _map(rshm.fd, self._ring_size, True)
+            self._ring_lock_fd = os.dup(rshm.fd)
+            fcntl.flock(self._ring_lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BaseException:
+            rshm.close_fd()
+            rshm.unlink()
+            self._unlinked = True
+            posix_ipc.unlink_shared_memory(self.name)
+            self._cleanup()
+            raise
+        rshm.close_fd()
+        self._nslots = n
+        self._mask = n - 1
+        self._limit = n - n // 4
+        self._slots = self._map + C_HEADER
+        self._nrec = nrec
+        self.epoch = epoch
+        h = <Header*>self._map
+        self._h = h
+        h.layout = _LAYOUT
+        h.header_size = C_HEADER
+        h.epoch = epoch
+        h.nslots = n
+        h.slot_size = C_SLOT
+        h.block_size = block_size
+        h.num_blocks = num_blocks
+        h.key_max = C_KEY_MAX
+        h.max_extents = C_MAX_EXT
+        cdef bytes magic = _MAGIC, rmagic = _RING_MAGIC
+        memcpy(h.token, <char*>token, 16)
+        h.flags = F_MISSES_FINAL if misses_final else 0
+        memcpy(self._ring, <char*>rmagic, 8)
+        (<uint64_t*>(self._ring + 8))[0] = nrec
+        (<uint64_t*>(self._ring + 16))[0] = epoch
+        kvx_store_rel(&h.state, H_OPEN)
+        kvx_fence_rel()
+        memcpy(h.magic, <char*>magic, 8)      # last: a reader sees a whole header
+        return self
+
+    cdef _cleanup(self):
+        if self._map != NULL:
+            munmap(self._map, self._map_size)
+            self._map = NULL
+        if self._ring != NULL:
+            munmap(self._ring, self._ring_size)
+            self._ring = NULL
+        for fd in (self._lock_fd, self._ring_lock_fd):
+            if fd >= 0:
+                os.close(fd)
+        self._lock_fd = self._ring_lock_fd = -1
+
+    # ------------------------------------------------------------ properties
+
+    @property
+    def nslots(self):
+        return self._nslots
+
+    @property
+    def live(self):
+        """Keys in the table."""
+        return self._live
+
+    @property
+    def tombstones(self):
+        return self._tombs
+
+    @property
+    def unpublished(self):
+        """Live keys the table does not hold (too long for a slot, or table full)."""
+        return len(self._unpub)
+
+    @property
+    def closed(self):
+        return self._map == NULL
+
+    def info(self):
+        """What a client needs to attach (sent in HELLO)."""
+        return {"name": self.name, "reads": self.reads_name, "epoch": self.epoch,
+                "slots": self._nslots}
+
+    def stats(self):
+        return {"live": self._live, "tombstones": self._tombs, "slots": self._nslots,
+                "unpublished": len(self._unpub), "rebuilds": self.rebuilds,
+                "skipped_records": self.skipped_records}
+
+    cdef inline int _check(self) except -1:
+        if self._map == NULL:
+            raise ValueError(f"index {self.name} is closed")
+        return 0
+
+    cdef inline Slot* _slot(self, uint64_t i) noexcept nogil:
+        return <Slot*>(self._slots + i * C_SLOT)
+
+    # ------------------------------------------------------------ writes
+
+    cdef int64_t _find(self, const char* k, Py_ssize_t n, uint64_t h,
+                       int64_t* free_at) noexcept nogil:
+        """Slot holding the key, or -1 (``free_at``: first tombstone or empty on its way)."""
+        cdef uint64_t i = h & self._mask
+        cdef uint64_t probes
+        cdef Slot* s
+        free_at[0] = -1
+        for probes in range(self._nslots):
+            s = self._slot(i)
+            if s.state == S_EMPTY:
+                if free_at[0] < 0:
+                    free_at[0] = i
+                return -1
+            if s.state == S_TOMB:
+                if free_at[0] < 0:
+                    free_at[0] = i
+            elif s.hash == h and s.keylen == n and memcmp(s.key, k, n) == 0:
+                return i
+            i = (i + 1) & self._mask
+        return -1
+
+    cdef inline void _begin_write(self, Slot* s) noexcept nogil:
+        kvx_store_rlx(&s.version, s.version + 1)
+        kvx_fence_rel()
+
+    cdef inline void _end_write(self, Slot* s) noexcept nogil:
+        kvx_store_rel(&s.version, s.version + 1)
+
+    cdef inline void _set_unpublished(self):
+        kvx_store_rel(&self._h.unpublished, len(self._unpub))
+
+    def publish(self, key, uint64_t size, extents, checksum=None):
+        """Make ``key`` -> (size, extents, checksum) visible to readers (a new key, or
+        an overwrite in place: the slot's version changes, so readers of the old value
+        notice before its blocks can be reused).
+
+        ``extents``: (first block, block count) runs, at most MAX_EXTENTS. Returns the
+        slot, or -1 when the key is not published (too long, too many runs, table
+        full): readers then ask the server for it.
+        """
+        cdef const char* k
+        cdef Py_ssize_t n
+        cdef uint64_t h
+        cdef int64_t i, free_at
+        cdef Slot* s
+        cdef Py_ssize_t j, ne
+        cdef uint32_t ext[C_MAX_EXT][2]
+        self._check()
+        if not _key_ptr(key, &k, &n):
+            raise TypeError("key must be bytes or str")
+        ne = len(extents)
+        if n == 0 or n > C_KEY_MAX or ne == 0 or ne > C_MAX_EXT:
+            self._refuse(key, k, n)
+            return -1
+        for j in range(ne):
+            a, b = extents[j]
+            if a < 0 or b < 0 or a > 0xFFFFFFFF or b > 0xFFFFFFFF:
+                raise ValueError(f"bad extent {extents[j]!r}")
+            ext[j][0] = a
+            ext[j][1] = b
+        h = kvx_hash(k, n)
+        i = self._find(k, n, h, &free_at)
+        if i < 0:
+            if self._unpub:
+                self._unpub.discard(bytes(k[:n]))
+                self._set_unpublished()
+            if self._live + self._tombs >= self._limit and self._tombs > 0:
+                self._rebuild()
+                i = self._find(k, n, h, &free_at)
+            if free_at < 0 or (self._slot(free_at).state == S_EMPTY and
+                               self._live + self._tombs >= self._limit):
+                self._unpub.add(bytes(k[:n]))
+                self._set_unpublished()
+                return -1
+            i = free_at
+        s = self._slot(i)
+        self._begin_write(s)
+        if s.state != S_LIVE:
+            if s.state == S_TOMB:
+                self._tombs -= 1
+            self._live += 1
+            s.hash = h
+            s.keylen = n
+            memcpy(s.key, k, n)
+            s.state = S_LIVE
+        s.size = size
+        if checksum is None:
+            s.flags = 0
+            s.checksum = 0
+        else:
+            s.flags = 1
+            s.checksum = <uint64_t>checksum
+        s.nextents = ne
+        memcpy(s.ext, ext, ne * 8)
+        self._end_write(s)
+        self._h.live = self._live
+        self._h.tombs = self._tombs
+        return i
+
+    cdef _refuse(self, key, const char* k, Py_ssize_t n):
+        # not publishable: it must not stay visible with an old value either
+        self._unpublish(k, n)
+        self._unpub.add(bytes(k[:n]))
+        self._set_unpublished()
+
+    cdef bint _unpublish(self, const char* k, Py_ssize_t n):
+        cdef int64_t free_at
+        cdef uint64_t h = kvx_hash(k, n)
+        cdef int64_t i = self._find(k, n, h, &free_at)
+        cdef Slot* s
+        if i < 0:
+            return False
+        s = self._slot(i)
+        self._begin_write(s)
+        s.state = S_TOMB
+        self._end_write(s)
+        self._live -= 1
+        self._tombs += 1
+        self._h.live = self._live
+        self._h.tombs = self._tombs
+        return True
+
+    def unpublish(self, key):
+        """Remove ``key`` from the table: its slot's version has changed when this returns,
+        so its blocks may be freed or reused afterwards. Returns whether it was there."""
+        cdef const char* k
+        cdef Py_ssize_t n
+        self._check()
+        if not _key_ptr(key, &k, &n):
+            raise TypeError("key must be bytes or str")
+        if self._unpub:
+            b = bytes(k[:n])
+            if b in self._unpub:
+                self._unpub.discard(b)
+                self._set_unpublished()
+        if n == 0 or n > C_KEY_MAX:
+            return False
+        r = self._unpublish(k, n)
+        if self._tombs > self._nslots // 4:
+            self._rebuild()
+        return r
+
+    def clear(self):
+        """Remove every key (PURGE). Every used slot's version changes."""
+        cdef uint64_t i
+        cdef Slot* s
+        self._check()
+        for i in range(self._nslots):
+            s = self._slot(i)
+            if s.state != S_EMPTY:
+                self._begin_write(s)
+                s.state = S_EMPTY
+                self._end_write(s)
+        self._live = self._tombs = 0
+        self._h.live = self._h.tombs = 0
+        self._unpub.clear()
+        self._set_unpublished()
+
+    cdef _rebuild(self):
+        """Drop the tombstones: copy the live slots out, empty the table, put them back.
+        Readers see an odd table sequence meanwhile (and retry or ask the server)."""
+        cdef uint64_t i, j, m = 0, free_pos
+        cdef Slot* s
+        cdef Slot* d
+        cdef char* buf = <char*>malloc(max(1, self._live) * C_SLOT)
+        if buf == NULL:
+            raise MemoryError()
+        try:
+            for i in range(self._nslots):
+                s = self._slot(i)
+                if s.state == S_LIVE:
+                    memcpy(buf + m * C_SLOT, s, C_SLOT)
+                    m += 1
+            kvx_store_rlx(&self._h.table_seq, self._h.table_seq + 1)
+            kvx_fence_rel()
+            for i in range(self._nslots):
+                s = self._slot(i)
+                if s.state != S_EMPTY:
+                    self._begin_write(s)
+                    s.state = S_EMPTY
+                    self._end_write(s)
+            for j in range(m):
+                d = <Slot*>(buf + j * C_SLOT)
+                free_pos = d.hash & self._mask
+                while self._slot(free_pos).state != S_EMPTY:
+                    free_pos = (free_pos + 1) & self._mask
+                s = self._slot(free_pos)
+                self._begin_write(s)
+                memcpy(<char*>s + 8, <char*>d + 8, C_SLOT - 8)   # all but the version
+                self._end_write(s)
+            kvx_store_rel(&self._h.table_seq, self._h.table_seq + 1)
+        finally:
+            c_free(buf)
+        self._live = m
+        self._tombs = 0
+        self._h.live = m
+        self._h.tombs = 0
+        self.rebuilds += 1
+
+    def set_misses_final(self, bint final):
+        """Whether readers may answer misses themselves (False with a tier below)."""
+        self._check()
+        kvx_store_rel(&self._h.flags, F_MISSES_FINAL if final else 0)
+
+    # ------------------------------------------------------------ reads ring
+
+    def drain(self, double stuck_after=0.05):
+        """Apply the reads recorded by lock-free readers, in ticket order: returns the
+        keys read (oldest first) whose entry is still the one they read.
+
+        A ticket taken but not yet written stops the drain (its reader is between the
+        two steps); one that stays unwritten for ``stuck_after`` seconds (a reader killed
+        there) is skipped.
+        """
+        cdef uint64_t* headp
+        cdef uint64_t* tailp
+        cdef uint64_t head, t, seq, mask
+        cdef Rec* recs
+        cdef Rec* r
+        cdef uint32_t slot, ver
+        cdef Slot* s
+        cdef double now
+        cdef list out = []
+        if self._ring == NULL:
+            return out
+        headp = <uint64_t*>(self._ring + 64)
+        tailp = <uint64_t*>(self._ring + 128)
+        head = kvx_load_acq(headp)
+        t = self._tail
+        if t == head:
+            return out
+        mask = self._nrec - 1
+        recs = <Rec*>(self._ring + C_RING_HEADER)
+        while t != head:
+            r = &recs[t & mask]
+            seq = kvx_load_acq(&r.seq)
+            if seq != t + 1:
+                now = kvx_now()
+                if self._stuck_at != t + 1:
+                    self._stuck_at = t + 1
+                    self._stuck_since = now
+                    break
+                if now - self._stuck_since < stuck_after:
+                    break
+                self.skipped_records += 1      # a reader died between ticket and record
+                t += 1
+                continue
+            slot = r.slot
+            ver = r.ver
+            t += 1
+            if slot >= self._nslots:
+                continue                        # a void record (its read was redone)
+            s = self._slot(slot)
+            if s.state == S_LIVE and <uint32_t>s.version == ver:
+                out.append(PyBytes_FromStringAndSize(s.key, s.keylen))
+        self._tail = t
+        kvx_store_rel(tailp, t)
+        return out
+
+    # ------------------------------------------------------------ lifetime
+
+    def close(self):
+        """Mark the table closed (readers stop using it at once) and unmap. Idempotent."""
+        if self._map != NULL and self._pid == os.getpid():
+            kvx_store_rel(&self._h.state, H_CLOSED)
+        if self._map != NULL:
+            munmap(self._map, self._map_size)
+            self._map = NULL
+            self._h = NULL
+        if self._ring != NULL:
+            munmap(self._ring, self._ring_size)
+            self._ring = NULL
+
+    def unlink(self):
+        """Close, then remove both segment names and drop the liveness locks. Idempotent;
+        only in the creating process."""
+        if self._pid != os.getpid():
+            raise PermissionError(f"only the creating process may unlink {self.name}")
+        self.close()
+        if not self._unlinked:
+            self._unlinked = True
+            for nm in (self.name, self.reads_name):
+                try:
+                    posix_ipc.unlink_shared_memory(nm)
+                except posix_ipc.ExistentialError:
+                    pass
+        for fd in (self._lock_fd, self._ring_lock_fd):
+            if fd >= 0:
+                os.close(fd)
+        self._lock_fd = self._ring_lock_fd = -1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.unlink()
+
+    def __dealloc__(self):
+        if self._map != NULL:
+            munmap(self._map, self._map_size)
+        if self._ring != NULL:
+            munmap(self._ring, self._ring_size)
+        if self._lock_fd >= 0:
+            c_close_fd(self._lock_fd)
+        if self._ring_lock_fd >= 0:
+            c_close_fd(self._ring_lock_fd)
+
+    def __del__(self):
+        if self._map != NULL and self._pid == os.getpid() and not self._unlinked:
+            try:
+                self.unlink()
+            except Exception:
+                pass
+            warnings.warn(f"IndexWriter {self.name} was never unlinked", ResourceWarning,
+                          source=self)
+
+
+cdef class IndexReader:
+    """A client's read-only view of the server's shared index, with lock-free reads
+    through the pool mapped in this process.
+
+    Parameters
+    ----------
+    name, reads_name : str
+        The index and reads-ring segments (from the server's HELLO).
+    pool : kvshm.Pool
+        The server's pool, attached in this process; a view of it is held (so the pool
+        refuses to close) until :meth:`close`.
+    epoch : int
+        The server instance the client said HELLO to; a table of another epoch is refused.
+
+    Reads return hits, :data:`MISS` (final: the store does not hold the key) or
+    :data:`FALLBACK` (ask the server: a slot kept changing, the server stopped or died,
+    the key is not publishable, misses are not final, or the reads ring is full). Every
+    value copied is validated against the slot's version after the copy.
+    """
+
+    cdef char* _map
+    cdef size_t _map_size
+    cdef const Header* _h
+    cdef const char* _slots
+    cdef uint64_t _mask
+    cdef uint64_t _nslots
+    cdef uint64_t _bs
+    cdef char* _ring
+    cdef size_t _ring_size
+    cdef uint64_t _nrec
+    cdef Py_buffer _pool_buf
+    cdef bint _has_buf
+    cdef char* _base
+    cdef uint64_t _pool_size
+    cdef int _fd
+    cdef int _busy
+    cdef double _next_check
+    cdef bint _dead
+    cdef readonly str name
+    cdef readonly uint64_t epoch
+    cdef readonly uint64_t max_key
+    cdef public uint64_t hits
+    cdef public uint64_t misses
+    cdef public uint64_t fallbacks
+    cdef public uint64_t retries
+    cdef object _pool
+
+    def __cinit__(self):
+        self._map = NULL
+        self._ring = NULL
+        self._fd = -1
+
+    def __init__(self, str name, str reads_name, pool, uint64_t epoch,
+                 uint64_t max_key=C_KEY_MAX):
+        cdef const Header* h
+        name = _norm(name)
+        reads_name = _norm(reads_name)
+        try:
+            shm = posix_ipc.SharedMemory(name, read_only=True)
+        except posix_ipc.ExistentialError:
+            raise FileNotFoundError(f"no shared-memory segment {name}") from None
+        except posix_ipc.PermissionsError as exc:
+            raise PermissionError(f"cannot open shared-memory segment {name}: {exc}") from None
+        try:
+            total = shm.size
+            if total < C_HEADER + C_SLOT:
+                raise ValueError(f"{name} is not a kvshm index ({total} bytes)")
+            self._map = _map(shm.fd, total, False)     # PROT_READ: cannot write it
+            self._map_size = total
+            self._fd = os.dup(shm.fd)
+        finally:
+            shm.close_fd()
+        h = <const Header*>self._map
+        self._h = h
+        if (h.magic[:8] != _MAGIC or h.layout != _LAYOUT or h.slot_size != C_SLOT
+                or h.key_max != C_KEY_MAX or h.nslots * C_SLOT + C_HEADER > total
+                or h.nslots == 0 or (h.nslots & (h.nslots - 1))):
+            self._unmap()
+            raise ValueError(f"{name} is not a kvshm index of layout {_LAYOUT}")
+        if h.epoch != epoch:
+            self._unmap()
+            raise ValueError(f"{name} belongs to server epoch {h.epoch}, not {epoch}")
+        self.epoch = epoch
+        self._nslots = h.nslots
+        self._mask = h.nslots - 1
+        self._bs = h.block_size
+        self._slots = self._map + C_HEADER
+        self.name = name
+        self.max_key = min(max_key, C_KEY_MAX)
+        try:
+            rshm = posix_ipc.SharedMemory(reads_name)
+        except (posix_ipc.ExistentialError, posix_ipc.PermissionsError) as exc:
+            self._unmap()
+            raise FileNotFoundError(f"cannot open reads ring {reads_name}: {exc}") from None
+        try:
+            rsize = rshm.size
+            if rsize < C_RING_HEADER + sizeof(Rec):
+                raise ValueError(f"{reads_name} is not a kvshm reads ring")
+            self._ring = _map(rshm.fd, rsize, True)
+            self._ring_size = rsize
+        except BaseException:
+            self._unmap()
+            raise
+        finally:
+            rshm.close_fd()
+        nrec = (<uint64_t*>(self._ring + 8))[0]
+        if (self._ring[:8] != _RING_MAGIC or nrec == 0 or (nrec & (nrec - 1))
+                or C_RING_HEADER + nrec * sizeof(Rec) > rsize):
+            self._unmap()
+            raise ValueError(f"{reads_name} is not a kvshm reads ring")
+        self._nrec = nrec
+        try:
+            self._pool = pool
+            view = pool.view(0, pool.size, readonly=True)
+            PyObject_GetBuffer(view, &self._pool_buf, PyBUF_SIMPLE)
+        except BaseException:
+            self._unmap()
+            raise
+        self._has_buf = True
+        self._base = <char*>self._pool_buf.buf
+        self._pool_size = self._pool_buf.len
+        if h.num_blocks * h.block_size > self._pool_size:
+            self.close()
+            raise ValueError(f"{name} describes a pool larger than the one attached")
+
+    cdef _unmap(self):
+        if self._map != NULL:
+            munmap(self._map, self._map_size)
+            self._map = NULL
+        if self._ring != NULL:
+            munmap(self._ring, self._ring_size)
+            self._ring = NULL
+        if self._fd >= 0:
+            c_close_fd(self._fd)
+            self._fd = -1
+
+    def close(self):
+        """Release the pool view and unmap. Idempotent. BufferError while a copy runs in
+        another thread."""
+        if self._busy:
+            raise BufferError(f"{self._busy} lock-free read(s) are running in other threads")
+        if self._has_buf:
+            PyBuffer_Release(&self._pool_buf)
+            self._has_buf = False
+            self._base = NULL
+        self._pool = None
+        self._unmap()
+
+    def __dealloc__(self):
+        if self._has_buf:
+            PyBuffer_Release(&self._pool_buf)
+        if self._map != NULL:
+            munmap(self._map, self._map_size)
+        if self._ring != NULL:
+            munmap(self._ring, self._ring_size)
+        if self._fd >= 0:
+            c_close_fd(self._fd)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def closed(self):
+        return self._map == NULL
+
+    @property
+    def usable(self):
+        """False once the server stopped or died (every read is then FALLBACK)."""
+        return self._usable()
+
+    @property
+    def header(self):
+        """The table's header fields (for tests and stats)."""
+        self._check()
+        h = self._h
+        return {"epoch": h.epoch, "nslots": h.nslots, "state": kvx_load_acq(&h.state),
+                "table_seq": kvx_load_acq(&h.table_seq),
+                "unpublished": kvx_load_acq(&h.unpublished), "flags": h.flags,
+                "live": h.live, "tombs": h.tombs, "block_size": h.block_size,
+                "token": bytes(h.token[:16])}
+
+    cdef inline int _check(self) except -1:
+        if self._map == NULL:
+            raise ValueError("index reader is closed")
+        return 0
+
+    cdef bint _usable(self) noexcept:
+        cdef double now
+        if self._map == NULL or self._dead:
+            return False
+        if kvx_load_acq(&self._h.state) != H_OPEN:
+            self._dead = True
+            return False
+        now = kvx_now()
+        if now >= self._next_check:
+            # The server holds an exclusive flock on the segment while it lives; a
+            # shared lock we can take means it is gone (SIGKILL) without closing.
+            self._next_check = now + 0.1
+            if flock(self._fd, LOCK_SH | LOCK_NB) == 0:
+                flock(self._fd, LOCK_UN)
+                self._dead = True
+                return False
+        return True
+
+    # ------------------------------------------------------------ C core
+
+    cdef inline const Slot* _slot(self, uint64_t i) noexcept nogil:
+        return <const Slot*>(self._slots + i * C_SLOT)
+
+    cdef int _find(self, const char* k, Py_ssize_t n, uint64_t h, Found* f) noexcept nogil:
+        """R_HIT (``f`` filled, consistent at one instant), R_MISS (not in the table), or
+        R_FALLBACK (the table kept changing under us)."""
+        cdef uint64_t ts, i, probes, v1
+        cdef const Slot* s
+        cdef uint32_t st
+        cdef int attempt, j, restart
+        for attempt in range(TRIES):
+            ts = kvx_load_acq(&self._h.table_seq)
+            if ts & 1:
+                kvx_pause()
+                continue
+            i = h & self._mask
+            restart = 0
+            for probes in range(self._nslots):
+                s = self._slot(i)
+                v1 = kvx_load_acq(&s.version)
+                if v1 & 1:
+                    restart = 1
+                    break
+                st = s.state
+                if st == S_LIVE and s.hash == h and s.keylen == n and \
+                        memcmp(s.key, k, n) == 0:
+                    f.slot = i
+                    f.size = s.size
+                    f.checksum = s.checksum
+                    f.has_sum = s.flags & 1
+                    f.nextents = s.nextents
+                    if f.nextents > C_MAX_EXT:
+                        f.nextents = 0
+                    memcpy(f.ext, s.ext, sizeof(f.ext))
+                    kvx_fence_acq()
+                    if kvx_load_rlx(&s.version) != v1:
+                        restart = 1
+                        break
+                    f.version = v1
+                    return R_HIT
+                kvx_fence_acq()
+                if kvx_load_rlx(&s.version) != v1:
+                    restart = 1            # passed while it changed: look again
+                    break
+                if st == S_EMPTY:
+                    break
+                i = (i + 1) & self._mask
+            if restart:
+                self.retries += 1
+                kvx_pause()
+                continue
+            kvx_fence_acq()
+            if kvx_load_rlx(&self._h.table_seq) != ts:
+                continue
+            return R_MISS
+        return R_FALLBACK
+
+    cdef inline bint _valid(self, const Found* f) noexcept nogil:
+        kvx_fence_acq()
+        return kvx_load_rlx(&self._slot(f.slot).version) == f.version
+
+    cdef bint _ranges_ok(self, const Found* f) noexcept nogil:
+        """The runs cover ``size`` bytes and lie inside the pool (a torn read could say
+        anything; this keeps the copy in bounds until the version check rejects it)."""
+        cdef int j
+        cdef uint64_t total = 0, a, b
+        if f.nextents <= 0:
+            return False
+        for j in range(f.nextents):
+            a = f.ext[j][0]
+            b = f.ext[j][1]
+            if (a + b) * self._bs > self._pool_size:
+                return False
+            total += b * self._bs
+        return f.size <= total
+
+    cdef void _copy_out(self, const Found* f, char* dst) noexcept nogil:
+        cdef int j
+        cdef uint64_t left = f.size, n
+        for j in range(f.nextents):
+            if left == 0:
+                break
+            n = f.ext[j][1] * self._bs
+            if n > left:
+                n = left
+            memcpy(dst, self._base + f.ext[j][0] * self._bs, n)
+            dst += n
+            left -= n
+
+    cdef int64_t _tickets(self, uint64_t n) noexcept nogil:
+        """Take ``n`` consecutive tickets of the reads ring; -1 when it has not room."""
+        cdef uint64_t* headp = <uint64_t*>(self._ring + 64)
+        cdef const uint64_t* tailp = <uint64_t*>(self._ring + 128)
+        cdef uint64_t hd, tl
+        cdef int tries
+        hd = kvx_load_rlx(headp)
+        for tries in range(16):
+            tl = kvx_load_acq(tailp)
+            if hd + n - tl > self._nrec:
+                return -1
+            if kvx_cas(headp, &hd, hd + n):
+                return <int64_t>hd
+        return -1
+
+    cdef inline void _record(self, uint64_t ticket, uint64_t slot, uint64_t version) noexcept nogil:
+        cdef Rec* r = <Rec*>(self._ring + C_RING_HEADER) + (ticket & (self._nrec - 1))
+        r.slot = <uint32_t>slot
+        r.ver = <uint32_t>version
+        kvx_store_rel(&r.seq, ticket + 1)
+
+    cdef inline bint _misses_final(self) noexcept nogil:
+        return (kvx_load_acq(&self._h.flags) & F_MISSES_FINAL) and \
+            kvx_load_acq(&self._h.unpublished) == 0
+
+    cdef int _get_into(self, const char* k, Py_ssize_t n, char* dst, uint64_t cap,
+                       uint64_t* size) except -2:
+        """One validated read into ``dst`` (``cap`` bytes). R_HIT / R_MISS / R_FALLBACK;
+        ``size`` set on a hit, and to the value's size when ``cap`` is too small (-3)."""
+        cdef Found f
+        cdef int r, attempt
+        cdef int64_t t
+        cdef uint64_t h = kvx_hash(k, n)
+        t = self._tickets(1)
+        if t < 0:
+            return R_FALLBACK
+        for attempt in range(TRIES):
+            r = self._find(k, n, h, &f)
+            if r != R_HIT:
+                break
+            if not self._ranges_ok(&f):
+                r = R_FALLBACK
+                continue
+            if f.size > cap:
+                if self._valid(&f):
+                    self._record(t, VOID_SLOT, 0)
+                    size[0] = f.size
+                    return -3
+                continue
+            self._busy += 1
+            with nogil:
+                self._copy_out(&f, dst)
+            self._busy -= 1
+            if self._valid(&f):
+                self._record(t, f.slot, f.version)
+                size[0] = f.size
+                return R_HIT
+            self.retries += 1
+            r = R_FALLBACK
+        self._record(t, VOID_SLOT, 0)
+        if r == R_MISS and not self._misses_final():
+            r = R_FALLBACK
+        return r
+
+    cdef inline int _key_ok(self, object key, const char** k, Py_ssize_t* n) except -1:
+        if not _key_ptr(key, k, n):
+            return False
+        return 0 < n[0] <= <Py_ssize_t>self.max_key
+
+    # ------------------------------------------------------------ reads
+
+    def get(self, key):
+        """The value of ``key`` as new bytes, ``None`` for a (final) miss, or
+        :data:`FALLBACK`."""
+        cdef const char* k
+        cdef Py_ssize_t n
+        cdef Found f
+        cdef int r, attempt
+        cdef int64_t t
+        cdef uint64_t h
+        cdef bytes out
+        cdef char* dst
+        if not self._key_ok(key, &k, &n) or not self._usable():
+            self.fallbacks += 1
+            return FALLBACK
+        h = kvx_hash(k, n)
+        t = self._tickets(1)
+        if t < 0:
+            self.fallbacks += 1
+            return FALLBACK
+        r = R_FALLBACK
+        for attempt in range(TRIES):
+            r = self._find(k, n, h, &f)
+            if r != R_HIT:
+                break
+            if not self._ranges_ok(&f):
+                r = R_FALLBACK
+                continue
+            out = PyBytes_FromStringAndSize(NULL, f.size)
+            dst = PyBytes_AS_STRING(out)
+            self._busy += 1
+            with nogil:
+                self._copy_out(&f, dst)
+            self._busy -= 1
+            if self._valid(&f):
+                self._record(t, f.slot, f.version)
+                self.hits += 1
+                return out
+            self.retries += 1
+            r = R_FALLBACK
+        self._record(t, VOID_SLOT, 0)
+        if r == R_MISS and self._misses_final():
+            self.misses += 1
+            return None
+        self.fallbacks += 1
+        return FALLBACK
+
+    def get_into(self, key, dst):
+        """Copy the value of ``key`` into the writable buffer ``dst``. Returns its size,
+        :data:`MISS` or :data:`FALLBACK`. ValueError when ``dst`` is too small."""
+        cdef const char* k
+        cdef Py_ssize_t n
+        cdef Py_buffer buf
+        cdef uint64_t size = 0
+        cdef int r
+        if not self._key_ok(key, &k, &n) or not self._usable():
+            self.fallbacks += 1
+            return FALLBACK
+        try:
+            PyObject_GetBuffer(dst, &buf, PyBUF_ANY_CONTIGUOUS | PyBUF_WRITABLE)
+        except (BufferError, TypeError, ValueError):
+            self.fallbacks += 1
+            return FALLBACK          # a tensor or odd buffer: the normal path handles it
+        try:
+            r = self._get_into(k, n, <char*>buf.buf, buf.len, &size)
+        finally:
+            PyBuffer_Release(&buf)
+        return self._result(r, key, size, buf.len)
+
+    cdef object _result(self, int r, object key, uint64_t size, Py_ssize_t cap):
+        if r == R_HIT:
+            self.hits += 1
+            return size
+        if r == R_MISS:
+            self.misses += 1
+            return MISS
+        if r == -3:
+            raise ValueError(f"output buffer for key {key!r} holds {cap} bytes; "
+                             f"the value is {size} bytes")
+        self.fallbacks += 1
+        return FALLBACK
+
+    def get_many_into(self, keys, dsts):
+        """``[get_into(k, d) for k, d in zip(keys, dsts)]``: sizes, MISS or FALLBACK per key.
+        Raises ValueError (a buffer too small) before any later key is read."""
+        cdef Py_ssize_t i, nk = len(keys)
+        if len(dsts) != nk:
+            raise ValueError(f"{nk} keys but {len(dsts)} output buffers")
+        return [self.get_into(keys[i], dsts[i]) for i in range(nk)]
+
+    def get_many(self, keys):
+        """``[get(k) for k in keys]``: bytes, None (final miss) or FALLBACK per key."""
+        return [self.get(k) for k in keys]
+
+    def locate(self, keys):
+        """Single-run locations for a copy the caller makes itself (paged reads).
+
+        Returns ``(offsets, sizes, tokens)``: byte offset and size per key (-1, -1 for a
+        final miss), tokens to pass to :meth:`validate` after the copy; or None when any
+        key must be asked of the server (or has several runs).
+        """
+        cdef const char* k
+        cdef Py_ssize_t n, i, nk = len(keys)
+        cdef Found f
+        cdef int r
+        cdef list offs = [], sizes = [], toks = []
+        if not self._usable():
+            return None
+        for i in range(nk):
+            key = keys[i]
+            if not self._key_ok(key, &k, &n):
+                return None
+            r = self._find(k, n, kvx_hash(k, n), &f)
+            if r == R_HIT:
+                if f.nextents != 1 or not self._ranges_ok(&f):
+                    return None
+                offs.append(f.ext[0][0] * self._bs)
+                sizes.append(f.size)
+                toks.append((f.slot, f.version))
+            elif r == R_MISS and self._misses_final():
+                offs.append(-1)
+                sizes.append(-1)
+            else:
+                return None
+        return offs, sizes, toks
+
+    def validate(self, tokens):
+        """After a copy of :meth:`locate`'s ranges: True when every entry is still the
+        one located (then the reads are recorded for the LRU); False: redo the read
+        through the server."""
+        cdef Py_ssize_t i, nt = len(tokens)
+        cdef Found f
+        cdef int64_t t
+        kvx_fence_acq()
+        for i in range(nt):
+            slot, version = tokens[i]
+            if slot >= self._nslots or \
+                    kvx_load_rlx(&self._slot(slot).version) != <uint64_t>version:
+                return False
+        if nt == 0:
+            return True
+        t = self._tickets(nt)
+        if t < 0:
+            return False                # cannot record them: let the server see them
+        for i in range(nt):
+            slot, version = tokens[i]
+            self._record(t + i, slot, version)
+        self.hits += nt
+        return True
+
+    def exists_batch(self, keys):
+        """Whether each key is present: a list of bool, or None when a key must be
+        asked of the server. Keys are looked up in a C loop, slots prefetched ahead."""
+        cdef Py_ssize_t i, n, nk = len(keys)
+        cdef const char* k
+        cdef Found f
+        cdef int r
+        cdef bint final
+        cdef uint64_t* hashes
+        cdef const char** ptrs
+        cdef Py_ssize_t* lens
+        cdef list out
+        if not self._usable():
+            return None
+        final = self._misses_final()
+        hashes = <uint64_t*>malloc(max(1, nk) * (sizeof(uint64_t) + sizeof(char*) +
+                                                 sizeof(Py_ssize_t)))
+        if hashes == NULL:
+            raise MemoryError()
+        ptrs = <const char**>(hashes + max(1, nk))
+        lens = <Py_ssize_t*>(ptrs + max(1, nk))
+        try:
+            for i in range(nk):
+                if not self._key_ok(keys[i], &ptrs[i], &lens[i]):
+                    return None
+            out = [False] * nk
+            with nogil:
+                for i in range(nk):
+                    hashes[i] = kvx_hash(ptrs[i], lens[i])
+                for i in range(min(nk, 16)):
+                    kvx_prefetch(self._slot(hashes[i] & self._mask))
+            for i in range(nk):
+                if i + 16 < nk:
+                    kvx_prefetch(self._slot(hashes[i + 16] & self._mask))
+                r = self._find(ptrs[i], lens[i], hashes[i], &f)
+                if r == R_HIT:
+                    out[i] = True
+                elif r == R_FALLBACK or not final:
+                    return None
+            return out
+        finally:
+            c_free(hashes)
+
+    def match_prefix(self, keys):
+        """How many leading keys are present, or -2 (FALLBACK) when the answer needs
+        the server."""
+        cdef Py_ssize_t i, n, nk = len(keys)
+        cdef const char* k
+        cdef Found f
+        cdef int r
+        cdef uint64_t h, h2
+        cdef const char* k2
+        cdef Py_ssize_t n2
+        if not self._usable():
+            return FALLBACK
+        for i in range(nk):
+            if not self._key_ok(keys[i], &k, &n):
+                return FALLBACK
+            h = kvx_hash(k, n)
+            if i + 1 < nk and self._key_ok(keys[i + 1], &k2, &n2):
+                kvx_prefetch(self._slot(kvx_hash(k2, n2) & self._mask))
+            r = self._find(k, n, h, &f)
+            if r == R_HIT:
+                continue
+            if r == R_MISS and self._misses_final():
+                return i
+            return FALLBACK
+        return nk
+
+
+if sizeof(Slot) != C_SLOT or sizeof(Rec) != 16 or sizeof(Header) > C_HEADER:
+    raise ImportError("kvshm._shmindex was built with an unexpected struct layout")

@@ -1,0 +1,81 @@
+"""Same-host reads without a round trip (docs/DESIGN.md, "Same-host reads without a round
+trip").
+
+A client that attached the server's pool (the shm mover) also maps the server's shared
+index read-only (:class:`kvshm._shmindex.IndexReader`) and answers ``exists``,
+``match_prefix`` and gets by itself: look the key up, copy its blocks out of the pool,
+check the slot's version did not change; a change, a closed or dead server, a key the
+table does not hold or a full reads ring means the read goes to the server as before
+(``FALLBACK``). The server applies the reads recorded here to its LRU before any
+eviction decision, so eviction stays exact LRU.
+
+TCP and RDMA clients keep the protocol; so does a client with lazy commits not yet sent
+(its own writes must stay visible to it) and a read with ``verify=True``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Sequence
+
+from kvshm._shmindex import FALLBACK, MISS, IndexReader
+
+__all__ = ["attach", "read_batch", "FALLBACK", "MISS", "IndexReader", "ENV_DISABLE"]
+
+log = logging.getLogger(__name__)
+
+#: Set (to anything but "" or "0") to make clients ignore the shared index (benchmarks of
+#: the round-trip path, debugging).
+ENV_DISABLE = "KVSHM_NO_LOCAL_READS"
+
+
+def attach(hello: dict[str, Any], mover: Any, epoch: int,
+           max_key_bytes: int) -> IndexReader | None:
+    """The reader of the server's shared index, or None (no table announced, not the shm
+    mover, disabled, or the table cannot be mapped: reads then ask the server)."""
+    info = hello.get("shared_index")
+    if not info or mover is None or getattr(mover, "name", None) != "shm":
+        return None
+    if os.environ.get(ENV_DISABLE, "") not in ("", "0"):
+        return None
+    try:
+        return IndexReader(str(info["name"]), str(info["reads"]), mover.pool, int(epoch),
+                           int(max_key_bytes))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.debug("shared index %s not used: %s", info.get("name"), exc)
+        return None
+
+
+def read_batch(reader: IndexReader, keys: Sequence[bytes], views: Sequence[Any] | None,
+               sink: Any, mover: Any) -> tuple[list[int], list[Any]] | None:
+    """Read ``keys`` lock-free as ``_Session.op_lookup_copy`` would: ``(sizes, data)``
+    with -1 / None for misses, or None when any key must be asked of the server (then
+    nothing of this attempt counts; the server's answer overwrites what was copied).
+
+    ``views``: writable byte views, one per key (get_into); ``sink``: places single-run
+    values itself (kvshm.paged ``from_pool``); neither: new bytes per hit.
+    """
+    n = len(keys)
+    if sink is not None:
+        loc = reader.locate(keys)
+        if loc is None:
+            return None
+        offsets, sizes, tokens = loc
+        hits = [i for i in range(n) if offsets[i] >= 0]
+        if hits:
+            sink.from_pool(mover, [offsets[i] for i in hits], [sizes[i] for i in hits],
+                           hits)
+        if not reader.validate(tokens):
+            return None
+        return list(sizes), [None] * n
+    if views is not None:
+        got = reader.get_many_into(keys, views)
+        if FALLBACK in got:
+            return None
+        data: list[Any] = [views[i][:s] if s >= 0 else None for i, s in enumerate(got)]
+        return got, data
+    vals = reader.get_many(keys)
+    if FALLBACK in vals:
+        return None
+    return [len(v) if v is not None else -1 for v in vals], vals
