@@ -875,8 +875,9 @@ cdef class IndexReader:
             self._unmap()
             raise ValueError(f"{name} is not a kvshm index of layout {_LAYOUT}")
         if h.epoch != epoch:
+            found = h.epoch
             self._unmap()
-            raise ValueError(f"{name} belongs to server epoch {h.epoch}, not {epoch}")
+            raise ValueError(f"{name} belongs to server epoch {found}, not {epoch}")
         self.epoch = epoch
         self._nslots = h.nslots
         self._mask = h.nslots - 1
@@ -962,6 +963,12 @@ cdef class IndexReader:
     @property
     def closed(self):
         return self._map == NULL
+
+    @property
+    def address(self):
+        """Address of the read-only mapping of the table in this process."""
+        self._check()
+        return <uintptr_t>self._map
 
     @property
     def usable(self):

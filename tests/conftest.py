@@ -59,6 +59,14 @@ def shm_name() -> Iterator[str]:
     assert not left, f"test left shared-memory segments in {SHM_DIR}: {left}"
 
 
+@pytest.fixture
+def no_local_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Clients made in this test (and its child processes) read through the server even
+    on the same host (no lock-free reads of the shared index): for tests of the
+    protocol's own read path (pins, leases, cancellation, timeouts)."""
+    monkeypatch.setenv("KVSHM_NO_LOCAL_READS", "1")
+
+
 # ----------------------------------------------------------------------------- processes
 
 

@@ -158,7 +158,7 @@ def test_64_concurrent_get_batch_shuffled(server, transport, loop_kind):
 
 
 @pytest.mark.parametrize("loop_kind", LOOPS)
-def test_cancel_100_in_flight_get_batch(server, loop_kind):
+def test_cancel_100_in_flight_get_batch(server, loop_kind, no_local_reads):
     async def main():
         async with AsyncClient(server.address, transport="shm") as c:
             await c.purge()
@@ -247,7 +247,7 @@ def _slow_mover(c, method, started, delay=0.3):
     return ended
 
 
-def test_cancel_during_thread_copy_waits_for_the_copy(server):
+def test_cancel_during_thread_copy_waits_for_the_copy(server, no_local_reads):
     async def main():
         async with AsyncClient(server.address, transport="shm", copy_threshold=0) as c:
             await c.purge()
@@ -314,7 +314,7 @@ def own_server():
 
 
 @pytest.mark.parametrize("loop_kind", LOOPS)
-def test_server_dies_mid_await(own_server, loop_kind):
+def test_server_dies_mid_await(own_server, loop_kind, no_local_reads):
     async def main():
         c = AsyncClient(own_server.address, transport="shm", timeout=3)
         try:
@@ -338,7 +338,7 @@ def test_server_dies_mid_await(own_server, loop_kind):
     run(main(), loop_kind)
 
 
-def test_stuck_server_times_out_then_recovers(own_server):
+def test_stuck_server_times_out_then_recovers(own_server, no_local_reads):
     async def main():
         async with AsyncClient(own_server.address, transport="shm", timeout=1) as c:
             await c.put("s", b"s" * 1000)
@@ -361,7 +361,7 @@ def test_stuck_server_times_out_then_recovers(own_server):
     run(main())
 
 
-def test_stale_epoch_says_hello_once_and_retries(server):
+def test_stale_epoch_says_hello_once_and_retries(server, no_local_reads):
     """Requests in flight that find the server restarted (STALE_EPOCH) say HELLO once
     and are sent again."""
     async def main():

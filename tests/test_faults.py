@@ -93,7 +93,7 @@ HOLD_PINS = """
 """
 
 
-def test_dead_writer_and_dead_reader_are_reclaimed():
+def test_dead_writer_and_dead_reader_are_reclaimed(no_local_reads):
     with ServerProcess("--lease-timeout", "1") as srv, Client(srv.address) as c:
         c.put_batch([f"live{i}" for i in range(8)], [bytes([i]) * 100_000 for i in range(8)])
         live_blocks = c.stats()["used_bytes"]
@@ -297,7 +297,7 @@ def test_client_exception_mid_write_aborts_pending(tmp_path):
         assert c.get("a") == b"ok"
 
 
-def test_stalled_live_client_keeps_its_blocks_past_the_lease():
+def test_stalled_live_client_keeps_its_blocks_past_the_lease(no_local_reads):
     """A client that is alive but stalled past the lease (GC pause, SIGSTOP) must not
     have its blocks handed to another key: its late copy would corrupt that key."""
     import threading

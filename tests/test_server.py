@@ -520,10 +520,9 @@ def test_idle_server_uses_no_cpu(server):
     assert cpu(server.pid) - t0 <= 0.02
 
 
-def test_per_client_limits_hold_one_greedy_client_back(monkeypatch):
+def test_per_client_limits_hold_one_greedy_client_back(no_local_reads):
     # pins are taken by reads that go through the server; same-host lock-free reads
-    # (kvshm.localread) hold none, so these clients read through the server
-    monkeypatch.setenv("KVSHM_NO_LOCAL_READS", "1")
+    # (kvshm.localread) hold none
     with ServerProcess("--max-client-pending", str(4 << 20), "--max-client-pinned",
                        str(4 << 20), prealloc_size=1 / 64) as srv, \
             Client(srv.address) as greedy, Client(srv.address) as other:
