@@ -16,9 +16,9 @@ the table does not hold (too long, table full) and flags (misses are final: no t
 below the pool). Slot::
 
     version u64 (seqlock: odd while the server writes the slot; only ever grows)
-    hash u64 | size u64 | checksum u64 | state u32 (empty/live/tombstone)
-    key length u16 | extent count u8 | flags u8 (has checksum)
-    extents: 8 x (first block u32, block count u32) | key: up to KEY_MAX bytes inline
+    hash u64 | state u32 (empty/live/tombstone) | key length u16 | extent count u8
+    flags u8 (has checksum) | key: up to KEY_MAX bytes inline | size u64 | checksum u64
+    extents: 8 x (first block u32, block count u32)
 
 A reader loads the version (acquire), the fields, copies the value out of the pool,
 fences (acquire) and loads the version again; any change means the entry moved, was
@@ -198,16 +198,18 @@ cdef struct Header:
 
 
 cdef struct Slot:
+    # what a probe reads first, in the slot's first cache line with a key of <= 40 bytes
     uint64_t version
     uint64_t hash
-    uint64_t size
-    uint64_t checksum
     uint32_t state
     uint16_t keylen
     uint8_t nextents
     uint8_t flags
-    uint32_t ext[C_MAX_EXT][2]
     char key[C_KEY_MAX]
+    # what a hit reads next
+    uint64_t size
+    uint64_t checksum
+    uint32_t ext[C_MAX_EXT][2]
 
 
 cdef struct Rec:
@@ -1014,9 +1016,10 @@ cdef class IndexReader:
     cdef inline const Slot* _slot(self, uint64_t i) noexcept nogil:
         return <const Slot*>(self._slots + i * C_SLOT)
 
-    cdef int _find(self, const char* k, Py_ssize_t n, uint64_t h, Found* f) noexcept nogil:
-        """R_HIT (``f`` filled, consistent at one instant), R_MISS (not in the table), or
-        R_FALLBACK (the table kept changing under us)."""
+    cdef int _find(self, const char* k, Py_ssize_t n, uint64_t h, Found* f,
+                   bint full=True) noexcept nogil:
+        """R_HIT (``f`` filled when ``full``, consistent at one instant), R_MISS (not in
+        the table), or R_FALLBACK (the table kept changing under us)."""
         cdef uint64_t ts, i, probes, v1
         cdef const Slot* s
         cdef uint32_t st
@@ -1038,13 +1041,14 @@ cdef class IndexReader:
                 if st == S_LIVE and s.hash == h and s.keylen == n and \
                         memcmp(s.key, k, n) == 0:
                     f.slot = i
-                    f.size = s.size
-                    f.checksum = s.checksum
-                    f.has_sum = s.flags & 1
-                    f.nextents = s.nextents
-                    if f.nextents > C_MAX_EXT:
-                        f.nextents = 0
-                    memcpy(f.ext, s.ext, sizeof(f.ext))
+                    if full:
+                        f.size = s.size
+                        f.checksum = s.checksum
+                        f.has_sum = s.flags & 1
+                        f.nextents = s.nextents
+                        if f.nextents > C_MAX_EXT:
+                            f.nextents = 0
+                        memcpy(f.ext, s.ext, sizeof(f.ext))
                     kvx_fence_acq()
                     if kvx_load_rlx(&s.version) != v1:
                         restart = 1
@@ -1354,7 +1358,7 @@ cdef class IndexReader:
             for i in range(nk):
                 if i + 16 < nk:
                     kvx_prefetch(self._slot(hashes[i + 16] & self._mask))
-                r = self._find(ptrs[i], lens[i], hashes[i], &f)
+                r = self._find(ptrs[i], lens[i], hashes[i], &f, False)
                 if r == R_HIT:
                     out[i] = True
                 elif r == R_FALLBACK or not final:
@@ -1381,7 +1385,7 @@ cdef class IndexReader:
             h = kvx_hash(k, n)
             if i + 1 < nk and self._key_ok(keys[i + 1], &k2, &n2):
                 kvx_prefetch(self._slot(kvx_hash(k2, n2) & self._mask))
-            r = self._find(k, n, h, &f)
+            r = self._find(k, n, h, &f, False)
             if r == R_HIT:
                 continue
             if r == R_MISS and self._misses_final():

@@ -78,4 +78,4 @@ def read_batch(reader: IndexReader, keys: Sequence[bytes], views: Sequence[Any] 
     vals = reader.get_many(keys)
     if FALLBACK in vals:
         return None
-    return [len(v) if v is not None else -1 for v in vals], vals
+    return [len(v) if isinstance(v, bytes) else -1 for v in vals], vals

@@ -16,7 +16,8 @@ import pytest
 mypy_api = pytest.importorskip("mypy.api")
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKED = ["kvshm/_bitmap.pyi", "kvshm/_pool.pyi", "kvshm/errors.py", "kvshm/__init__.py"]
+CHECKED = ["kvshm/_bitmap.pyi", "kvshm/_pool.pyi", "kvshm/_shmindex.pyi", "kvshm/localread.py",
+           "kvshm/errors.py", "kvshm/__init__.py"]
 
 Mypy = Callable[..., "tuple[str, int]"]
 

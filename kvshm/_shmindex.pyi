@@ -1,0 +1,126 @@
+"""Type stubs of the compiled shared index (kvshm/_shmindex.pyx).
+
+Extents are (first block, block count) runs; sizes in bytes; epochs as in HELLO.
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+from typing_extensions import Buffer, Self, final
+
+from kvshm._pool import Pool
+
+#: Most block runs one entry may have.
+MAX_EXTENTS: int
+#: Longest key the table holds inline (longer ones are asked of the server).
+KEY_MAX: int
+#: Bytes per slot.
+SLOT_SIZE: int
+#: Bytes of the index segment's header.
+HEADER_SIZE: int
+#: Records of the reads ring.
+RING_RECORDS: int
+#: A read the caller must ask of the server instead.
+FALLBACK: int
+#: A read that found nothing, and the store holds nothing for that key.
+MISS: int
+#: Byte offset and closed value of the header's state word.
+STATE_OFFSET: int
+STATE_CLOSED: int
+
+def key_hash(key: bytes | str) -> int:
+    """The table's 64-bit hash of ``key``."""
+def default_slots(num_blocks: int) -> int:
+    """Next power of two >= 2 x ``num_blocks``."""
+
+@final
+class IndexWriter:
+    """The server's side: publishes entries, applies recorded reads."""
+
+    name: str
+    reads_name: str
+    epoch: int
+    rebuilds: int
+    skipped_records: int
+    @staticmethod
+    def create(
+        name: str,
+        reads_name: str,
+        nslots: int,
+        *,
+        epoch: int,
+        block_size: int,
+        num_blocks: int,
+        token: bytes = ...,
+        misses_final: bool = True,
+        ring_records: int = ...,
+    ) -> IndexWriter: ...
+    @property
+    def nslots(self) -> int: ...
+    @property
+    def live(self) -> int: ...
+    @property
+    def tombstones(self) -> int: ...
+    @property
+    def unpublished(self) -> int: ...
+    @property
+    def closed(self) -> bool: ...
+    def info(self) -> dict[str, Any]:
+        """``{"name", "reads", "epoch", "slots"}``: what HELLO tells clients."""
+    def stats(self) -> dict[str, int]: ...
+    def publish(
+        self, key: bytes | str, size: int, extents: Sequence[tuple[int, int]],
+        checksum: int | None = None,
+    ) -> int:
+        """The slot, or -1 when not published (too long, too many runs, table full)."""
+    def unpublish(self, key: bytes | str) -> bool:
+        """The slot's version has changed when this returns."""
+    def clear(self) -> None: ...
+    def set_misses_final(self, final: bool) -> None: ...
+    def drain(self, stuck_after: float = 0.05) -> list[bytes]:
+        """Keys read lock-free since the last call, oldest first."""
+    def close(self) -> None: ...
+    def unlink(self) -> None: ...
+    def __enter__(self) -> Self: ...
+    def __exit__(self, *exc: object) -> None: ...
+
+@final
+class IndexReader:
+    """A client's read-only view of the table, reading values through ``pool``."""
+
+    name: str
+    epoch: int
+    max_key: int
+    hits: int
+    misses: int
+    fallbacks: int
+    retries: int
+    def __init__(self, name: str, reads_name: str, pool: Pool, epoch: int,
+                 max_key: int = ...) -> None: ...
+    def close(self) -> None:
+        """BufferError while a read runs in another thread."""
+    def __enter__(self) -> Self: ...
+    def __exit__(self, *exc: object) -> None: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def address(self) -> int: ...
+    @property
+    def usable(self) -> bool:
+        """False once the server stopped or died."""
+    @property
+    def header(self) -> dict[str, Any]: ...
+    def get(self, key: bytes | str) -> bytes | None | int:
+        """The value, None for a miss, or FALLBACK."""
+    def get_into(self, key: bytes | str, dst: Buffer) -> int:
+        """Size copied, MISS or FALLBACK; ValueError when ``dst`` is too small."""
+    def get_many_into(self, keys: Sequence[bytes | str], dsts: Sequence[Buffer]) -> list[int]: ...
+    def get_many(self, keys: Sequence[bytes | str]) -> list[bytes | None | int]: ...
+    def locate(
+        self, keys: Sequence[bytes | str]
+    ) -> tuple[list[int], list[int], list[tuple[int, int]]] | None:
+        """(offsets, sizes, tokens) of single-run values (-1 for misses), or None."""
+    def validate(self, tokens: Sequence[tuple[int, int]]) -> bool: ...
+    def exists_batch(self, keys: Sequence[bytes | str]) -> list[bool] | None: ...
+    def match_prefix(self, keys: Sequence[bytes | str]) -> int:
+        """Leading keys present, or FALLBACK."""
