@@ -1130,7 +1130,7 @@ cdef class IndexReader:
             kvx_load_acq(&self._h.unpublished) == 0
 
     cdef int _get_into(self, const char* k, Py_ssize_t n, char* dst, uint64_t cap,
-                       uint64_t* size) except -2:
+                       uint64_t* size) except -100:
         """One validated read into ``dst`` (``cap`` bytes). R_HIT / R_MISS / R_FALLBACK;
         ``size`` set on a hit, and to the value's size when ``cap`` is too small (-3)."""
         cdef Found f

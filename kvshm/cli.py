@@ -63,6 +63,8 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
                    help="periodic eviction starts above this usage (default 0.8)")
     p.add_argument("--shm-name", default=None, help="shared-memory segment name (default: unique)")
     p.add_argument("--no-ipc", action="store_true", help="do not serve the ipc:// endpoint")
+    p.add_argument("--no-shared-index", action="store_true",
+                   help="do not publish the index for same-host lock-free reads")
     p.add_argument("--max-key-bytes", type=pos_int, default=4096, help="longest key (default 4096)")
     p.add_argument("--max-batch", type=pos_int, default=1_000_000,
                    help="most keys per request (default 1000000)")
@@ -153,6 +155,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         ssd_queue=getattr(args, "ssd_queue", 0.0),
         ssd_wait=getattr(args, "ssd_wait", 1.0),
         ssd_manifest_interval=getattr(args, "ssd_manifest_interval", 5.0),
+        shared_index=not getattr(args, "no_shared_index", False),
     )
 
 
