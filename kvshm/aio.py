@@ -39,6 +39,7 @@ from typing import Any, Callable, Sequence
 import zmq
 import zmq.asyncio
 
+from kvshm import localread
 from kvshm.client import IDLE_FLUSH_S, Key, OpGen, _curve_setup, _Reply, _Req, _Restarted, _Session
 from kvshm.errors import (
     AuthenticationFailed,
@@ -694,26 +695,26 @@ class AsyncClient:
 
     async def exists_batch(self, keys: Sequence[Key]) -> list[bool]:
         """Whether each key is present (committed)."""
+        lr = self._session.local_reader()
+        if lr is not None and localread.fits(keys, self._session.limits):
+            found = lr.exists_batch(keys)   # same host: no round trip
+            if found is not None:
+                return found  # type: ignore[no-any-return]
         bkeys = await self._keys(keys)
         if not bkeys:
             return []
-        lr = self._session.local_reader()
-        if lr is not None:                  # same host: no round trip
-            found = lr.exists_batch(bkeys)
-            if found is not None:
-                return found  # type: ignore[no-any-return]
         return (await self._simple(Op.EXISTS, {"keys": bkeys}, "exists"))["found"]
 
     async def match_prefix(self, keys: Sequence[Key]) -> int:
         """How many leading keys of ``keys`` the store holds."""
+        lr = self._session.local_reader()
+        if lr is not None and localread.fits(keys, self._session.limits):
+            n = lr.match_prefix(keys)       # same host: no round trip
+            if n >= 0:
+                return n  # type: ignore[no-any-return]
         bkeys = await self._keys(keys)
         if not bkeys:
             return 0
-        lr = self._session.local_reader()
-        if lr is not None:                  # same host: no round trip
-            n = lr.match_prefix(bkeys)
-            if n >= 0:
-                return n  # type: ignore[no-any-return]
         body = {"keys": bkeys}
         return (await self._simple(Op.MATCH_PREFIX, body, "match_prefix"))["n"]
 

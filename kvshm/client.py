@@ -793,26 +793,26 @@ class Client:
 
     def exists_batch(self, keys: Sequence[Key]) -> list[bool]:
         """Whether each key is present (committed)."""
+        lr = self._session.local_reader()
+        if lr is not None and localread.fits(keys, self._session.limits):
+            found = lr.exists_batch(keys)   # checks the keys itself: odd ones fall back
+            if found is not None:
+                return found  # type: ignore[no-any-return]
         bkeys = self._session.keys(keys)
         if not bkeys:
             return []
-        lr = self._session.local_reader()
-        if lr is not None:
-            found = lr.exists_batch(bkeys)
-            if found is not None:
-                return found  # type: ignore[no-any-return]
         return self._run(self._session.op_simple(Op.EXISTS, {"keys": bkeys}, "exists"))["found"]  # type: ignore[no-any-return]
 
     def match_prefix(self, keys: Sequence[Key]) -> int:
         """How many leading keys of ``keys`` the store holds (a prefix match)."""
+        lr = self._session.local_reader()
+        if lr is not None and localread.fits(keys, self._session.limits):
+            n = lr.match_prefix(keys)       # checks the keys itself: odd ones fall back
+            if n >= 0:
+                return n  # type: ignore[no-any-return]
         bkeys = self._session.keys(keys)
         if not bkeys:
             return 0
-        lr = self._session.local_reader()
-        if lr is not None:
-            n = lr.match_prefix(bkeys)
-            if n >= 0:
-                return n  # type: ignore[no-any-return]
         return self._run(self._session.op_simple(Op.MATCH_PREFIX, {"keys": bkeys},
                                                  "match_prefix"))["n"]  # type: ignore[no-any-return]
 

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 from kvshm._shmindex import FALLBACK, MISS, IndexReader
 
-__all__ = ["attach", "read_batch", "FALLBACK", "MISS", "IndexReader", "ENV_DISABLE"]
+__all__ = ["attach", "fits", "read_batch", "FALLBACK", "MISS", "IndexReader", "ENV_DISABLE"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,13 @@ def attach(hello: dict[str, Any], mover: Any, epoch: int,
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.debug("shared index %s not used: %s", info.get("name"), exc)
         return None
+
+
+def fits(keys: Any, limits: Any) -> bool:
+    """Whether ``keys`` may go to the reader as given (a list or tuple within the batch
+    limit); the reader checks each key's type and length itself and falls back on any
+    other, so the client's own checks then raise as before."""
+    return type(keys) in (list, tuple) and len(keys) <= limits.max_batch
 
 
 def read_batch(reader: IndexReader, keys: Sequence[bytes], views: Sequence[Any] | None,
