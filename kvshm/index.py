@@ -12,7 +12,7 @@ record are applied (:meth:`Index.sync`) before every LRU decision.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 __all__ = ["Entry", "Index", "PENDING", "LIVE", "DEAD", "MAX_EXTENTS"]
 
@@ -74,11 +74,13 @@ def _runs(e: Entry) -> tuple[tuple[int, int], ...]:
 class Index:
     """Committed entries by key, least recently used first."""
 
-    __slots__ = ("_d", "_shared")
+    __slots__ = ("_d", "_shared", "on_read")
 
     def __init__(self) -> None:
         self._d: OrderedDict[bytes, Entry] = OrderedDict()
         self._shared: Any = None
+        #: Called with each entry a lock-free read touched (the store's tier order).
+        self.on_read: Callable[[Entry], Any] | None = None
 
     # ------------------------------------------------------------ shared table
 
@@ -105,9 +107,13 @@ class Index:
         t = self._shared
         if t is not None:
             d = self._d
+            on_read = self.on_read
             for k in t.drain():
-                if k in d:
+                e = d.get(k)
+                if e is not None:
                     d.move_to_end(k)
+                    if on_read is not None:
+                        on_read(e)
 
     def __len__(self) -> int:
         return len(self._d)

@@ -725,6 +725,7 @@ class Store:
         self.tier = tier
         self.clean_target = clean_target
         tier.unshadow = self._unshadowed
+        self.index.on_read = lambda e: self._touch(e, None)   # lock-free reads, as LOOKUP
         for e in self.index.lru():
             if e.meta is None:
                 self._dirty[e.key] = e
