@@ -42,6 +42,7 @@ class IndexWriter:
     epoch: int
     rebuilds: int
     skipped_records: int
+    reads_applied: int
     @staticmethod
     def create(
         name: str,

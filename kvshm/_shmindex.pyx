@@ -327,6 +327,7 @@ cdef class IndexWriter:
     cdef readonly uint64_t epoch
     cdef readonly uint64_t rebuilds
     cdef readonly uint64_t skipped_records
+    cdef readonly uint64_t reads_applied
     cdef set _unpub
     cdef long _pid
     cdef int _lock_fd
@@ -468,7 +469,7 @@ cdef class IndexWriter:
     def stats(self):
         return {"live": self._live, "tombstones": self._tombs, "slots": self._nslots,
                 "unpublished": len(self._unpub), "rebuilds": self.rebuilds,
-                "skipped_records": self.skipped_records}
+                "skipped_records": self.skipped_records, "reads_applied": self.reads_applied}
 
     cdef inline int _check(self) except -1:
         if self._map == NULL:
@@ -737,6 +738,7 @@ cdef class IndexWriter:
                 out.append(PyBytes_FromStringAndSize(s.key, s.keylen))
         self._tail = t
         kvx_store_rel(tailp, t)
+        self.reads_applied += len(out)
         return out
 
     # ------------------------------------------------------------ lifetime

@@ -1112,6 +1112,12 @@ class Store:
         (entry_blocks == used blocks). ``pins`` includes the pins of spill writes in
         flight and of parked reads.
 
+        With a shared index (same-host lock-free reads, kvshm.localread): ``shared_index``
+        = {live, tombstones, slots, unpublished, rebuilds, skipped_records, reads_applied};
+        lock-free reads are not in hits/gets (reads_applied counts those that reached the
+        LRU), and with ``verify`` accounting_ok also needs every live key in the table or
+        counted as unpublished.
+
         With a tier: ``tiers`` = {"pool": {...}, "ssd": {...}}, per tier entries, bytes,
         hits, spills, promotions, drops, checksum_failures and more (docs/SSD.md); with
         ``verify`` the SSD tier adds its own accounting_ok.
@@ -1135,6 +1141,8 @@ class Store:
             "held_grants": self._held,
         }
         s.update(self.counters)
+        if self.index.shared is not None:     # same-host lock-free reads (kvshm.localread)
+            s["shared_index"] = self.index.shared.stats()
         if verify:
             blocks = sum(e.nblocks for e in self.index.lru())
             blocks += sum(e.nblocks for g in self._grants.values() if g.kind == _ALLOC
@@ -1143,6 +1151,9 @@ class Store:
             blocks += sum(p.entry.nblocks for p in self._promoting.values())
             s["entry_blocks"] = blocks
             s["accounting_ok"] = blocks == a.num_used
+            t = self.index.shared
+            if t is not None and t.live + t.unpublished != len(self.index):
+                s["accounting_ok"] = False
         if self.tier is not None:
             tc = self.tier_counters
             ssd = self.tier.stats(verify)
