@@ -56,6 +56,10 @@ from libc.errno cimport errno
 
 cdef extern from "<sys/mman.h>" nogil:
     void* MAP_FAILED
+    int MAP_POPULATE
+
+cdef extern from "<fcntl.h>" nogil:
+    int posix_fallocate(int fd, long offset, long length)
 
 cdef extern from "<sys/file.h>" nogil:
     int flock(int fd, int op)
@@ -280,23 +284,40 @@ def default_slots(Py_ssize_t num_blocks):
     return _pow2(2 * max(1, num_blocks))
 
 
-cdef char* _map(int fd, size_t size, bint writable) except NULL:
+#: A reader pre-faults a table up to this size (the pool's rule, kvshm.client).
+POPULATE_MAX_BYTES = 256 << 20
+
+
+cdef char* _map(int fd, size_t size, bint writable, bint populate=False) except NULL:
     cdef void* p
     cdef int prot = PROT_READ | (PROT_WRITE if writable else 0)
+    cdef int flags = MAP_SHARED | (MAP_POPULATE if populate else 0)
     with nogil:
-        p = mmap(NULL, size, prot, MAP_SHARED, fd, 0)
+        p = mmap(NULL, size, prot, flags, fd, 0)
     if p == MAP_FAILED:
         raise OSError(errno, f"mmap of {size} bytes failed: {os.strerror(errno)}")
     return <char*>p
 
 
 cdef object _create_segment(str name, size_t size):
+    """Create ``name`` of ``size`` bytes, reserved with posix_fallocate (a full /dev/shm is
+    an error here, never a SIGBUS when the server first touches a slot)."""
+    cdef int rc, fd
     try:
-        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
     except posix_ipc.ExistentialError:
         raise FileExistsError(f"shared-memory segment {name} already exists") from None
     except posix_ipc.PermissionsError as exc:
         raise PermissionError(f"cannot create shared-memory segment {name}: {exc}") from None
+    fd = shm.fd
+    with nogil:
+        rc = posix_fallocate(fd, 0, size)
+    if rc != 0:
+        shm.close_fd()
+        shm.unlink()
+        raise OSError(rc, f"cannot reserve {size} bytes for shared-memory segment {name} "
+                          f"({os.strerror(rc)}); free space in /dev/shm, or ask for fewer "
+                          "index slots (shared_index_slots)")
     return shm
 
 
@@ -866,7 +887,8 @@ cdef class IndexReader:
             total = shm.size
             if total < C_HEADER + C_SLOT:
                 raise ValueError(f"{name} is not a kvshm index ({total} bytes)")
-            self._map = _map(shm.fd, total, False)     # PROT_READ: cannot write it
+            # PROT_READ: a reader cannot write it
+            self._map = _map(shm.fd, total, False, total <= POPULATE_MAX_BYTES)
             self._map_size = total
             self._fd = os.dup(shm.fd)
         finally:
