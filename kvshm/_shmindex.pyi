@@ -117,6 +117,10 @@ class IndexReader:
         """Size copied, MISS or FALLBACK; ValueError when ``dst`` is too small."""
     def get_many_into(self, keys: Sequence[bytes | str], dsts: Sequence[Buffer]) -> list[int]: ...
     def get_many(self, keys: Sequence[bytes | str]) -> list[bytes | None | int]: ...
+    def lookup(
+        self, key: bytes | str
+    ) -> tuple[tuple[int, int], int, tuple[tuple[int, int], ...], int | None] | None | int:
+        """(token, size, extents, checksum), None for a miss, or FALLBACK."""
     def locate(
         self, keys: Sequence[bytes | str]
     ) -> tuple[list[int], list[int], list[tuple[int, int]]] | None:

@@ -1292,6 +1292,24 @@ cdef class IndexReader:
         """``[get(k) for k in keys]``: bytes, None (final miss) or FALLBACK per key."""
         return [self.get(k) for k in keys]
 
+    def lookup(self, key):
+        """One key's entry: ``(token, size, extents, checksum)`` (``extents``: (first
+        block, block count) runs; ``checksum`` None when stored without one), None for a
+        final miss, or FALLBACK. Copy with the pool, then :meth:`validate` ``[token]``."""
+        cdef const char* k
+        cdef Py_ssize_t n
+        cdef Found f
+        cdef int r, j
+        if not self._key_ok(key, &k, &n) or not self._usable():
+            return FALLBACK
+        r = self._find(k, n, kvx_hash(k, n), &f)
+        if r == R_HIT and self._ranges_ok(&f):
+            runs = tuple((f.ext[j][0], f.ext[j][1]) for j in range(f.nextents))
+            return ((f.slot, f.version), f.size, runs, f.checksum if f.has_sum else None)
+        if r == R_MISS and self._misses_final():
+            return None
+        return FALLBACK
+
     def locate(self, keys):
         """Single-run locations for a copy the caller makes itself (paged reads).
 

@@ -100,6 +100,11 @@ def test_values_of_several_runs_are_read_in_order(table):
     w.publish(b"multi", 3 * BS + 100, [(10, 1), (2, 2), (20, 1)])
     assert r.get(b"multi") == b"1" * BS + b"2" * 2 * BS + b"3" * 100
     assert r.locate([b"multi"]) is None               # callers' own copies: one run only
+    tok, size, runs, csum = r.lookup(b"multi")
+    assert (size, runs, csum) == (3 * BS + 100, ((10, 1), (2, 2), (20, 1)), None)
+    assert r.validate([tok]) and r.lookup(b"none") is None
+    w.publish(b"multi", 1, [(5, 1)], 99)
+    assert not r.validate([tok]) and r.lookup(b"multi")[1:] == (1, ((5, 1),), 99)
 
 
 def test_a_token_goes_stale_when_the_entry_changes(table):
