@@ -1392,11 +1392,11 @@ cdef class IndexReader:
                 if not self._key_ok(keys[i], &ptrs[i], &lens[i]):
                     return None
             out = [False] * nk
-            with nogil:
-                for i in range(nk):
-                    hashes[i] = kvx_hash(ptrs[i], lens[i])
-                for i in range(min(nk, 16)):
-                    kvx_prefetch(self._slot(hashes[i] & self._mask))
+            # (the GIL stays held: close() in another thread must not unmap mid-loop)
+            for i in range(nk):
+                hashes[i] = kvx_hash(ptrs[i], lens[i])
+            for i in range(min(nk, 16)):
+                kvx_prefetch(self._slot(hashes[i] & self._mask))
             for i in range(nk):
                 if i + 16 < nk:
                     kvx_prefetch(self._slot(hashes[i + 16] & self._mask))

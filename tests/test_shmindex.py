@@ -30,7 +30,7 @@ from kvshm.client import Client
 from kvshm.server import Server
 from kvshm.store import Store, StoreConfig
 from kvshm.zmq_ctrl.protocol import Limits
-from servers import ServerProcess, segment_exists
+from servers import ServerProcess, segment_exists, unique_shm_name
 
 BS = 4096
 EPOCH = 77
@@ -317,7 +317,7 @@ class LockFreeReads(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        name = f"{kvshm_test_prefix()}{os.urandom(4).hex()}"
+        name = unique_shm_name("lockfree-")
         self.store, self.t = _store_with_table(name, blocks=24)
         self.committed: dict[int, set[int]] = {}
         self.version = 0
@@ -378,12 +378,6 @@ class LockFreeReads(RuleBasedStateMachine):
             th.join(10)
         self.t.close()
         assert not self.errors, self.errors[:5]
-
-
-def kvshm_test_prefix() -> str:
-    from conftest import session_shm_prefix
-
-    return session_shm_prefix()
 
 
 TestLockFreeReads = LockFreeReads.TestCase
