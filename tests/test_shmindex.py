@@ -622,3 +622,95 @@ def test_no_shared_index_flag(shm_name):
         assert not segment_exists(shm_name + "-index")
         c.put("k", b"v")
         assert c.get("k") == b"v" and c.exists("k")
+
+
+_CLIENT_READER = textwrap.dedent("""
+    import struct, sys, time
+    import kvshm
+    c = kvshm.Client(sys.argv[1], transport="shm")
+    nkeys, seconds = int(sys.argv[2]), float(sys.argv[3])
+    bad = reads = 0
+    print("ready", flush=True)
+    end = time.monotonic() + seconds
+    i = 0
+    while time.monotonic() < end:
+        i += 1
+        got = c.get_batch([b"key-%d" % ((i + j) % nkeys) for j in range(3)])
+        for j, v in enumerate(got):
+            if v is None or len(v) < 8:
+                continue
+            kid, ver = struct.unpack_from("<II", v)
+            word = struct.pack("<II", kid, ver)
+            if kid != (i + j) % nkeys or v != (word * (len(v) // 8 + 1))[:len(v)]:
+                bad += 1
+            reads += 1
+    local = c._session.local
+    print(reads, bad, local.hits if local is not None else -1, flush=True)
+    c.close()
+""")
+
+
+def test_clients_read_while_other_clients_overwrite_and_evict(shm_name):
+    """Through real clients: writers reuse freed blocks (ALLOC/COMMIT into a pool kept
+    full, so every put evicts or replaces) while local readers in this process and in
+    another one read lock-free; no read returns a mix or another key's bytes."""
+    srv = Server(service_port=0, manage_port=None, prealloc_size=1 / 1024, block_size=4,
+                 shm_name=shm_name).start()               # 256 blocks of 4 KiB
+    stop = threading.Event()
+    errors: list[str] = []
+    counts = [0, 0]
+
+    def read_loop(slot: int) -> None:
+        with Client(srv.address) as c:
+            i = 0
+            while not stop.is_set():
+                i += 1
+                kid = (i * 7 + slot) % NKEYS
+                v = c.get_batch([b"key-%d" % kid])[0] if i % 2 else \
+                    _get_or_none(c, b"key-%d" % kid)
+                if v is None or len(v) < 8:
+                    continue
+                k, ver = struct.unpack_from("<II", v)
+                if k != kid or v != _value(k, ver, len(v)):
+                    errors.append(f"key {kid}: bytes of key {k} version {ver} or a mix")
+                counts[slot] += 1
+
+    proc = subprocess.Popen([sys.executable, "-c", _CLIENT_READER, srv.address, str(NKEYS),
+                             "3.0"], stdout=subprocess.PIPE, text=True)
+    threads = [threading.Thread(target=read_loop, args=(i,), daemon=True) for i in range(2)]
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        for th in threads:
+            th.start()
+        with Client(srv.address) as w:
+            v = 0
+            deadline = time.monotonic() + 3.0
+            while time.monotonic() < deadline:
+                v += 1
+                keys = [b"key-%d" % ((v + j) % NKEYS) for j in range(3)]
+                w.put_batch(keys, [_value((v + j) % NKEYS, v, (v * 4099 + j) % (40 * BS) + 8)
+                                   for j in range(3)])
+                if v % 5 == 0:
+                    w.delete(keys[:1])
+            assert w.stats(verify=True)["accounting_ok"]
+            assert w.stats()["evictions"] > 0
+        out, _ = proc.communicate(timeout=SUBPROCESS_TIMEOUT)
+        reads, bad, hits = map(int, out.split())
+        assert bad == 0 and reads > 0 and hits > 0, out
+    finally:
+        stop.set()
+        for th in threads:
+            th.join(10)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        srv.stop()
+    assert not errors, errors[:5]
+    assert all(n > 0 for n in counts), counts
+
+
+def _get_or_none(c: Client, key: bytes) -> bytes | None:
+    try:
+        return c.get(key)
+    except kvshm.KeyNotFound:
+        return None
