@@ -735,6 +735,9 @@ cdef class IndexWriter:
             return out
         mask = self._nrec - 1
         recs = <Rec*>(self._ring + C_RING_HEADER)
+        if head - t > self._nrec:       # not what readers write (the ring is writable):
+            self.skipped_records += head - t    # drop it rather than trust it
+            t = head
         while t != head:
             r = &recs[t & mask]
             seq = kvx_load_acq(&r.seq)

@@ -257,6 +257,15 @@ def test_a_ticket_never_written_is_skipped_and_later_reads_still_count(shm_name)
         assert t.writer.drain(stuck_after=3600) == []        # waits behind the ticket
         assert t.writer.drain(stuck_after=0.0) == [b"a"]     # gives up on it
         assert t.writer.skipped_records == 1
+        # a head no reader could have written (the ring is writable by clients)
+        fd = os.open("/dev/shm" + t.writer.reads_name, os.O_RDWR)
+        m = mmap.mmap(fd, 0)
+        os.close(fd)
+        struct.pack_into("<Q", m, 64, head + (1 << 40))
+        m.close()
+        assert t.writer.drain() == [] and t.writer.skipped_records > 1 << 39
+        t.reader.get(b"b")                             # the ring works again
+        assert t.writer.drain() == [b"b"]
     finally:
         t.close()
 
