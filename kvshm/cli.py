@@ -13,8 +13,10 @@ import signal
 import sys
 from typing import Any, Sequence
 
-from kvshm.cliargs import (block_kib_t, ib_port_t, nonneg_float, nonneg_int, port_t,
-                           pos_float, pos_int, ratio_t)
+from kvshm.cliargs import (block_size_t, bytes_t, gib_size_t, ib_port_t, mib_size_t,
+                           nonneg_int, pool_size_t, port_t, pos_float, pos_int, ratio_t,
+                           size_t)
+from kvshm.units import GiB, KiB, MiB
 
 __all__ = ["main"]
 
@@ -47,12 +49,15 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--manage-port", type=port_t, default=18080,
                    help="HTTP management port (0: a free port; default 18080)")
     p.add_argument("--no-manage", action="store_true", help="do not serve the management port")
-    p.add_argument("--prealloc-size", type=pos_float, default=1.0,
-                   help="pool size in GiB, fractions allowed (default 1)")
-    p.add_argument("--block-size", type=block_kib_t, default=64,
-                   help="block size in KiB (>= 4; default 64)")
+    p.add_argument("--prealloc-size", type=pool_size_t, default=GiB, metavar="SIZE",
+                   help="pool size: 0.5GiB, 512MiB; a plain number is GiB, fractions "
+                        "allowed (default 1GiB)")
+    p.add_argument("--block-size", type=block_size_t, default=64 * KiB, metavar="SIZE",
+                   help="block size: 64KiB; a plain number is KiB (>= 4KiB, a multiple of "
+                        "4KiB; default 64KiB)")
     p.add_argument("--lease-timeout", type=pos_float, default=10.0,
-                   help="seconds before an uncommitted write or unreleased pin is reclaimed")
+                   help="seconds before an uncommitted write or unreleased pin is reclaimed "
+                        "(default 10)")
     p.add_argument("--enable-periodic-evict", action="store_true",
                    help="evict periodically when usage passes --evict-max-threshold")
     p.add_argument("--evict-interval", type=pos_float, default=5.0,
@@ -68,12 +73,12 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-key-bytes", type=pos_int, default=4096, help="longest key (default 4096)")
     p.add_argument("--max-batch", type=pos_int, default=1_000_000,
                    help="most keys per request (default 1000000)")
-    p.add_argument("--max-client-pending", type=nonneg_int, default=None,
-                   help="bytes one client may hold in uncommitted writes "
-                        "(default 3/4 of the pool; 0: no limit)")
-    p.add_argument("--max-client-pinned", type=nonneg_int, default=None,
-                   help="bytes one client may hold pinned by reads "
-                        "(default 3/4 of the pool; 0: no limit)")
+    p.add_argument("--max-client-pending", type=bytes_t, default=None, metavar="SIZE",
+                   help="what one client may hold in uncommitted writes: 256MiB; a plain "
+                        "number is bytes (default 3/4 of the pool; 0: no limit)")
+    p.add_argument("--max-client-pinned", type=bytes_t, default=None, metavar="SIZE",
+                   help="what one client may hold pinned by reads: 256MiB; a plain number "
+                        "is bytes (default 3/4 of the pool; 0: no limit)")
     p.add_argument("--curve-secret-key", default=None, metavar="FILE",
                    help="serve with CurveZMQ using this .key_secret file (kvshm keygen)")
     p.add_argument("--curve-allowed-clients", default=None, metavar="DIR",
@@ -96,8 +101,9 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ssd-path", default=None, metavar="DIR",
                    help="SSD tier: evicted entries are written to files in DIR and read "
                         "back on a lookup (see docs/SSD.md; needs --ssd-size)")
-    p.add_argument("--ssd-size", type=pos_float, default=None, metavar="GiB",
-                   help="disk space of the SSD tier in GiB, fractions allowed")
+    p.add_argument("--ssd-size", type=gib_size_t, default=None, metavar="SIZE",
+                   help="disk space of the SSD tier: 200GiB; a plain number is GiB, "
+                        "fractions allowed")
     p.add_argument("--ssd-persist", action="store_true",
                    help="keep the SSD entries across restarts (manifest written "
                         "periodically and at a clean stop); without it the files are "
@@ -106,9 +112,9 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
                    help="number of SSD data files (default 0: one per GiB, 1 to 8)")
     p.add_argument("--ssd-workers", type=pos_int, default=4, metavar="N",
                    help="I/O threads of the SSD tier (default 4)")
-    p.add_argument("--ssd-queue", type=nonneg_float, default=0.0, metavar="MiB",
-                   help="MiB of spill writes in flight at most (default 0: 1/8 of the "
-                        "pool, at most 64)")
+    p.add_argument("--ssd-queue", type=mib_size_t, default=0, metavar="SIZE",
+                   help="spill writes in flight at most: 32MiB; a plain number is MiB "
+                        "(default 0: 1/8 of the pool, at most 64MiB)")
     p.add_argument("--ssd-wait", type=pos_float, default=1.0, metavar="S",
                    help="seconds a request may wait for the disk before it is answered "
                         "anyway (default 1)")
@@ -126,8 +132,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
         host=args.host,
         service_port=args.service_port,
         manage_port=None if args.no_manage else args.manage_port,
-        prealloc_size=args.prealloc_size,
-        block_size=args.block_size,
+        prealloc_size=args.prealloc_size / GiB,     # the flags parse to bytes
+        block_size=args.block_size // KiB,
         lease_timeout=args.lease_timeout,
         enable_periodic_evict=args.enable_periodic_evict,
         evict_interval=args.evict_interval,
@@ -148,11 +154,11 @@ def config_from_args(args: argparse.Namespace) -> Any:
         link_type=getattr(args, "link_type", None),
         gid_index=getattr(args, "gid_index", None),
         ssd_path=getattr(args, "ssd_path", None),
-        ssd_size=getattr(args, "ssd_size", None),
+        ssd_size=None if getattr(args, "ssd_size", None) is None else args.ssd_size / GiB,
         ssd_persist=getattr(args, "ssd_persist", False),
         ssd_files=getattr(args, "ssd_files", 0),
         ssd_workers=getattr(args, "ssd_workers", 4),
-        ssd_queue=getattr(args, "ssd_queue", 0.0),
+        ssd_queue=getattr(args, "ssd_queue", 0) / MiB,
         ssd_wait=getattr(args, "ssd_wait", 1.0),
         ssd_manifest_interval=getattr(args, "ssd_manifest_interval", 5.0),
         shared_index=not getattr(args, "no_shared_index", False),
@@ -181,7 +187,9 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         server.serve_forever(ready=ready)
     except OSError as exc:
-        print(f"kvshm serve: {exc}", file=sys.stderr)
+        # The message names the port or the path; "[Errno 98]" adds nothing to it.
+        msg = exc.strerror if exc.strerror and exc.filename is None else str(exc)
+        print(f"kvshm serve: {msg}", file=sys.stderr)
         if server.config.dev_name is not None:
             from kvshm.rdma.errors import RdmaError
 

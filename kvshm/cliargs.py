@@ -2,7 +2,8 @@
 command: a bad value is an ``argparse.ArgumentTypeError`` whose message says what was
 expected, so argparse reports it naming the flag (exit status 2, no traceback).
 
-This module imports nothing of kvshm but :mod:`kvshm.units`: the commands
+This module imports nothing of kvshm but :mod:`kvshm.units` (sizes take units
+everywhere: ``64KiB``, ``0.5GiB``; a plain number keeps the flag's old unit): the commands
 (:mod:`kvshm.cli`, :mod:`kvshm.replay.cli`) import it, never each other's flag types.
 """
 
@@ -12,8 +13,11 @@ import argparse
 import math
 from typing import Any, Callable
 
-__all__ = ["typed", "port_t", "pos_float", "ratio_t", "block_kib_t", "pos_int", "nonneg_int",
-           "nonneg_float", "ib_port_t"]
+from kvshm.units import GiB, KiB, MiB, format_size, parse_size
+
+__all__ = ["typed", "size_t", "port_t", "pos_float", "ratio_t", "block_kib_t", "pos_int",
+           "nonneg_int", "nonneg_float", "ib_port_t", "pool_size_t", "block_size_t",
+           "bytes_t", "gib_size_t", "mib_size_t"]
 
 
 def typed(conv: Callable[[str], Any], check: Callable[[Any], bool], what: str
@@ -42,3 +46,37 @@ pos_int = typed(int, lambda v: v > 0, "an integer > 0")
 nonneg_int = typed(int, lambda v: v >= 0, "an integer >= 0")
 nonneg_float = typed(float, lambda v: v >= 0, "a number >= 0")
 ib_port_t = typed(int, lambda v: 1 <= v <= 255, "a port number (1-255)")
+
+
+def size_t(unit: int, check: Callable[[int], bool] = lambda v: v > 0,
+           what: str = "> 0") -> Callable[[str], int]:
+    """A size flag (:func:`kvshm.units.parse_size`): ``64KiB``, ``0.5GiB``, or a plain
+    number in ``unit`` bytes (the flag's old unit). Returns bytes; ``check(bytes)`` must
+    hold, else a usage error saying ``what`` was expected."""
+    plain = {1: "bytes", KiB: "KiB", MiB: "MiB", GiB: "GiB"}.get(unit, f"x{unit} bytes")
+
+    def parse(text: str) -> int:
+        try:
+            v = parse_size(text, unit)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        if not check(v):
+            raise argparse.ArgumentTypeError(f"{text!r} ({format_size(v)}) is not a size "
+                                             f"{what}")
+        return v
+
+    parse.__name__ = f"a size (e.g. 64KiB, 0.5GiB; a plain number is {plain})"
+    return parse
+
+
+#: ``--prealloc-size``: the pool; a plain number is GiB.
+pool_size_t = size_t(GiB, lambda v: v > 0)
+#: ``--block-size``: a plain number is KiB; at least 4 KiB, a multiple of 4 KiB.
+block_size_t = size_t(KiB, lambda v: v >= 4 * KiB and v % (4 * KiB) == 0,
+                      "of at least 4KiB, a multiple of 4KiB")
+#: A size whose plain number is bytes (0 allowed: "no limit" where the flag says so).
+bytes_t = size_t(1, lambda v: v >= 0, ">= 0")
+#: A size whose plain number is GiB, > 0.
+gib_size_t = size_t(GiB, lambda v: v > 0)
+#: A size whose plain number is MiB, >= 0.
+mib_size_t = size_t(MiB, lambda v: v >= 0, ">= 0")

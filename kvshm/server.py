@@ -373,7 +373,11 @@ class Server:
             self._router = make_router(self._ctx, socket_setup,
                                        max(cfg.pool_bytes, 256 << 20) + (1 << 20),
                                        ipv6=":" in cfg.host)
-            bound = [bind(self._router, f"tcp://{_bracket(cfg.host)}:{cfg.service_port}")]
+            try:
+                bound = [bind(self._router, f"tcp://{_bracket(cfg.host)}:{cfg.service_port}")]
+            except OSError as exc:
+                raise OSError(exc.errno, f"{exc.strerror} (--service-port "
+                                         f"{cfg.service_port}; 0 picks a free port)") from None
             store_cfg = StoreConfig(
                 lease_timeout=cfg.lease_timeout,
                 limits=Limits(cfg.max_key_bytes, cfg.max_batch, 0),
@@ -447,8 +451,15 @@ class Server:
                     if mhost != cfg.host:
                         log.info("management port bound to 127.0.0.1 (HTTP has no keys; "
                                  "--manage-host sets another address)")
-                self.manage = ManageServer(mhost, cfg.manage_port, self.loop.endpoints[-1],
-                                           context=self._ctx)
+                try:
+                    self.manage = ManageServer(mhost, cfg.manage_port, self.loop.endpoints[-1],
+                                               context=self._ctx)
+                except OSError as exc:
+                    raise OSError(exc.errno, f"cannot bind the management port "
+                                             f"{_bracket(mhost)}:{cfg.manage_port} "
+                                             f"(--manage-port): {exc.strerror or exc}; choose "
+                                             "another, 0 for a free one, or --no-manage"
+                                  ) from None
                 self.manage.start()
         except BaseException:
             self._teardown()

@@ -39,7 +39,9 @@ def endpoint_of(address: str) -> str:
                          f"got {address!r} (kvshm speaks ZeroMQ, not "
                          f"{address.split('://', 1)[0]})")
     host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if sep and host and port.isdigit() and not 0 < int(port) < 65536:
+        raise ValueError(f"port {int(port)} is out of range (1-65535) in {address!r}")
+    if not sep or not host or not port.isdigit():
         raise ValueError(f"address must be 'host:port', 'tcp://host:port' or "
                          f"'ipc://path', got {address!r}")
     if ":" in host and not host.startswith("["):
