@@ -19,6 +19,7 @@ Three things a replay needs besides the store are here, with no I/O of their own
 from __future__ import annotations
 
 import contextlib
+import functools
 import gzip
 import importlib.resources
 import io
@@ -26,7 +27,7 @@ import json
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import IO, Iterator, Sequence
+from typing import IO, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -36,6 +37,7 @@ __all__ = [
     "SimResult",
     "bundled_trace",
     "load_trace",
+    "load_requests",
     "block_key",
     "block_words",
     "fill_blocks",
@@ -101,12 +103,25 @@ def load_trace(path: str | None = None, limit: int | None = None) -> list[list[i
     OSError
         The file cannot be opened.
     """
+    return load_requests(path, limit)[0]
+
+
+def load_requests(path: str | None = None, limit: int | None = None
+                  ) -> tuple[list[list[int]], list[int | None]]:
+    """The ``hash_ids`` and the ``input_length`` (tokens; None where a line has none) of
+    each request of a trace, in file order: as :func:`load_trace`, plus the lengths.
+
+    In the Mooncake traces a request of ``input_length`` tokens has
+    ``ceil(input_length / 512)`` hash ids: its last block is partial unless the length
+    is a multiple of 512 (:mod:`kvshm.replay.workload` checks that where it matters).
+    """
     if path is None:
         with bundled_trace() as p:
-            return load_trace(p, limit)
+            return load_requests(p, limit)
     out: list[list[int]] = []
+    lengths: list[int | None] = []
     if limit is not None and limit <= 0:
-        return out
+        return out, lengths
     try:
         f = _open_text(path)
     except IsADirectoryError:
@@ -126,14 +141,19 @@ def load_trace(path: str | None = None, limit: int | None = None) -> list[list[i
                         type(h) is int and h >= 0 for h in ids):
                     raise TraceError(f"{path}:{lineno}: expected an object with "
                                      "\"hash_ids\": a list of integers >= 0")
+                n = obj.get("input_length")
+                if n is not None and (type(n) is not int or n < 0):
+                    raise TraceError(f"{path}:{lineno}: input_length must be an integer "
+                                     f">= 0, got {n!r}")
                 out.append(ids)
+                lengths.append(n)
                 if limit is not None and len(out) >= limit:
                     break
         except (UnicodeDecodeError, EOFError, gzip.BadGzipFile, OSError) as exc:
             if isinstance(exc, (FileNotFoundError, PermissionError)):
                 raise
             raise TraceError(f"{path}:{lineno + 1}: cannot read ({exc})") from None
-    return out
+    return out, lengths
 
 
 # ---------------------------------------------------------------------- block bytes
@@ -149,7 +169,8 @@ def block_key(hash_id: int, prefix: bytes = b"kvshm-replay/") -> bytes:
 
 
 def block_words(ids: np.ndarray) -> np.ndarray:
-    """The 64-bit fill word of each block id (splitmix64 of the id).
+    """The 64-bit key word of each block id (splitmix64 of the id: a bijection, so two
+    ids never share it).
 
     ``ids`` is a 1-D uint64 array; returns a new uint64 array of the same shape.
     """
@@ -159,34 +180,50 @@ def block_words(ids: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
+@functools.lru_cache(maxsize=8)
+def _positions(width: int) -> np.ndarray:
+    """Word w of a row is XORed with ``(w + 1) * golden``: distinct for every w (the
+    multiplier is odd), so every word of a block differs from every other word of it."""
+    pos = (np.arange(1, width + 1, dtype=np.uint64) * _GOLDEN)
+    pos.flags.writeable = False
+    return pos
+
+
 def fill_blocks(rows: np.ndarray, ids: np.ndarray) -> None:
     """Write the bytes of blocks ``ids`` into ``rows``.
 
-    ``rows`` is a C-contiguous uint64 array of shape ``(len(ids), W)``, W >= 2: one block
-    of ``8 * W`` bytes a row. A block holds its id in word 0 and :func:`block_words` of
-    its id in every other word, so two blocks of different ids always differ, and a
-    block copied to the wrong place, shifted, or left stale is caught by
-    :func:`check_blocks`. Cost: one memset-speed pass.
+    ``rows`` is a C-contiguous uint64 array of shape ``(len(ids), W)``: one block of
+    ``8 * W`` bytes a row. Word w of block k is ``block_words(k) ^ (w + 1) * golden``:
+    it depends on the key and on the position, so every 8-byte word of a block differs
+    from every other word of it and from the word at the same place of any other block.
+    A block copied to the wrong place, shifted, left stale, or reordered inside itself
+    (two pages swapped) fails :func:`check_blocks`. A value shorter than a row is the
+    first words of the row (the pattern of a position does not depend on the length).
+    Cost: one pass at memory speed.
     """
-    rows[:, 1:] = block_words(ids)[:, None]
-    rows[:, 0] = ids
+    np.bitwise_xor(block_words(ids)[:, None], _positions(rows.shape[1])[None, :], out=rows)
 
 
 def poison_blocks(rows: np.ndarray, ids: np.ndarray) -> None:
     """Make the first and last word of each row wrong for its block before a read, so
     that a copy which never reached them (a short or skipped copy into a reused buffer)
     fails :func:`check_blocks`."""
-    rows[:, 0] = ~ids
-    rows[:, -1] = ~block_words(ids)
+    if rows.shape[1] == 0 or len(ids) == 0:
+        return
+    pos = _positions(rows.shape[1])
+    words = block_words(ids)
+    rows[:, 0] = ~(words ^ pos[0])
+    rows[:, -1] = ~(words ^ pos[-1])
 
 
 def check_blocks(rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """A bool per row: whether row i holds exactly the bytes of block ``ids[i]``."""
+    """A bool per row: whether row i holds exactly the bytes of block ``ids[i]`` (all
+    ``rows.shape[1]`` words; pass ``rows[:, :n]`` to check the first n)."""
     if len(ids) == 0:
         return np.ones(0, dtype=bool)
     words = block_words(ids)
-    ok = rows[:, 0] == ids
-    ok &= (rows[:, 1:] == words[:, None]).all(axis=1)
+    ok = (np.bitwise_xor(rows, _positions(rows.shape[1])[None, :])
+          == words[:, None]).all(axis=1)
     return ok  # type: ignore[no-any-return]
 
 
@@ -219,26 +256,29 @@ class SimResult:
         return self.hits / self.blocks if self.blocks else 0.0
 
 
-def simulate_lru(requests: Sequence[Request], capacity: int) -> SimResult:
-    """An exact LRU cache of ``capacity`` blocks, fed the accesses a replay makes.
+def simulate_lru(requests: Iterable[Request], capacity: int,
+                 cost: Callable[[int], int] | None = None) -> SimResult:
+    """An exact LRU cache of ``capacity``, fed the accesses a replay makes.
 
-    Per request, in order: hits = the leading blocks present; those are read, each
-    refreshed to most recently used in request order; every block after the first miss
+    Per request, in order: hits = the leading keys present; those are read, each
+    refreshed to most recently used in request order; every key after the first miss
     is then written in request order: refreshed if present, else inserted as most
-    recently used, evicting the least recently used block while more than
-    ``capacity`` are held. This is what ``kvshm replay`` asks of the store, one block
-    per entry.
+    recently used, evicting the least recently used keys while more than ``capacity``
+    is held. This is what ``kvshm replay`` asks of the store.
 
     Parameters
     ----------
-    requests : sequence of sequence of int
-        Block ids of each request.
+    requests : iterable of sequence of int
+        Keys of each request (block ids, or the chunk keys of
+        :mod:`kvshm.replay.workload`).
     capacity : int
-        Blocks the cache holds (>= 1).
+        What the cache holds (>= 1): entries, or with ``cost`` the units it counts.
+    cost : callable, optional
+        What one key costs in those units (its bytes, or its blocks); default 1 each.
     """
     if capacity < 1:
         raise ValueError(f"capacity must be >= 1 block, got {capacity}")
-    od: OrderedDict[int, None] = OrderedDict()
+    od: OrderedDict[int, int] = OrderedDict()
     move = od.move_to_end
     pop = od.popitem
     per: list[int] = []
@@ -258,16 +298,18 @@ def simulate_lru(requests: Sequence[Request], capacity: int) -> SimResult:
             if b in od:
                 move(b)
                 continue
-            od[b] = None
-            size += 1
-            if size > capacity:
-                pop(last=False)
-                size -= 1
+            c = 1 if cost is None else cost(b)
+            if c > capacity:
+                raise ValueError(f"key {b} costs {c}, more than the capacity {capacity}")
+            od[b] = c
+            size += c
+            while size > capacity:
+                size -= pop(last=False)[1]
                 evictions += 1
     return SimResult(hits, blocks, evictions, per)
 
 
-def unbounded_hits(requests: Sequence[Request]) -> SimResult:
+def unbounded_hits(requests: Iterable[Request]) -> SimResult:
     """The hit rate of a cache that never evicts: the bound for any cache."""
     seen: set[int] = set()
     per: list[int] = []

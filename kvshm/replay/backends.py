@@ -1,6 +1,6 @@
 """The stores a replay drives, behind one small interface: ``match(keys)`` (leading keys
 held), ``read_into(keys, outs)`` (sizes, -1 for a miss), ``write(keys, values)``,
-``evictions()``, ``delete(keys)``, ``close()``.
+``counts()`` (evictions), ``delete(keys)``, ``close()``.
 
 :class:`KvshmBackend` is a :class:`kvshm.Client` (shm or tcp mover); :class:`RedisBackend`
 uses redis-py (EXISTS pipeline, MGET, MSET). :class:`BackendSpec` is what a spawned client
@@ -29,19 +29,26 @@ class KvshmBackend:
         self.read_into = self.client.get_batch_into
         self.write = self.client.put_batch
 
-    def capacity_bytes(self) -> tuple[int, int]:
-        """(pool bytes + SSD tier bytes, block size): the pool's from the server's
-        HELLO, its SSD tier's (if any) from STATS."""
+    def capacity(self) -> tuple[int, int, int]:
+        """(pool bytes, SSD tier bytes, block size): the pool's from the server's HELLO,
+        its SSD tier's (0: none) from STATS."""
         pool = self.client.server_info["pool"]
         ssd = self.client.stats().get("tiers", {}).get("ssd", {}).get("capacity_bytes", 0)
-        return int(pool["size"]) + int(ssd), int(pool["block_size"])
+        return int(pool["size"]), int(ssd), int(pool["block_size"])
 
-    def evictions(self) -> int:
-        # Blocks removed to make room, as the simulator counts them: LRU evictions, plus
-        # the old copies of keys being rewritten that a full pool freed first
-        # (Store._allocate); the simulator evicts those too, a little earlier.
+    def counts(self) -> dict[str, int | None]:
+        """``evictions``: entries that left the pool (to the SSD tier or dropped), as the
+        simulator counts them: LRU evictions, plus the old copies of keys being rewritten
+        that a full pool freed first (Store._allocate; the simulator evicts those too, a
+        little earlier). ``dropped``: entries that left the cache (pool drops + SSD tier
+        drops; None without a tier)."""
         s = self.client.stats()
-        return int(s["evictions"]) + int(s.get("replaced_early", 0))
+        tiers = s.get("tiers")
+        dropped = None
+        if tiers:
+            dropped = int(tiers["pool"]["drops"]) + int(tiers["ssd"]["drops"])
+        return {"evictions": int(s["evictions"]) + int(s.get("replaced_early", 0)),
+                "dropped": dropped}
 
     def delete(self, keys: Sequence[bytes]) -> int:
         return self.client.delete(keys)
@@ -95,8 +102,8 @@ class RedisBackend:
         except Exception:            # CONFIG may be renamed or refused
             return 0
 
-    def evictions(self) -> int:
-        return int(self.r.info("stats")["evicted_keys"])
+    def counts(self) -> dict[str, int | None]:
+        return {"evictions": int(self.r.info("stats")["evicted_keys"]), "dropped": None}
 
     def delete(self, keys: Sequence[bytes]) -> int:
         return int(self.r.unlink(*keys))

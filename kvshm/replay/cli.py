@@ -8,36 +8,22 @@ import importlib.util
 import json
 import logging
 import os
-import re
 import sys
 from typing import Any
 
-from kvshm.cliargs import nonneg_float, nonneg_int, pos_float, pos_int
-from kvshm.replay.options import (BACKENDS, DEFAULT_WINDOW_PER_CLIENT, KiB, ReplayError,
+from kvshm.cliargs import gib_size_t, nonneg_int, pos_float, pos_int, size_t
+from kvshm.replay.options import (BACKENDS, DEFAULT_WINDOW_PER_CLIENT, GiB, KiB, ReplayError,
                                   ReplayOptions, UsageError)
-from kvshm.replay.report import format_summary, plot
-from kvshm.replay.run import run_replay
+from kvshm.replay.workload import CHUNK_TOKENS
 
 __all__ = ["add_parser", "cmd_replay"]
 
 
-_SIZE = re.compile(r"^\s*(\d+)\s*([kKmM]i?[bB]?|[bB])?\s*$")
-
-
-def _block_bytes_t(text: str) -> int:
-    m = _SIZE.match(text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size in bytes (e.g. 65536, 64K)")
-    v = int(m.group(1))
-    unit = (m.group(2) or "").lower()
-    if unit.startswith("k"):
-        v *= KiB
-    elif unit.startswith("m"):
-        v *= KiB * KiB
-    if v < 16 or v % 8:
-        raise argparse.ArgumentTypeError(f"{text!r}: a block must be a multiple of 8 "
-                                         "bytes, >= 16")
-    return v
+#: ``--block-bytes``: a plain number is bytes; a multiple of 8, at least 16.
+_block_bytes_t = size_t(1, lambda v: v >= 16 and v % 8 == 0, "of at least 16 bytes, a "
+                        "multiple of 8")
+#: ``--ssd-gib``: a plain number is GiB; 0 (none) allowed.
+_ssd_size_t = size_t(GiB, lambda v: v >= 0, ">= 0")
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -55,15 +41,27 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         "bundled Mooncake FAST'25 conversation trace)")
     p.add_argument("--requests", type=pos_int, default=None, metavar="N",
                    help="replay only the first N requests (default: all)")
-    p.add_argument("--block-bytes", type=_block_bytes_t, default=64 * KiB, metavar="B",
-                   help="bytes of one block value, a multiple of 8 (64K, 1M allowed; "
-                        "default 65536)")
-    p.add_argument("--pool-gib", type=pos_float, default=1.0, metavar="G",
-                   help="capacity in GiB of the server started here: kvshm's pool (block "
-                        "size = B rounded up to 4 KiB) or redis's maxmemory (default 1)")
-    p.add_argument("--ssd-gib", type=nonneg_float, default=0.0, metavar="G",
-                   help="kvshm server started here: an SSD tier of G GiB below the pool "
-                        "(the exact LRU gets pool + SSD capacity; default 0: none)")
+    p.add_argument("--block-bytes", type=_block_bytes_t, default=64 * KiB, metavar="SIZE",
+                   help="one-block mode: bytes of one block value, a multiple of 8; with "
+                        "--chunk-tokens: KV bytes of 512 tokens, a multiple of 4KiB "
+                        "(64KiB, 1MiB; a plain number is bytes; default 64KiB)")
+    p.add_argument("--chunk-tokens", type=int, choices=CHUNK_TOKENS, default=None,
+                   metavar="N",
+                   help="re-chunk the trace as the engines key it: each 512-token block "
+                        "becomes 512/N chained keys of N tokens (16: vLLM pages, 256: "
+                        "LMCache chunks), the last chunk of a request partial "
+                        "(input_length). Default: one-block mode, one entry per block of "
+                        "--block-bytes: the only mode where the store must equal the "
+                        "exact LRU")
+    p.add_argument("--pool-gib", type=gib_size_t, default=GiB, metavar="SIZE",
+                   help="capacity of the server started here: kvshm's pool (block size = "
+                        "the largest value rounded up to 4KiB) or redis's maxmemory "
+                        "(0.5GiB, 512MiB; a plain number is GiB; default 1GiB)")
+    p.add_argument("--ssd-gib", type=_ssd_size_t, default=0, metavar="SIZE",
+                   help="kvshm server started here: an SSD tier of this size below the "
+                        "pool (a plain number is GiB; the exact LRU gets pool + SSD "
+                        "capacity, pool evictions are set beside an LRU of the pool's; "
+                        "default 0: none)")
     p.add_argument("--ssd-path", default=None, metavar="DIR",
                    help="directory of that SSD tier's files (default: a temporary one)")
     p.add_argument("--clients", type=pos_int, default=1, metavar="K",
@@ -115,11 +113,15 @@ def cmd_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             parser.error(f"argument --shm-name: {args.shm_name!r} is not a valid POSIX "
                          "shared-memory name (1-250 characters, no '/')")
     opts = ReplayOptions(trace=args.trace, requests=args.requests,
-                         block_bytes=args.block_bytes, pool_gib=args.pool_gib,
+                         block_bytes=args.block_bytes, pool_gib=args.pool_gib / GiB,
                          clients=args.clients, backend=args.backend, address=args.address,
                          timeout=args.timeout, progress=not args.no_progress,
                          shm_name=args.shm_name, redis_server=args.redis_server,
-                         window=args.window, ssd_gib=args.ssd_gib, ssd_path=args.ssd_path)
+                         window=args.window, ssd_gib=args.ssd_gib / GiB,
+                         ssd_path=args.ssd_path, chunk_tokens=args.chunk_tokens)
+    from kvshm.replay.report import format_summary, plot
+    from kvshm.replay.run import run_replay
+
     try:
         result = run_replay(opts)
     except KeyboardInterrupt:

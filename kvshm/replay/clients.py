@@ -3,7 +3,7 @@
 
 The requests reach the clients through a private hand-off directory (a file, not the
 spawn arguments); a replay that was killed leaves its directory behind, and the next one
-removes it (:func:`remove_stale_handoffs`).
+removes it (:mod:`kvshm.replay.scratch`).
 """
 
 from __future__ import annotations
@@ -12,9 +12,7 @@ import contextlib
 import os
 import pickle
 import queue
-import shutil
 import signal
-import tempfile
 import time
 import traceback
 from typing import Any, Callable, Sequence
@@ -22,9 +20,11 @@ from typing import Any, Callable, Sequence
 from kvshm.replay.backends import BackendSpec
 from kvshm.replay.options import ReplayError
 from kvshm.replay.runner import Replayer, Share
+from kvshm.replay.scratch import ScratchDir, remove_stale
 from kvshm.replay.servers import die_with_parent
+from kvshm.replay.workload import Workload
 
-__all__ = ["Pacer", "remove_stale_handoffs", "worker_main", "run_processes"]
+__all__ = ["Pacer", "worker_main", "run_processes"]
 
 
 class Pacer:
@@ -65,30 +65,8 @@ class Pacer:
         self.shared[self.wid] = 1 << 62
 
 
-def remove_stale_handoffs() -> None:
-    """Remove the request hand-off directories of replays that were killed (SIGKILL
-    leaves no chance to clean up): ``$TMPDIR/kvshm-replay-<pid>-*`` of dead pids."""
-    base = tempfile.gettempdir()
-    try:
-        names = os.listdir(base)
-    except OSError:
-        return
-    for n in names:
-        parts = n.split("-")
-        if len(parts) < 4 or parts[:2] != ["kvshm", "replay"] or not parts[2].isdigit():
-            continue
-        try:
-            os.kill(int(parts[2]), 0)
-            continue                      # its replay is still running
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue
-        shutil.rmtree(os.path.join(base, n), ignore_errors=True)
-
-
 def worker_main(wid: int, k: int, spec: BackendSpec, requests_file: str,
-                 block_bytes: int, key_prefix: bytes, q: Any, go: Any,
+                 workload: Workload, key_prefix: bytes, q: Any, go: Any,
                  parent: int, shared: Any, window: int | None) -> None:
     """Body of one spawned client process: load its share (requests wid, wid + k, ...),
     connect, say ready, wait for go, replay."""
@@ -105,9 +83,9 @@ def worker_main(wid: int, k: int, spec: BackendSpec, requests_file: str,
     pacer = None if window is None else Pacer(shared, wid, k, window, parent)
     try:
         with open(requests_file, "rb") as f:
-            requests = pickle.load(f)
-        items = [(i, requests[i]) for i in range(wid, len(requests), k)]
-        del requests
+            requests, lengths = pickle.load(f)
+        items = [(i, requests[i], lengths[i]) for i in range(wid, len(requests), k)]
+        del requests, lengths
         be = spec.open()
         q.put(("ready", wid, None))
         while not go.wait(1.0):
@@ -123,7 +101,7 @@ def worker_main(wid: int, k: int, spec: BackendSpec, requests_file: str,
                 last[0], last[1] = now, 0
 
         try:
-            sh = Replayer(be, block_bytes, key_prefix).run(items, progress, pacer)
+            sh = Replayer(be, workload, key_prefix).run(items, progress, pacer)
         finally:
             if pacer is not None:
                 pacer.finish()      # never hold the others back, whatever happened
@@ -144,10 +122,10 @@ def worker_main(wid: int, k: int, spec: BackendSpec, requests_file: str,
                 be.close()
 
 
-def run_processes(spec: BackendSpec, requests: Sequence[Sequence[int]], k: int,
-                   block_bytes: int, key_prefix: bytes,
-                   progress: Callable[[int], None] | None, window: int | None
-                   ) -> tuple[list[Share], float, float]:
+def run_processes(spec: BackendSpec, requests: Sequence[Sequence[int]],
+                  lengths: Sequence[int | None], k: int, workload: Workload,
+                  key_prefix: bytes, progress: Callable[[int], None] | None,
+                  window: int | None) -> tuple[list[Share], float, float]:
     """Run K spawned clients, request i to client i % K. Returns shares, t_go, t_end.
 
     The requests go to the clients in a file, not in the spawn arguments: a child that
@@ -161,15 +139,16 @@ def run_processes(spec: BackendSpec, requests: Sequence[Sequence[int]], k: int,
     shared = ctx.Array("q", list(range(k)), lock=False)   # next unfinished request each
     procs = []
     shares: dict[int, Share] = {}
-    remove_stale_handoffs()
-    tmpdir = tempfile.mkdtemp(prefix=f"kvshm-replay-{os.getpid()}-")
+    remove_stale()
+    handoff = ScratchDir("handoff")
     try:
-        requests_file = os.path.join(tmpdir, "requests.pickle")
+        requests_file = os.path.join(handoff.path, "requests.pickle")
         with open(requests_file, "wb") as f:
-            pickle.dump([list(r) for r in requests], f, protocol=pickle.HIGHEST_PROTOCOL)
+            pickle.dump(([list(r) for r in requests], list(lengths)), f,
+                        protocol=pickle.HIGHEST_PROTOCOL)
         for w in range(k):
             p = ctx.Process(target=worker_main, name=f"kvshm-replay-{w}", daemon=True,
-                            args=(w, k, spec, requests_file, block_bytes, key_prefix, q,
+                            args=(w, k, spec, requests_file, workload, key_prefix, q,
                                   go, os.getpid(), shared, window))
             p.start()
             procs.append(p)
@@ -216,4 +195,4 @@ def run_processes(spec: BackendSpec, requests: Sequence[Sequence[int]], k: int,
             p.close()
         q.close()
         q.join_thread()
-        shutil.rmtree(tmpdir, ignore_errors=True)
+        handoff.close()

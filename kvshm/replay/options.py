@@ -12,6 +12,8 @@ import os
 import shutil
 from dataclasses import dataclass
 
+from kvshm.replay.workload import CHUNK_TOKENS, Workload
+
 __all__ = ["ReplayOptions", "ReplayError", "UsageError", "split_address", "BACKENDS",
            "DEFAULT_WINDOW_PER_CLIENT", "GiB", "KiB"]
 
@@ -47,7 +49,8 @@ class ReplayOptions:
     requests : int or None
         Replay only the first ``requests`` requests.
     block_bytes : int
-        Bytes of one block value (>= 16, a multiple of 8).
+        One-block mode: bytes of one block value (>= 16, a multiple of 8). With
+        ``chunk_tokens``: KV bytes of one 512-token trace block (a multiple of 4096).
     pool_gib : float
         Capacity in GiB of the server started here (kvshm: its pool, with
         ``block_size`` = ``block_bytes`` rounded up to 4 KiB; redis: its maxmemory).
@@ -73,6 +76,10 @@ class ReplayOptions:
         the exact LRU then gets the pool and the SSD tier's capacity together.
     ssd_path : str or None
         Directory of that SSD tier's files (default: a temporary directory, removed).
+    chunk_tokens : int or None
+        None: one-block mode (one entry per trace block, all of ``block_bytes``: the
+        store must equal the exact LRU). 16, 64, 256 or 512: the trace re-chunked as the
+        engines key it, with partial last chunks (:mod:`kvshm.replay.workload`).
     """
 
     trace: str | None = None
@@ -90,6 +97,11 @@ class ReplayOptions:
     window: int | None = None
     ssd_gib: float = 0.0
     ssd_path: str | None = None
+    chunk_tokens: int | None = None
+
+    def workload(self) -> Workload:
+        """Keys and sizes of the requests (:class:`~kvshm.replay.workload.Workload`)."""
+        return Workload(self.block_bytes, self.chunk_tokens)
 
     def window_for(self, k: int) -> int | None:
         """The pacing window for k clients (None: the clients run free)."""
@@ -102,6 +114,15 @@ class ReplayOptions:
         if type(self.block_bytes) is not int or self.block_bytes < 16 or self.block_bytes % 8:
             raise UsageError("--block-bytes",
                              f"must be a multiple of 8 bytes, >= 16, got {self.block_bytes!r}")
+        if self.chunk_tokens is not None:
+            if self.chunk_tokens not in CHUNK_TOKENS:
+                raise UsageError("--chunk-tokens", f"must be one of "
+                                 f"{', '.join(map(str, CHUNK_TOKENS))}, got "
+                                 f"{self.chunk_tokens!r}")
+            if self.block_bytes % 4096:
+                raise UsageError("--block-bytes", "with --chunk-tokens: the KV bytes of 512 "
+                                 "tokens, a multiple of 4096 (8 bytes a token or more), "
+                                 f"got {self.block_bytes!r}")
         if not (self.pool_gib > 0 and math.isfinite(self.pool_gib)):
             raise UsageError("--pool-gib", f"must be > 0, got {self.pool_gib!r}")
         if type(self.clients) is not int or not 1 <= self.clients <= 256:
@@ -139,8 +160,9 @@ class ReplayOptions:
 
     @property
     def server_block_bytes(self) -> int:
-        """Block size of a kvshm server started here: block_bytes rounded up to 4 KiB."""
-        return -(-self.block_bytes // (4 * KiB)) * 4 * KiB
+        """Block size of a kvshm server started here: the largest value (block_bytes,
+        or a chunk's bytes) rounded up to 4 KiB."""
+        return -(-self.workload().entry_bytes // (4 * KiB)) * 4 * KiB
 
     @property
     def pool_bytes(self) -> int:
@@ -154,6 +176,8 @@ def split_address(address: str, flag: str) -> tuple[str, int]:
     if a.startswith("tcp://"):
         a = a[len("tcp://"):]
     host, sep, port = a.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if sep and host and port.isdigit() and not 0 < int(port) < 65536:
+        raise UsageError(flag, f"port {int(port)} is out of range (1-65535) in {address!r}")
+    if not sep or not host or not port.isdigit():
         raise UsageError(flag, f"must be host:port, got {address!r}")
     return host.strip("[]"), int(port)

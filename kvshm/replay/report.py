@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from kvshm.replay.options import GiB
+from kvshm.replay.runner import KEEP_FIRST, Share
+from kvshm.replay.workload import Workload
 
-__all__ = ["ReplayResult", "format_summary", "plot"]
+__all__ = ["ReplayResult", "summarize", "format_summary", "plot"]
 
 
 @dataclass
@@ -29,22 +31,178 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
+def _expectation(one_block: bool, clients: int, tier: bool) -> str:
+    if not one_block:
+        return ("not expected to be equal (equality is expected only in the one-block "
+                "mode): values of other sizes than a block, batches, fragmentation")
+    if clients > 1:
+        return ("close, not equal: one-block mode, but K clients run neighbouring requests "
+                "at once")
+    if tier:
+        return ("close, not equal: one-block mode, but the SSD tier keeps its own LRU "
+                "(pool + tier is not one exact LRU); compare the pool evictions")
+    return ("equal: one-block mode, one client (the same keys and sizes as the exact LRU, "
+            "one block each)")
+
+
+def summarize(run: dict[str, Any], wl: Workload, nkeys: Sequence[int], last: Sequence[int],
+              shares: Sequence[Share], refs: dict[str, Any],
+              counts: dict[str, int | None]) -> ReplayResult:
+    """Merge what the clients measured (``shares``) with the reference caches (``refs``,
+    over all requests, indexed by trace request) into a :class:`ReplayResult`.
+
+    Hit rates are by keys (entries: blocks in one-block mode, chunks otherwise) and by
+    bytes of values. The store's hits are leading keys read and verified; what
+    ``match_prefix`` found but could not be read is ``lost``, counted apart.
+    """
+    import numpy as np
+
+    def cat(name: str, dtype: Any) -> "np.ndarray":
+        return np.concatenate([np.asarray(getattr(s, name), dtype=dtype) for s in shares])
+
+    index = cat("index", np.int64)
+    matched = cat("matched", np.int64)
+    hits_r = cat("hits", np.int64)
+    hit_bytes_r = cat("hit_bytes", np.int64)
+    nblocks = cat("blocks", np.int64)
+    req_bytes = cat("req_bytes", np.int64)
+    moved = cat("moved", np.int64)
+    latency = cat("latency", np.float64)
+    t_end = cat("t_end", np.float64)
+    order = np.argsort(t_end, kind="stable")
+    skew = int(np.abs(index[order] - np.arange(len(index))).max()) if len(index) else 0
+    seconds = run["seconds"]
+    k = run["clients"]
+    # Keys and bytes asked, over the requests replayed (a failed request asked them too).
+    nk = np.asarray(nkeys, dtype=np.int64)
+    ls = np.asarray(last, dtype=np.int64)
+    blocks = int(nk[index].sum())
+    total_bytes = int(sum(wl.prefix_bytes(int(nk[i]), int(ls[i]), int(nk[i])) for i in index))
+    hits = int(hits_r.sum())
+    tot = {f: sum(getattr(s, f) for s in shares)
+           for f in ("bytes_read", "bytes_written", "blocks_read", "lost", "mismatches",
+                     "errors")}
+    good = latency[~np.isnan(latency)]
+    lat_ms = good * 1e3
+
+    def rates(sim: Any) -> tuple[float, float]:
+        per = sim.per_request
+        h = sum(per[i] for i in index)
+        hb = sum(wl.prefix_bytes(int(nk[i]), int(ls[i]), per[i]) for i in index)
+        return (h / blocks if blocks else 0.0, hb / total_bytes if total_bytes else 0.0)
+
+    lru, bound = refs["lru"], refs["bound"]
+    lru_rate, lru_brate = rates(lru)
+    bound_rate, bound_brate = rates(bound)
+    blk = refs.get("lru_blocks")
+    blk_rate, blk_brate = rates(blk) if blk is not None else (None, None)
+    pool_ref = refs.get("lru_pool")
+    # Like with like: the store's pool evictions beside an LRU of the pool's capacity
+    # charged as the store charges; with a tier, what left the cache (both tiers)
+    # beside an LRU of pool + tier.
+    cache_ref = blk if blk is not None else lru
+    lru_evictions = (pool_ref if pool_ref is not None else cache_ref).evictions
+    summary: dict[str, Any] = {
+        "backend": run["backend"],
+        "transport": run["transport"],
+        "clients": k,
+        "split": "round-robin: request i to client i % clients" if k > 1 else "one client",
+        "window": run["window"],
+        "paced_seconds": sum(s.paced_s for s in shares),
+        "max_order_skew": skew,
+        "trace": run["trace"],
+        "mode": "one-block" if wl.one_block else "chunks",
+        "chunk_tokens": wl.chunk_tokens,
+        "workload": wl.describe(),
+        "lru_expected": _expectation(wl.one_block, k, bool(run["ssd_bytes"])),
+        "requests": len(index),
+        "requests_asked": run["requests_asked"],
+        "blocks": blocks,
+        "bytes": total_bytes,
+        "hits": hits,
+        "hit_bytes": int(hit_bytes_r.sum()),
+        "matched": int(matched.sum()),
+        "hit_rate": hits / blocks if blocks else 0.0,
+        "byte_hit_rate": int(hit_bytes_r.sum()) / total_bytes if total_bytes else 0.0,
+        "lru_hit_rate": lru_rate,
+        "lru_byte_hit_rate": lru_brate,
+        "lru_capacity": refs["lru_capacity"],
+        "lru_blocks_hit_rate": blk_rate,
+        "lru_blocks_byte_hit_rate": blk_brate,
+        "bound_hit_rate": bound_rate,
+        "bound_byte_hit_rate": bound_brate,
+        "lost": tot["lost"],
+        "blocks_read": tot["blocks_read"],
+        "mismatches": tot["mismatches"],
+        "errors": tot["errors"],
+        "bytes_read": tot["bytes_read"],
+        "bytes_written": tot["bytes_written"],
+        "seconds": seconds,
+        "gbps": (tot["bytes_read"] + tot["bytes_written"]) / seconds / 1e9,
+        "requests_per_s": len(index) / seconds,
+        "p50_ms": float(np.percentile(lat_ms, 50)) if len(lat_ms) else None,
+        "p99_ms": float(np.percentile(lat_ms, 99)) if len(lat_ms) else None,
+        "evictions": counts["evictions"],
+        "lru_evictions": lru_evictions,
+        "dropped": counts["dropped"],
+        "lru_dropped": cache_ref.evictions if pool_ref is not None else None,
+        "block_bytes": run["block_bytes"],
+        "entry_bytes": wl.entry_bytes,
+        "block_size": run["block_size"],
+        "capacity_bytes": run["capacity_bytes"],
+        "pool_bytes": run["pool_bytes"],
+        "ssd_bytes": run["ssd_bytes"],
+        "capacity_blocks": run["capacity_bytes"] // run["block_size"],
+        "address": run["address"],
+        "first_errors": [e for s in shares for e in s.first_errors][:KEEP_FIRST],
+        "first_mismatches": [e for s in shares for e in s.first_mismatches][:KEEP_FIRST],
+        "gave_up": next((s.gave_up for s in shares if s.gave_up), None),
+    }
+    series = {
+        "index": index[order], "matched": matched[order], "hits": hits_r[order],
+        "blocks": nblocks[order], "bytes": req_bytes[order], "moved": moved[order],
+        "t_end": t_end[order] - run["t_go"],
+        "lru": np.asarray(lru.per_request, dtype=np.int64)[index[order]],
+        "bound": np.asarray(bound.per_request, dtype=np.int64)[index[order]],
+    }
+    return ReplayResult(summary, series)
+
+
 def format_summary(s: dict[str, Any]) -> str:
     """The human-readable summary of a replay."""
     pct = lambda v: f"{100 * v:.2f} %"  # noqa: E731
     who = f"{s['backend']} ({s['transport']})"
+    one = s["mode"] == "one-block"
+    what = (f"{s['blocks']} blocks of {s['block_bytes']} bytes" if one else
+            f"{s['blocks']} chunks of {s['chunk_tokens']} tokens ({s['entry_bytes']} bytes "
+            f"each, the last of a request partial; {s['block_bytes']} bytes per 512 tokens)")
     lines = [
-        f"kvshm replay: {s['requests']} requests, {s['blocks']} blocks of {s['block_bytes']} "
-        f"bytes, backend {who}, {s['clients']} client{'s' if s['clients'] > 1 else ''}"
+        f"kvshm replay: {s['requests']} requests, {what}, backend {who}, {s['clients']} "
+        f"client{'s' if s['clients'] > 1 else ''}"
         + (f" ({s['split']})" if s["clients"] > 1 else ""),
         f"  capacity   {s['capacity_bytes'] / GiB:.4g} GiB = {s['capacity_blocks']} blocks "
-        f"(block size {s['block_size']} bytes)",
+        f"(block size {s['block_size']} bytes"
+        + (f"; pool {s['pool_bytes'] / GiB:.4g} GiB + SSD tier {s['ssd_bytes'] / GiB:.4g} GiB"
+           if s["ssd_bytes"] else "") + ")",
         f"  hit rate   {pct(s['hit_rate'])}   exact LRU {pct(s['lru_hit_rate'])}   "
-        f"unbounded (bound) {pct(s['bound_hit_rate'])}",
-        f"  evictions  {s['evictions']} (exact LRU {s['lru_evictions']})",
-        f"  checked    {s['blocks_read']} blocks read, {s['mismatches']} mismatches, "
-        f"{s['errors']} errors" + (f", {s['lost']} lost between match and read"
-                                    if s["lost"] else ""),
+        f"unbounded (bound) {pct(s['bound_hit_rate'])}   (of {'blocks' if one else 'chunks'})",
+        f"  by bytes   {pct(s['byte_hit_rate'])}   exact LRU {pct(s['lru_byte_hit_rate'])}   "
+        f"unbounded (bound) {pct(s['bound_byte_hit_rate'])}",
+        f"  exact LRU  of equal capacity ({s['lru_capacity']})"
+        + ("" if s["lru_blocks_hit_rate"] is None else
+           f"; charged whole blocks as the store is: {pct(s['lru_blocks_hit_rate'])}, "
+           f"{pct(s['lru_blocks_byte_hit_rate'])} by bytes"),
+        f"  expected   store vs exact LRU: {s['lru_expected']}",
+        f"  evictions  {s['evictions']} (exact LRU {s['lru_evictions']})"
+        + (" from the pool, each with the pool's capacity" if s["ssd_bytes"] else ""),
+    ]
+    if s["dropped"] is not None:
+        lines.append(f"  dropped    {s['dropped']} left the cache (pool and SSD tier; exact "
+                     f"LRU of pool + SSD capacity: {s['lru_dropped']})")
+    lines += [
+        f"  checked    {s['blocks_read']} {'blocks' if one else 'chunks'} read, "
+        f"{s['mismatches']} mismatches, {s['errors']} errors; a hit is read and verified"
+        + (f"; {s['lost']} matched but lost before the read (not hits)" if s["lost"] else ""),
         f"  moved      {_gb(s['bytes_read'])} read + {_gb(s['bytes_written'])} written in "
         f"{s['seconds']:.2f} s = {s['gbps']:.2f} GB/s ({s['requests_per_s']:.0f} requests/s)",
         (f"  latency    p50 {s['p50_ms']:.2f} ms, p99 {s['p99_ms']:.2f} ms per request"
@@ -81,7 +239,7 @@ def plot(path: str, r: ReplayResult) -> None:
             continue
         blk = max(int(ser["blocks"][a:b].sum()), 1)
         x.append(b)
-        hr.append(100 * ser["matched"][a:b].sum() / blk)
+        hr.append(100 * ser["hits"][a:b].sum() / blk)
         lru.append(100 * ser["lru"][a:b].sum() / blk)
         bound.append(100 * ser["bound"][a:b].sum() / blk)
         t0 = ser["t_end"][a - 1] if a > 0 else 0.0

@@ -8,10 +8,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from typing import Any, Iterator, Sequence
@@ -19,19 +17,21 @@ from typing import Any, Iterator, Sequence
 from kvshm.replay.backends import BackendSpec
 from kvshm.replay.clients import run_processes
 from kvshm.replay.options import ReplayOptions, UsageError
-from kvshm.replay.report import ReplayResult
-from kvshm.replay.runner import KEEP_FIRST, Replayer
+from kvshm.replay.report import ReplayResult, summarize
+from kvshm.replay.runner import Replayer
+from kvshm.replay.scratch import ScratchDir, remove_stale
 from kvshm.replay.servers import Child, start_kvshm, start_redis
+from kvshm.replay.workload import Workload, WorkloadError
 
 __all__ = ["run_replay"]
 
 log = logging.getLogger(__name__)
 
 
-def _delete_keys(backend: Any, requests: Sequence[Sequence[int]], prefix: bytes,
+def _delete_keys(backend: Any, keys: Iterator[list[int]], prefix: bytes,
                  batch: int = 20000) -> None:
     """Delete every key the replay may have written (best effort)."""
-    ids = sorted({h for r in requests for h in r})
+    ids = sorted({h for r in keys for h in r})
     try:
         for i in range(0, len(ids), batch):
             backend.delete([b"%s%d" % (prefix, h) for h in ids[i:i + batch]])
@@ -93,8 +93,42 @@ class _Progress:
             self.bar = None
 
 
-def run_replay(opts: ReplayOptions, requests: Sequence[Sequence[int]] | None = None
-               ) -> ReplayResult:
+class _Requests:
+    """The requests of a replay with their keys (:class:`Workload`): ``nkeys[i]`` and
+    ``last[i]`` (bytes of its last key) per request, and :meth:`keys`, each request's key
+    list made again on each pass (chunk keys of a whole trace do not need to be held)."""
+
+    def __init__(self, wl: Workload, requests: Sequence[Sequence[int]],
+                 lengths: Sequence[int | None]) -> None:
+        self.wl = wl
+        self.requests = requests
+        self.lengths = lengths
+        self.nkeys: list[int] = []
+        self.last: list[int] = []
+        for i, (ids, n) in enumerate(zip(requests, lengths)):
+            try:
+                keys, last = wl.keys(ids, n)
+            except WorkloadError as exc:
+                from kvshm.trace import TraceError
+
+                raise TraceError(f"request {i}: {exc}") from None
+            self.nkeys.append(len(keys))
+            self.last.append(last)
+
+    def keys(self) -> Iterator[list[int]]:
+        wl = self.wl
+        for ids, n in zip(self.requests, self.lengths):
+            yield wl.keys(ids, n)[0]
+
+    def blocks(self, block_size: int) -> list[int]:
+        """Pool blocks each request needs at once."""
+        full = -(-self.wl.entry_bytes // block_size)
+        return [0 if n == 0 else (n - 1) * full + max(1, -(-last // block_size))
+                for n, last in zip(self.nkeys, self.last)]
+
+
+def run_replay(opts: ReplayOptions, requests: Sequence[Sequence[int]] | None = None,
+               lengths: Sequence[int | None] | None = None) -> ReplayResult:
     """Run one replay (see the module docstring) and return its figures.
 
     Parameters
@@ -102,6 +136,9 @@ def run_replay(opts: ReplayOptions, requests: Sequence[Sequence[int]] | None = N
     opts : ReplayOptions
     requests : list of list of int, optional
         Block ids of each request; default: loaded from ``opts.trace``.
+    lengths : list of int or None, optional
+        ``input_length`` (tokens) of each request, used with ``opts.chunk_tokens``
+        (default: loaded with the trace; None: whole blocks).
 
     Raises
     ------
@@ -110,47 +147,52 @@ def run_replay(opts: ReplayOptions, requests: Sequence[Sequence[int]] | None = N
     ReplayError
         A server or a client process failed to start or died.
     kvshm.trace.TraceError
-        The trace cannot be read.
+        The trace cannot be read, or a request's input_length does not fit its blocks.
 
     Every server and process started here is stopped before this returns or raises
     (also on KeyboardInterrupt, and on SIGTERM/SIGHUP when called in the main thread).
     """
-    import numpy as np
-
-    from kvshm.trace import load_trace, simulate_lru, unbounded_hits
+    from kvshm.trace import load_requests, simulate_lru, unbounded_hits
 
     opts.validate()
     if requests is None:
-        requests = load_trace(opts.trace, opts.requests)
+        requests, lengths = load_requests(opts.trace, opts.requests)
     elif opts.requests is not None:
         requests = requests[:opts.requests]
+        lengths = None if lengths is None else lengths[:opts.requests]
     if not requests:
         raise UsageError("--trace", "the trace has no requests")
-    B = opts.block_bytes
+    if lengths is None:
+        lengths = [None] * len(requests)
+    wl = opts.workload()
+    reqs = _Requests(wl, requests, lengths)
     k = min(opts.clients, len(requests))
     prefix = opts.key_prefix if opts.key_prefix is not None else (
         b"kvshm-replay/%s/" % os.urandom(4).hex().encode())
-    longest = max(len(r) for r in requests)
     owned = opts.address is None
     if owned:
-        if B > opts.pool_bytes or opts.pool_bytes // opts.server_block_bytes < longest:
+        bs = opts.server_block_bytes
+        longest = max(reqs.blocks(bs))
+        if opts.pool_bytes // bs < longest:
             raise UsageError("--pool-gib", f"a pool of {opts.pool_gib:g} GiB holds "
-                             f"{opts.pool_bytes // opts.server_block_bytes} blocks of "
-                             f"{B} bytes; the longest request has {longest} blocks")
+                             f"{opts.pool_bytes // bs} blocks of {bs} bytes; the "
+                             f"longest request needs {longest} blocks")
 
     children: list[Child] = []
-    tmpdir: str | None = None
+    scratch: ScratchDir | None = None
     probe: Any = None
     bar = _Progress(len(requests), opts.progress, f"replay {opts.backend}")
     try:
         with _signals_as_exit():
             segment = None
+            if owned and (opts.backend == "redis" or (opts.ssd_gib and opts.ssd_path is None)):
+                remove_stale()
+                scratch = ScratchDir("redis" if opts.backend == "redis" else "ssd")
             if opts.backend == "redis":
                 if owned:
                     exe = opts.redis_executable()
-                    assert exe is not None
-                    tmpdir = tempfile.mkdtemp(prefix="kvshm-replay-redis-")
-                    child, address = start_redis(exe, opts.pool_bytes, tmpdir)
+                    assert exe is not None and scratch is not None
+                    child, address = start_redis(exe, opts.pool_bytes, scratch.path)
                     children.append(child)
                 else:
                     address = opts.address  # type: ignore[assignment]
@@ -158,8 +200,8 @@ def run_replay(opts: ReplayOptions, requests: Sequence[Sequence[int]] | None = N
                 if owned:
                     ssd_dir = opts.ssd_path
                     if opts.ssd_gib and ssd_dir is None:
-                        tmpdir = tempfile.mkdtemp(prefix="kvshm-replay-ssd-")
-                        ssd_dir = os.path.join(tmpdir, "ssd")
+                        assert scratch is not None
+                        ssd_dir = os.path.join(scratch.path, "ssd")
                     child, address, segment = start_kvshm(opts, ssd_dir)
                     children.append(child)
                 else:
@@ -170,34 +212,36 @@ def run_replay(opts: ReplayOptions, requests: Sequence[Sequence[int]] | None = N
             else:   # stats only: no need to map the pool here
                 probe = BackendSpec("redis" if opts.backend == "redis" else "kvshm-tcp",
                                      address, opts.timeout).open()
-            # Capacity in blocks of the store actually used, for the LRU simulator.
+            # Capacity of the store actually used, for the reference caches.
             if opts.backend == "redis":
                 mm = probe.maxmemory() if not owned else opts.pool_bytes
-                cap_bytes = mm or opts.pool_bytes
+                pool_bytes, ssd_bytes = mm or opts.pool_bytes, 0
                 block_size = opts.server_block_bytes
-                capacity = cap_bytes // block_size
             else:
-                cap_bytes, block_size = probe.capacity_bytes()
-                capacity = (cap_bytes // block_size) // -(-B // block_size)
-            if capacity < longest:
+                pool_bytes, ssd_bytes, block_size = probe.capacity()
+            cap_bytes = pool_bytes + ssd_bytes
+            longest = max(reqs.blocks(block_size))
+            if cap_bytes // block_size < longest:
                 raise UsageError("--pool-gib" if owned else "--address",
-                                 f"the store holds {capacity} blocks of {B} bytes; the "
-                                 f"longest request has {longest} blocks")
-            lru = simulate_lru(requests, capacity)
-            bound = unbounded_hits(requests)
-            ev0 = probe.evictions()
+                                 f"the store holds {cap_bytes // block_size} blocks of "
+                                 f"{block_size} bytes; the longest request needs "
+                                 f"{longest} blocks")
+            refs = _references(wl, reqs, pool_bytes, ssd_bytes, block_size,
+                               simulate_lru, unbounded_hits)
+            c0 = probe.counts()
             transport = probe.transport if k == 1 else (
                 "shm" if opts.backend == "kvshm" else "tcp")
             if k == 1:
                 t_go = time.monotonic()
-                shares = [Replayer(probe, B, prefix).run(list(enumerate(requests)), bar)]
+                items = [(i, r, n) for i, (r, n) in enumerate(zip(requests, lengths))]
+                shares = [Replayer(probe, wl, prefix).run(items, bar)]
                 t_done = time.monotonic()
             else:
-                shares, t_go, t_done = run_processes(spec, requests, k, B, prefix, bar,
-                                                      opts.window_for(k))
-            evictions = probe.evictions() - ev0
+                shares, t_go, t_done = run_processes(spec, requests, lengths, k, wl, prefix,
+                                                     bar, opts.window_for(k))
+            c1 = probe.counts()
             if not owned:       # leave someone else's server as we found it
-                _delete_keys(probe, requests, prefix)
+                _delete_keys(probe, reqs.keys(), prefix)
     finally:
         with _shielded():
             bar.close()
@@ -213,75 +257,56 @@ def run_replay(opts: ReplayOptions, requests: Sequence[Sequence[int]] | None = N
 
                 with contextlib.suppress(OSError):
                     segments.cleanup(segment)   # only if its server died holding it
-            if tmpdir is not None:
-                shutil.rmtree(tmpdir, ignore_errors=True)
+            if scratch is not None:
+                scratch.close()
 
-    # ---- merge
-    def cat(name: str, dtype: Any) -> "np.ndarray":
-        return np.concatenate([np.asarray(getattr(s, name), dtype=dtype) for s in shares])
+    counts = {"evictions": c1["evictions"] - c0["evictions"],          # type: ignore[operator]
+              "dropped": None if c1["dropped"] is None
+              else c1["dropped"] - c0["dropped"]}                      # type: ignore[operator]
+    run = {"backend": opts.backend, "transport": transport, "clients": k,
+           "window": opts.window_for(k) if k > 1 else None,
+           "trace": opts.trace or "bundled:conversation_trace.jsonl.gz",
+           "requests_asked": len(requests), "block_bytes": opts.block_bytes,
+           "block_size": block_size, "capacity_bytes": cap_bytes,
+           "pool_bytes": pool_bytes, "ssd_bytes": ssd_bytes,
+           "address": None if owned else opts.address,
+           "seconds": max(t_done - t_go, 1e-9), "t_go": t_go}
+    return summarize(run, wl, reqs.nkeys, reqs.last, shares, refs, counts)
 
-    index = cat("index", np.int64)
-    matched = cat("matched", np.int64)
-    nblocks = cat("blocks", np.int64)
-    moved = cat("moved", np.int64)
-    latency = cat("latency", np.float64)
-    t_end = cat("t_end", np.float64)
-    order = np.argsort(t_end, kind="stable")
-    skew = int(np.abs(index[order] - np.arange(len(index))).max()) if len(index) else 0
-    seconds = max(t_done - t_go, 1e-9)
-    blocks = int(nblocks.sum())
-    hits = int(matched.sum())
-    tot = {f: sum(getattr(s, f) for s in shares)
-           for f in ("bytes_read", "bytes_written", "blocks_read", "lost", "mismatches",
-                     "errors")}
-    good = latency[~np.isnan(latency)]
-    lat_ms = good * 1e3
-    replayed = len(index)
-    lru_hits = int(sum(lru.per_request[i] for i in index))
-    bound_hits = int(sum(bound.per_request[i] for i in index))
-    lru_blocks = blocks if blocks else 1
-    summary: dict[str, Any] = {
-        "backend": opts.backend,
-        "transport": transport,
-        "clients": k,
-        "split": "round-robin: request i to client i % clients" if k > 1 else "one client",
-        "window": opts.window_for(k) if k > 1 else None,
-        "paced_seconds": sum(s.paced_s for s in shares),
-        "max_order_skew": skew,
-        "trace": opts.trace or "bundled:conversation_trace.jsonl.gz",
-        "requests": replayed,
-        "requests_asked": len(requests),
-        "blocks": blocks,
-        "hits": hits,
-        "hit_rate": hits / blocks if blocks else 0.0,
-        "lru_hit_rate": lru_hits / lru_blocks if blocks else 0.0,
-        "bound_hit_rate": bound_hits / lru_blocks if blocks else 0.0,
-        "lost": tot["lost"],
-        "blocks_read": tot["blocks_read"],
-        "mismatches": tot["mismatches"],
-        "errors": tot["errors"],
-        "bytes_read": tot["bytes_read"],
-        "bytes_written": tot["bytes_written"],
-        "seconds": seconds,
-        "gbps": (tot["bytes_read"] + tot["bytes_written"]) / seconds / 1e9,
-        "requests_per_s": replayed / seconds,
-        "p50_ms": float(np.percentile(lat_ms, 50)) if len(lat_ms) else None,
-        "p99_ms": float(np.percentile(lat_ms, 99)) if len(lat_ms) else None,
-        "evictions": evictions,
-        "lru_evictions": lru.evictions,
-        "block_bytes": B,
-        "block_size": block_size,
-        "capacity_bytes": cap_bytes,
-        "capacity_blocks": capacity,
-        "address": None if owned else opts.address,
-        "first_errors": [e for s in shares for e in s.first_errors][:KEEP_FIRST],
-        "first_mismatches": [e for s in shares for e in s.first_mismatches][:KEEP_FIRST],
-        "gave_up": next((s.gave_up for s in shares if s.gave_up), None),
-    }
-    series = {
-        "index": index[order], "matched": matched[order], "blocks": nblocks[order],
-        "moved": moved[order], "t_end": t_end[order] - t_go,
-        "lru": np.asarray(lru.per_request, dtype=np.int64)[index[order]],
-        "bound": np.asarray(bound.per_request, dtype=np.int64)[index[order]],
-    }
-    return ReplayResult(summary, series)
+
+def _references(wl: Workload, reqs: _Requests, pool_bytes: int, ssd_bytes: int, bs: int,
+                simulate_lru: Any, unbounded_hits: Any) -> dict[str, Any]:
+    """The reference caches over the same requests, each with the capacity of the store:
+
+    - ``lru``: the exact LRU of equal capacity. One-block mode: in entries (one block
+      each, as the store holds them; the store should equal it). Chunk mode: in value
+      bytes (an ideal cache that wastes nothing).
+    - ``lru_blocks`` (chunk mode): the exact LRU charged as the store charges, whole
+      blocks of ``bs`` per value: what is left between it and the store is the policy
+      and the batching, not the rounding.
+    - ``lru_pool`` (with an SSD tier): the exact LRU of the pool's capacity alone,
+      charged as the store charges: its evictions are the pool's (an LRU hierarchy's top
+      tier is an LRU of its own size), to set beside the store's pool evictions.
+    - ``bound``: the unbounded cache.
+    """
+    cap = pool_bytes + ssd_bytes
+    refs: dict[str, Any] = {}
+    if wl.one_block:
+        per = -(-wl.entry_bytes // bs)
+        refs["lru"] = simulate_lru(reqs.keys(), (cap // bs) // per)
+        refs["lru_capacity"] = f"{(cap // bs) // per} entries of {wl.entry_bytes} bytes"
+        if ssd_bytes:
+            refs["lru_pool"] = simulate_lru(reqs.keys(), (pool_bytes // bs) // per)
+    else:
+        size_of = wl.size_of
+
+        def blocks_of(key: int) -> int:
+            return -(-size_of(key) // bs)
+
+        refs["lru"] = simulate_lru(reqs.keys(), cap, cost=size_of)
+        refs["lru_capacity"] = f"{cap} bytes of values"
+        refs["lru_blocks"] = simulate_lru(reqs.keys(), cap // bs, cost=blocks_of)
+        if ssd_bytes:
+            refs["lru_pool"] = simulate_lru(reqs.keys(), pool_bytes // bs, cost=blocks_of)
+    refs["bound"] = unbounded_hits(reqs.keys())
+    return refs
