@@ -208,8 +208,11 @@ def cmd_ctl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     _setup_logging("WARNING")
     if args.action == "cleanup":
+        from kvshm.tiers.ssd.files import cleanup_scratch
+
         removed = segments.cleanup(args.prefix, dry_run=args.dry_run)
         removed += segments.cleanup_ipc_dirs(dry_run=args.dry_run)
+        removed += cleanup_scratch(args.ssd_path, dry_run=args.dry_run)
         for name in removed:
             print(("would remove " if args.dry_run else "removed ") + name)
         if not removed:
@@ -307,8 +310,13 @@ def build_parser() -> argparse.ArgumentParser:
     ks.add_argument("--prefix", default="", help="only keys starting with this")
     ks.add_argument("--limit", type=pos_int, default=None, help="at most this many")
     csub.add_parser("ping", help="HELLO: print the server's pool and identity")
-    cl = csub.add_parser("cleanup", help="remove segments left by dead servers")
+    cl = csub.add_parser("cleanup", help="remove segments, ipc directories and SSD scratch "
+                                         "files left by dead servers")
     cl.add_argument("--prefix", default="kvshm-", help="segment name prefix (default kvshm-)")
+    cl.add_argument("--ssd-path", action="append", default=[], metavar="DIR",
+                    help="also an SSD directory of a server run without --ssd-persist "
+                         "(the ones this user's servers used are found without it); "
+                         "may repeat")
     cl.add_argument("--dry-run", action="store_true")
     sg = csub.add_parser("segments", help="list kvshm segments in /dev/shm")
     sg.add_argument("--prefix", default="kvshm-")

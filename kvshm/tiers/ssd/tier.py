@@ -80,7 +80,7 @@ class SsdTier(SsdPolicy):
         if per_file < 1:
             raise ValueError(f"an SSD tier of {cfg.size} bytes in {nfiles} file(s) holds no "
                              f"block of {self.bs} bytes")
-        self._fs = FileSet(self.path, self.bs, cfg.direct)
+        self._fs = FileSet(self.path, self.bs, cfg.direct, scratch=not cfg.persist)
         super().__init__(self._fs.files)
         self.queue_bytes = max(self.bs, cfg.queue_bytes)
         self.notify: Callable[[], None] | None = None
