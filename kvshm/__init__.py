@@ -7,6 +7,8 @@ messages carry the control (see docs/DESIGN.md and docs/ARCHITECTURE.md).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 try:
     from kvshm._bitmap import BitmapAllocator
     from kvshm._pool import Pool
@@ -34,10 +36,33 @@ from kvshm.errors import (
 )
 
 from kvshm.client import Client
-from kvshm.aio import AsyncClient
-from kvshm.server import Server, ServerConfig
+
+if TYPE_CHECKING:
+    from kvshm.aio import AsyncClient
+    from kvshm.server import Server, ServerConfig
 
 __version__ = "0.1.0"
+
+#: Imported on first use (PEP 562): an engine process that only uses the clients never
+#: imports the server, the store, the management port or prometheus_client (nor asyncio,
+#: unless it uses AsyncClient).
+_LAZY = {"Server": "kvshm.server", "ServerConfig": "kvshm.server",
+         "AsyncClient": "kvshm.aio"}
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'kvshm' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(mod), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 __all__ = [
     "Client",
