@@ -354,21 +354,21 @@ def cleanup_scratch(paths: list[str] | None = None, dry_run: bool = False) -> li
                 continue
     removed: list[str] = []
     seen: set[str] = set()
-    for path, entry in todo:
+    for path, reg_entry in todo:
         if path in seen:
             continue
         seen.add(path)
         if not os.path.isdir(path):
-            if entry is not None and not dry_run:
-                remove_file(entry)          # the directory is gone: forget it
+            if reg_entry is not None and not dry_run:
+                remove_file(reg_entry)      # the directory is gone: forget it
             continue
         got = _remove_scratch_dir(path, dry_run)
         if got is None:
             continue
         removed += got
         if not dry_run:
-            if entry is not None:
-                remove_file(entry)
+            if reg_entry is not None:
+                remove_file(reg_entry)
             try:
                 os.rmdir(path)
                 removed.append(path)
