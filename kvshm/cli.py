@@ -16,7 +16,6 @@ from typing import Any, Sequence
 from kvshm.cliargs import (block_size_t, bytes_t, gib_size_t, ib_port_t, mib_size_t,
                            nonneg_int, pool_size_t, port_t, pos_float, pos_int, ratio_t,
                            size_t)
-from kvshm.units import GiB, KiB, MiB
 
 __all__ = ["main"]
 
@@ -49,10 +48,10 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--manage-port", type=port_t, default=18080,
                    help="HTTP management port (0: a free port; default 18080)")
     p.add_argument("--no-manage", action="store_true", help="do not serve the management port")
-    p.add_argument("--prealloc-size", type=pool_size_t, default=GiB, metavar="SIZE",
+    p.add_argument("--prealloc-size", type=pool_size_t, default=1.0, metavar="SIZE",
                    help="pool size: 0.5GiB, 512MiB; a plain number is GiB, fractions "
                         "allowed (default 1GiB)")
-    p.add_argument("--block-size", type=block_size_t, default=64 * KiB, metavar="SIZE",
+    p.add_argument("--block-size", type=block_size_t, default=64, metavar="SIZE",
                    help="block size: 64KiB; a plain number is KiB (>= 4KiB, a multiple of "
                         "4KiB; default 64KiB)")
     p.add_argument("--lease-timeout", type=pos_float, default=10.0,
@@ -112,7 +111,7 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
                    help="number of SSD data files (default 0: one per GiB, 1 to 8)")
     p.add_argument("--ssd-workers", type=pos_int, default=4, metavar="N",
                    help="I/O threads of the SSD tier (default 4)")
-    p.add_argument("--ssd-queue", type=mib_size_t, default=0, metavar="SIZE",
+    p.add_argument("--ssd-queue", type=mib_size_t, default=0.0, metavar="SIZE",
                    help="spill writes in flight at most: 32MiB; a plain number is MiB "
                         "(default 0: 1/8 of the pool, at most 64MiB)")
     p.add_argument("--ssd-wait", type=pos_float, default=1.0, metavar="S",
@@ -132,8 +131,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
         host=args.host,
         service_port=args.service_port,
         manage_port=None if args.no_manage else args.manage_port,
-        prealloc_size=args.prealloc_size / GiB,     # the flags parse to bytes
-        block_size=args.block_size // KiB,
+        prealloc_size=args.prealloc_size,
+        block_size=args.block_size,
         lease_timeout=args.lease_timeout,
         enable_periodic_evict=args.enable_periodic_evict,
         evict_interval=args.evict_interval,
@@ -154,11 +153,11 @@ def config_from_args(args: argparse.Namespace) -> Any:
         link_type=getattr(args, "link_type", None),
         gid_index=getattr(args, "gid_index", None),
         ssd_path=getattr(args, "ssd_path", None),
-        ssd_size=None if getattr(args, "ssd_size", None) is None else args.ssd_size / GiB,
+        ssd_size=getattr(args, "ssd_size", None),
         ssd_persist=getattr(args, "ssd_persist", False),
         ssd_files=getattr(args, "ssd_files", 0),
         ssd_workers=getattr(args, "ssd_workers", 4),
-        ssd_queue=getattr(args, "ssd_queue", 0) / MiB,
+        ssd_queue=getattr(args, "ssd_queue", 0.0),
         ssd_wait=getattr(args, "ssd_wait", 1.0),
         ssd_manifest_interval=getattr(args, "ssd_manifest_interval", 5.0),
         shared_index=not getattr(args, "no_shared_index", False),

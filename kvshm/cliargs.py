@@ -17,7 +17,7 @@ from kvshm.units import GiB, KiB, MiB, format_size, parse_size
 
 __all__ = ["typed", "size_t", "port_t", "pos_float", "ratio_t", "block_kib_t", "pos_int",
            "nonneg_int", "nonneg_float", "ib_port_t", "pool_size_t", "block_size_t",
-           "bytes_t", "gib_size_t", "mib_size_t"]
+           "bytes_t", "gib_size_t", "gib_size0_t", "mib_size_t"]
 
 
 def typed(conv: Callable[[str], Any], check: Callable[[Any], bool], what: str
@@ -49,13 +49,15 @@ ib_port_t = typed(int, lambda v: 1 <= v <= 255, "a port number (1-255)")
 
 
 def size_t(unit: int, check: Callable[[int], bool] = lambda v: v > 0,
-           what: str = "> 0") -> Callable[[str], int]:
+           what: str = "> 0", result: int | None = None) -> Callable[[str], Any]:
     """A size flag (:func:`kvshm.units.parse_size`): ``64KiB``, ``0.5GiB``, or a plain
-    number in ``unit`` bytes (the flag's old unit). Returns bytes; ``check(bytes)`` must
-    hold, else a usage error saying ``what`` was expected."""
+    number in ``unit`` bytes (the flag's old unit). ``check(bytes)`` must hold, else a
+    usage error saying ``what`` was expected. Returns bytes (an int), or with ``result``
+    the size in that unit, as the flag always gave it (``--prealloc-size 512MiB`` -> 0.5
+    GiB), so code reading the parsed flags does not change."""
     plain = {1: "bytes", KiB: "KiB", MiB: "MiB", GiB: "GiB"}.get(unit, f"x{unit} bytes")
 
-    def parse(text: str) -> int:
+    def parse(text: str) -> Any:
         try:
             v = parse_size(text, unit)
         except ValueError as exc:
@@ -63,20 +65,26 @@ def size_t(unit: int, check: Callable[[int], bool] = lambda v: v > 0,
         if not check(v):
             raise argparse.ArgumentTypeError(f"{text!r} ({format_size(v)}) is not a size "
                                              f"{what}")
-        return v
+        if result is None:
+            return v
+        return v // result if v % result == 0 and result <= KiB else v / result
 
     parse.__name__ = f"a size (e.g. 64KiB, 0.5GiB; a plain number is {plain})"
     return parse
 
 
-#: ``--prealloc-size``: the pool; a plain number is GiB.
-pool_size_t = size_t(GiB, lambda v: v > 0)
-#: ``--block-size``: a plain number is KiB; at least 4 KiB, a multiple of 4 KiB.
+#: ``--prealloc-size``: a plain number is GiB; gives GiB (a float).
+pool_size_t = size_t(GiB, lambda v: v > 0, result=GiB)
+#: ``--block-size``: a plain number is KiB; at least 4 KiB, a multiple of 4 KiB; gives
+#: KiB (an int).
 block_size_t = size_t(KiB, lambda v: v >= 4 * KiB and v % (4 * KiB) == 0,
-                      "of at least 4KiB, a multiple of 4KiB")
-#: A size whose plain number is bytes (0 allowed: "no limit" where the flag says so).
+                      "of at least 4KiB, a multiple of 4KiB", result=KiB)
+#: A size whose plain number is bytes (0 allowed: "no limit" where the flag says so);
+#: gives bytes.
 bytes_t = size_t(1, lambda v: v >= 0, ">= 0")
-#: A size whose plain number is GiB, > 0.
-gib_size_t = size_t(GiB, lambda v: v > 0)
-#: A size whose plain number is MiB, >= 0.
-mib_size_t = size_t(MiB, lambda v: v >= 0, ">= 0")
+#: A size whose plain number is GiB, > 0; gives GiB (a float).
+gib_size_t = size_t(GiB, lambda v: v > 0, result=GiB)
+#: A size whose plain number is GiB, >= 0; gives GiB (a float).
+gib_size0_t = size_t(GiB, lambda v: v >= 0, ">= 0", result=GiB)
+#: A size whose plain number is MiB, >= 0; gives MiB (a float).
+mib_size_t = size_t(MiB, lambda v: v >= 0, ">= 0", result=MiB)

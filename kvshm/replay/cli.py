@@ -11,8 +11,8 @@ import os
 import sys
 from typing import Any
 
-from kvshm.cliargs import gib_size_t, nonneg_int, pos_float, pos_int, size_t
-from kvshm.replay.options import (BACKENDS, DEFAULT_WINDOW_PER_CLIENT, GiB, KiB, ReplayError,
+from kvshm.cliargs import gib_size0_t, gib_size_t, nonneg_int, pos_float, pos_int, size_t
+from kvshm.replay.options import (BACKENDS, DEFAULT_WINDOW_PER_CLIENT, KiB, ReplayError,
                                   ReplayOptions, UsageError)
 from kvshm.replay.workload import CHUNK_TOKENS
 
@@ -22,8 +22,6 @@ __all__ = ["add_parser", "cmd_replay"]
 #: ``--block-bytes``: a plain number is bytes; a multiple of 8, at least 16.
 _block_bytes_t = size_t(1, lambda v: v >= 16 and v % 8 == 0, "of at least 16 bytes, a "
                         "multiple of 8")
-#: ``--ssd-gib``: a plain number is GiB; 0 (none) allowed.
-_ssd_size_t = size_t(GiB, lambda v: v >= 0, ">= 0")
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -53,11 +51,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         "(input_length). Default: one-block mode, one entry per block of "
                         "--block-bytes: the only mode where the store must equal the "
                         "exact LRU")
-    p.add_argument("--pool-gib", type=gib_size_t, default=GiB, metavar="SIZE",
+    p.add_argument("--pool-gib", type=gib_size_t, default=1.0, metavar="SIZE",
                    help="capacity of the server started here: kvshm's pool (block size = "
                         "the largest value rounded up to 4KiB) or redis's maxmemory "
                         "(0.5GiB, 512MiB; a plain number is GiB; default 1GiB)")
-    p.add_argument("--ssd-gib", type=_ssd_size_t, default=0, metavar="SIZE",
+    p.add_argument("--ssd-gib", type=gib_size0_t, default=0.0, metavar="SIZE",
                    help="kvshm server started here: an SSD tier of this size below the "
                         "pool (a plain number is GiB; the exact LRU gets pool + SSD "
                         "capacity, pool evictions are set beside an LRU of the pool's; "
@@ -113,11 +111,11 @@ def cmd_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             parser.error(f"argument --shm-name: {args.shm_name!r} is not a valid POSIX "
                          "shared-memory name (1-250 characters, no '/')")
     opts = ReplayOptions(trace=args.trace, requests=args.requests,
-                         block_bytes=args.block_bytes, pool_gib=args.pool_gib / GiB,
+                         block_bytes=args.block_bytes, pool_gib=args.pool_gib,
                          clients=args.clients, backend=args.backend, address=args.address,
                          timeout=args.timeout, progress=not args.no_progress,
                          shm_name=args.shm_name, redis_server=args.redis_server,
-                         window=args.window, ssd_gib=args.ssd_gib / GiB,
+                         window=args.window, ssd_gib=args.ssd_gib,
                          ssd_path=args.ssd_path, chunk_tokens=args.chunk_tokens)
     from kvshm.replay.report import format_summary, plot
     from kvshm.replay.run import run_replay
