@@ -32,6 +32,10 @@ def endpoint_of(address: str) -> str:
     ValueError
         Not one of those forms.
     """
+    if address.startswith("tcp://"):
+        port = address.rpartition(":")[2]
+        if port.isdigit() and not 0 < int(port) < 65536:
+            raise ValueError(f"port {int(port)} is out of range (1-65535) in {address!r}")
     if address.startswith(("tcp://", "ipc://", "inproc://")):
         return address
     if "://" in address:
