@@ -30,11 +30,22 @@ if [ ! -x "$VENV/bin/python" ]; then
     echo "demo.sh: creating $VENV"
     "$PYTHON" -m venv "$VENV"
 fi
+# What is installed from this checkout: the commit and any change to it (a git checkout;
+# elsewhere nothing is known, and the checkout is installed every time).
+stamp=""
+if git rev-parse --git-dir >/dev/null 2>&1; then
+    stamp=$( (git rev-parse HEAD; git status --porcelain; git diff) | sha256sum | cut -c1-32)
+fi
 if "$VENV/bin/python" -m pip show kvshm 2>/dev/null | grep -q '^Editable project location:'; then
     echo "demo.sh: using the editable kvshm install in $VENV"
+elif [ -n "$stamp" ] && [ -x "$VENV/bin/kvshm" ] \
+        && [ "$(cat "$VENV/.kvshm-demo-stamp" 2>/dev/null)" = "$stamp" ]; then
+    echo "demo.sh: kvshm from this checkout is installed in $VENV already"
 else
     echo "demo.sh: installing kvshm into $VENV (builds the Cython core)"
+    rm -f "$VENV/.kvshm-demo-stamp"
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check .
+    if [ -n "$stamp" ]; then echo "$stamp" > "$VENV/.kvshm-demo-stamp"; fi
 fi
 
 echo "demo.sh: replaying 3000 requests of the bundled trace (64 KiB blocks, 0.5 GiB pool)"
