@@ -308,11 +308,12 @@ def test_ctl_cleanup_removes_scratch_ssd_files_of_a_killed_server(
         assert "kvshm-ssd-0.dat" in _ssd_files(scratch)
         assert "kvshm-ssd.scratch" in _ssd_files(scratch)
         assert "kvshm-ssd-0.dat" in _ssd_files(persist)
-        assert cli.main(["ctl", "cleanup", "--dry-run"]) == 0
+        # --prefix: never touch the segments of other test runs on this machine
+        assert cli.main(["ctl", "cleanup", "--prefix", shm_name, "--dry-run"]) == 0
         assert "would remove " + os.path.join(scratch, "kvshm-ssd-0.dat") in \
             capsys.readouterr().out
         assert "kvshm-ssd-0.dat" in _ssd_files(scratch)
-        assert cli.main(["ctl", "cleanup", "--ssd-path", persist]) == 0
+        assert cli.main(["ctl", "cleanup", "--prefix", shm_name, "--ssd-path", persist]) == 0
         out = capsys.readouterr().out
         assert "removed " + os.path.join(scratch, "kvshm-ssd-0.dat") in out
         assert not os.path.exists(scratch)      # the server made it: emptied, removed
@@ -322,5 +323,5 @@ def test_ctl_cleanup_removes_scratch_ssd_files_of_a_killed_server(
     finally:
         live.stop()
     assert not os.path.exists(kept)             # a clean stop removes its own
-    assert cli.main(["ctl", "cleanup"]) == 0
+    assert cli.main(["ctl", "cleanup", "--prefix", shm_name]) == 0
     assert "nothing to remove" in capsys.readouterr().out
