@@ -14,8 +14,7 @@ import sys
 from typing import Any, Sequence
 
 from kvshm.cliargs import (block_size_t, bytes_t, gib_size_t, ib_port_t, mib_size_t,
-                           nonneg_int, pool_size_t, port_t, pos_float, pos_int, ratio_t,
-                           size_t)
+                           nonneg_int, pool_size_t, port_t, pos_float, pos_int, ratio_t)
 
 __all__ = ["main"]
 

@@ -225,7 +225,13 @@ class ManageServer:
             class _V6(ThreadingHTTPServer):
                 address_family = socket.AF_INET6
             server_cls = _V6
-        self._http = server_cls((host.strip("[]"), port), Handler)
+        try:
+            self._http = server_cls((host.strip("[]"), port), Handler)
+        except OSError as exc:
+            shown = f"[{host}]" if ":" in host and not host.startswith("[") else host
+            raise OSError(exc.errno, f"cannot bind the management port {shown}:{port} "
+                                     f"(--manage-port): {exc.strerror or exc}; choose another, "
+                                     "0 for a free one, or --no-manage") from None
         self._http.daemon_threads = True
         self.port: int = self._http.server_address[1]
         self._thread: threading.Thread | None = None

@@ -451,15 +451,8 @@ class Server:
                     if mhost != cfg.host:
                         log.info("management port bound to 127.0.0.1 (HTTP has no keys; "
                                  "--manage-host sets another address)")
-                try:
-                    self.manage = ManageServer(mhost, cfg.manage_port, self.loop.endpoints[-1],
-                                               context=self._ctx)
-                except OSError as exc:
-                    raise OSError(exc.errno, f"cannot bind the management port "
-                                             f"{_bracket(mhost)}:{cfg.manage_port} "
-                                             f"(--manage-port): {exc.strerror or exc}; choose "
-                                             "another, 0 for a free one, or --no-manage"
-                                  ) from None
+                self.manage = ManageServer(mhost, cfg.manage_port, self.loop.endpoints[-1],
+                                           context=self._ctx)
                 self.manage.start()
         except BaseException:
             self._teardown()
