@@ -1,8 +1,11 @@
 """Type stubs of the compiled block allocator (kvshm/_bitmap.pyx)."""
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from typing_extensions import Buffer, final
+
+#: Most runs one ``alloc_extents`` call may return.
+MAX_RUNS: int
 
 @final
 class BitmapAllocator:
@@ -21,6 +24,17 @@ class BitmapAllocator:
         """One run per count (a sequence of int, or an int64 buffer); -1 for a run that
         did not fit, the others stay allocated. ValueError for a count < 1 (checked before
         anything is allocated)."""
+    def alloc_extents(self, n: int, max_extents: int = 8) -> tuple[tuple[int, int], ...] | None:
+        """``n`` blocks as ``(first block, count)`` runs in block order: one run by first
+        fit if one holds them, else the fewest runs (the longest free runs whole, then
+        the shortest run that holds the rest); None when more than ``max_extents`` runs
+        would be needed (nothing allocated). ValueError when ``n`` < 1 or
+        ``max_extents`` is outside 1..64."""
+    def free_extents(self, extents: Sequence[tuple[int, int]]) -> None:
+        """Free every run of ``extents``; ValueError (nothing freed) when a run is out of
+        range, not all allocated, or overlaps another."""
+    def free_map(self) -> bytearray:
+        """``num_blocks`` flags, 1 where the block is free."""
     def alloc_at(self, start: int, n: int) -> None:
         """Allocate exactly blocks [start, start + n); ValueError when out of range or a
         block in it is allocated."""

@@ -1,10 +1,15 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
-"""Bitmap block allocator: contiguous first-fit runs over ``num_blocks`` blocks.
+"""Bitmap block allocator: first-fit runs over ``num_blocks`` blocks, or a few runs.
 
 One bit per block, set when the block is free, in 64-bit words. A second-level summary
 bitmap has one bit per word, set when that word holds at least one free block, so a
 search skips 4096 allocated blocks per summary word and never walks bit by bit: runs are
 found with count-trailing-zeros (``__builtin_ctzll``) on whole words.
+
+A value may also be laid over several runs (:meth:`BitmapAllocator.alloc_extents`) when
+no single run holds it: as few runs as the free space allows (the largest free runs, then
+the smallest run that holds the rest), at most ``max_extents``. Runs come back in block
+order; each is a whole free run but the last taken, so no two are adjacent.
 
 The allocator knows nothing of bytes or memory; the pool and the server map block
 indices to byte offsets (``offset = start * block_size``).
@@ -20,6 +25,17 @@ cdef extern from *:
     int __builtin_ctzll(unsigned long long) nogil
 
 cdef uint64_t ALL = <uint64_t>0xFFFFFFFFFFFFFFFF
+
+#: Most runs one :meth:`BitmapAllocator.alloc_extents` call may return.
+cdef enum:
+    _MAX_RUNS = 64
+MAX_RUNS = _MAX_RUNS
+
+
+cdef struct _Cursor:
+    # where a scan of the free runs stands: the word being read and its bits not yet seen
+    Py_ssize_t w
+    uint64_t x
 
 
 cdef inline int _ctz(uint64_t x) noexcept nogil:
@@ -227,6 +243,130 @@ cdef class BitmapAllocator:
             self._mark(start, n, False)
         return start
 
+    cdef bint _next_run(self, _Cursor* c, Py_ssize_t* start, Py_ssize_t* length
+                        ) noexcept nogil:
+        """The next maximal free run after the cursor, in block order; False at the end.
+
+        Start with ``c.w = -1, c.x = 0``. Full words are skipped through the summary.
+        """
+        cdef Py_ssize_t w, n
+        cdef uint64_t x, y
+        cdef int p, ones, t
+        if c.x == 0:
+            w = self._next_nonfull(c.w + 1)
+            if w < 0:
+                c.w = self._num_words
+                return False
+            c.w = w
+            c.x = self._words[w]
+        x = c.x
+        p = _ctz(x)
+        start[0] = (c.w << 6) + p
+        y = ~(x >> p)
+        ones = 64 if y == 0 else _ctz(y)
+        if p + ones < 64:
+            c.x = x & ~_low_mask(p + ones)
+            length[0] = ones
+            return True
+        n = ones                # the run reaches the top bit: it may go on
+        w = c.w + 1
+        while w < self._num_words:
+            x = self._words[w]
+            if x == ALL:
+                n += 64
+                w += 1
+                continue
+            t = _ctz(~x)
+            n += t
+            c.w = w
+            c.x = x & ~_low_mask(t)
+            length[0] = n
+            return True
+        c.w = self._num_words
+        c.x = 0
+        length[0] = n
+        return True
+
+    cdef int _alloc_extents(self, Py_ssize_t n, int k_max, Py_ssize_t* starts,
+                            Py_ssize_t* counts) noexcept nogil:
+        """Allocate ``n`` blocks as at most ``k_max`` runs; their count, or 0 (nothing
+        allocated). Runs are written to ``starts``/``counts`` in block order."""
+        cdef Py_ssize_t top_s[_MAX_RUNS]
+        cdef Py_ssize_t top_n[_MAX_RUNS]
+        cdef Py_ssize_t rs, rn, acc, rest, best_s, best_n, ts, tn
+        cdef int have = 0, i, j, k
+        cdef _Cursor c
+        cdef bint taken
+        if n > self._num_free:
+            return 0
+        rs = self._find(n)
+        if rs >= 0:             # one run holds it: first fit, as alloc()
+            self._mark(rs, n, False)
+            starts[0] = rs
+            counts[0] = n
+            return 1
+        if k_max < 2:
+            return 0
+        # the k_max longest runs, longest first (equal lengths: lower start first)
+        c.w = -1
+        c.x = 0
+        while self._next_run(&c, &rs, &rn):
+            if have == k_max and rn <= top_n[have - 1]:
+                continue
+            i = have if have < k_max else k_max - 1
+            while i > 0 and top_n[i - 1] < rn:
+                if i < k_max:
+                    top_s[i] = top_s[i - 1]
+                    top_n[i] = top_n[i - 1]
+                i -= 1
+            top_s[i] = rs
+            top_n[i] = rn
+            if have < k_max:
+                have += 1
+        # the fewest runs: the k - 1 longest whole, then the shortest run holding the rest
+        acc = 0
+        k = 0
+        while k < have and acc + top_n[k] < n:
+            acc += top_n[k]
+            k += 1
+        if k == have:
+            return 0            # more than k_max runs would be needed
+        rest = n - acc
+        best_s = top_s[k]
+        best_n = top_n[k]
+        c.w = -1
+        c.x = 0
+        while self._next_run(&c, &rs, &rn):
+            if rn < rest or rn > best_n or (rn == best_n and rs >= best_s):
+                continue
+            taken = False
+            for j in range(k):
+                if top_s[j] == rs:
+                    taken = True
+                    break
+            if not taken:
+                best_s = rs
+                best_n = rn
+        top_s[k] = best_s
+        top_n[k] = rest
+        k += 1
+        for i in range(k):
+            self._mark(top_s[i], top_n[i], False)
+        for i in range(1, k):   # block order
+            ts = top_s[i]
+            tn = top_n[i]
+            j = i
+            while j > 0 and top_s[j - 1] > ts:
+                top_s[j] = top_s[j - 1]
+                top_n[j] = top_n[j - 1]
+                j -= 1
+            top_s[j] = ts
+            top_n[j] = tn
+        for i in range(k):
+            starts[i] = top_s[i]
+            counts[i] = top_n[i]
+        return k
+
     cdef inline int _check_count(self, Py_ssize_t n) except -1:
         if n < 1:
             raise ValueError(f"block count must be >= 1, got {n}")
@@ -304,6 +444,70 @@ cdef class BitmapAllocator:
             PyList_SET_ITEM(out, i, o)
         return out
 
+    def alloc_extents(self, Py_ssize_t n, int max_extents=8):
+        """Allocate ``n`` blocks as one run if one fits, else as few runs as possible.
+
+        Parameters
+        ----------
+        n : int
+            Number of blocks, >= 1.
+        max_extents : int
+            Most runs the blocks may be split into, 1 to :data:`MAX_RUNS` (64).
+
+        Returns
+        -------
+        tuple of (int, int), or None
+            ``(first block, block count)`` per run, in block order, counts adding up to
+            ``n``. One run: the first fit (as :meth:`alloc`). Otherwise the fewest runs
+            that hold ``n`` blocks: the longest free runs taken whole (equal lengths:
+            lower blocks first), then the shortest free run that holds the rest (best
+            fit), of which the first blocks are taken. None when ``n`` blocks do not fit
+            in ``max_extents`` runs (nothing is allocated then).
+
+        Raises
+        ------
+        ValueError
+            ``n`` < 1, or ``max_extents`` outside 1..64.
+        """
+        cdef Py_ssize_t starts[_MAX_RUNS]
+        cdef Py_ssize_t counts[_MAX_RUNS]
+        cdef int k, i
+        self._check_count(n)
+        if max_extents < 1 or max_extents > _MAX_RUNS:
+            raise ValueError(f"max_extents must be in 1..{_MAX_RUNS}, got {max_extents}")
+        with nogil:
+            k = self._alloc_extents(n, max_extents, starts, counts)
+        if k == 0:
+            return None
+        if k == 1:
+            return ((starts[0], counts[0]),)
+        return tuple([(starts[i], counts[i]) for i in range(k)])
+
+    def free_extents(self, extents):
+        """Free every run of ``extents`` (``(first block, block count)`` pairs).
+
+        Raises
+        ------
+        ValueError
+            A run is out of range, has a count < 1, or holds a block that is not
+            allocated (a double free, or two runs that overlap); nothing is freed then.
+        """
+        cdef Py_ssize_t start, n, i, k = len(extents)
+        for i in range(k):
+            start, n = extents[i]
+            self._check_run(start, n)
+            if not self._range_is(start, n, False):
+                raise ValueError(
+                    f"blocks [{start}, {start + n}) are not all allocated (double free?)")
+        for i in range(k):
+            start, n = extents[i]
+            if not self._range_is(start, n, False):     # overlaps an earlier run
+                for j in range(i):
+                    self._mark(extents[j][0], extents[j][1], False)
+                raise ValueError(f"run [{start}, {start + n}) overlaps another run of "
+                                 "the same extents")
+            self._mark(start, n, True)
+
     def alloc_at(self, Py_ssize_t start, Py_ssize_t n):
         """Allocate exactly blocks [start, start + n), e.g. when restoring a saved layout.
 
@@ -343,6 +547,16 @@ cdef class BitmapAllocator:
         """True when every block of [start, start + n) is free. ValueError if out of range."""
         self._check_run(start, n)
         return self._range_is(start, n, True)
+
+    def free_map(self):
+        """A bytearray of ``num_blocks`` flags: 1 where the block is free, else 0."""
+        cdef bytearray out = bytearray(self._num_blocks)
+        cdef unsigned char[:] m = out
+        cdef Py_ssize_t i
+        with nogil:
+            for i in range(self._num_blocks):
+                m[i] = (self._words[i >> 6] >> (i & 63)) & 1
+        return out
 
     def reset(self):
         """Free every block."""

@@ -41,7 +41,7 @@ from kvshm.errors import (
     TransportError,
     ValueTooLarge,
 )
-from kvshm.movers import OneSidedMover, ShmMover
+from kvshm.movers import Layout, OneSidedMover, ShmMover, placed
 from kvshm.zmq_ctrl.channel import Channel, check_resolvable, endpoint_of
 from kvshm.zmq_ctrl.frames import FrameLayoutError
 from kvshm.zmq_ctrl.frames import pack as pack_frames
@@ -386,7 +386,9 @@ class _Session:
             ok = [i for i, s in enumerate(st) if s == Status.OK]
             if ok:
                 try:
-                    src.to_pool(mover, [offsets[i] for i in ok], ok)
+                    # values of several runs: a mover that cuts at the runs' edges
+                    mv, offs = placed(mover, [offsets[i] for i in ok], Layout())
+                    src.to_pool(mv, offs, ok)
                 except BaseException:
                     self.aborts.append(r.req_id)
                     raise
@@ -477,16 +479,17 @@ class _Session:
             raise QuotaExceeded(f"reading {len(refused)} keys (first {refused[0]!r}) would "
                                 "exceed this client's pin limit on the server; read in "
                                 "smaller batches")
-        hits = [i for i, o in enumerate(offsets) if o >= 0]
+        hits = [i for i, s in enumerate(sizes) if s >= 0]
         data = [None] * len(sizes)
         if not hits:
             return sizes, data
         try:
             if self.mover is not mover:
                 raise _Restarted("the server restarted during a get; retry")
-            ho = [offsets[i] for i in hits]
             hs = [sizes[i] for i in hits]
             hk = [bkeys[i] for i in hits]
+            # values of several runs: a mover that cuts at the runs' edges
+            mover, ho = placed(mover, [offsets[i] for i in hits], Layout())
             if sink is not None:
                 sink.from_pool(mover, ho, hs, hits)
             elif views is not None:

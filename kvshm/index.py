@@ -16,9 +16,6 @@ from typing import Any, Callable, Iterator
 
 __all__ = ["Entry", "Index", "PENDING", "LIVE", "DEAD", "MAX_EXTENTS"]
 
-#: Most block runs one entry may hold.
-MAX_EXTENTS = 8
-
 #: Allocated, bytes being written, invisible to readers.
 PENDING = 0
 #: Committed and visible.
@@ -26,17 +23,24 @@ LIVE = 1
 #: Replaced or deleted while pinned: invisible, blocks freed when the last pin goes.
 DEAD = 2
 
+#: Most block runs one value may be laid over (``Entry.extents``).
+MAX_EXTENTS = 8
+
 
 class Entry:
-    """One value: ``nblocks`` contiguous blocks from block ``start``.
+    """One value: ``nblocks`` blocks in one or more runs (``extents``).
 
     Attributes
     ----------
     key : bytes
+    extents : tuple of (int, int)
+        ``(first block, block count)`` of each run, in the order the value's bytes are
+        laid (a run's byte offset in the pool is ``first * block_size``); one run in
+        the common case, at most :data:`MAX_EXTENTS`; ``()`` once freed.
     start : int
-        First block index; the byte offset in the pool is ``start * block_size``.
+        First block of the first run (-1 once freed).
     nblocks : int
-        Blocks held, ``max(1, ceil(size / block_size))``.
+        Blocks held in all, ``max(1, ceil(size / block_size))``.
     size : int
         Value length in bytes.
     pins : int
@@ -47,13 +51,16 @@ class Entry:
         xxh64 of the value when the writer asked for end-to-end checksums.
     """
 
-    __slots__ = ("key", "start", "nblocks", "size", "pins", "state", "checksum", "meta")
+    __slots__ = ("key", "start", "nblocks", "size", "pins", "state", "checksum", "meta",
+                 "extents")
 
     def __init__(self, key: bytes, start: int, nblocks: int, size: int,
-                 checksum: int | None = None) -> None:
+                 checksum: int | None = None,
+                 extents: tuple[tuple[int, int], ...] | None = None) -> None:
         self.key = key
         self.start = start
         self.nblocks = nblocks
+        self.extents = ((start, nblocks),) if extents is None else extents
         self.size = size
         self.pins = 0
         self.state = PENDING
@@ -62,8 +69,20 @@ class Entry:
 
     def __repr__(self) -> str:
         state = ("pending", "live", "dead")[self.state]
-        return (f"<Entry {self.key!r} blocks={self.start}+{self.nblocks} size={self.size} "
+        runs = ",".join(f"{s}+{n}" for s, n in self.extents) or "-"
+        return (f"<Entry {self.key!r} blocks={runs} size={self.size} "
                 f"pins={self.pins} {state}>")
+
+    def byte_extents(self, block_size: int) -> list[list[int]]:
+        """``[[offset, length], ...]`` in the pool, covering exactly ``size`` bytes (the
+        last run's tail past the value is left out; a value of 0 bytes: one [offset, 0])."""
+        out = []
+        left = self.size
+        for s, n in self.extents:
+            k = min(left, n * block_size)
+            out.append([s * block_size, k])
+            left -= k
+        return out
 
 
 def _runs(e: Entry) -> tuple[tuple[int, int], ...]:
@@ -146,6 +165,17 @@ class Index:
         if e is not None and self._shared is not None:
             self._shared.unpublish(key)
         return e
+
+    def relocate(self, entry: Entry, extents: tuple[tuple[int, int], ...]) -> None:
+        """Live ``entry`` now lies in ``extents`` (its bytes were copied there; the old
+        blocks are freed after this returns). Keeps its LRU position. The one place a
+        visible entry's location changes."""
+        entry.extents = extents
+        entry.start = extents[0][0]
+        if self._shared is not None and self._d.get(entry.key) is entry:
+            # Re-published in place: the slot's version changes, so a lock-free reader
+            # that copied from the old runs retries; the old blocks are freed only after.
+            self._shared.publish(entry.key, entry.size, _runs(entry), entry.checksum)
 
     def lru(self) -> Iterator[Entry]:
         """Entries from least to most recently used (do not mutate while iterating)."""

@@ -33,9 +33,11 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from kvshm._bitmap import BitmapAllocator
 from kvshm._pool import Pool
-from kvshm.index import DEAD, LIVE, Entry, Index
+from kvshm.index import DEAD, LIVE, MAX_EXTENTS, Entry, Index
 from kvshm.tiers.ssd import MAX_JOB_BYTES, SPILL_BUSY, SPILL_REFUSED, SPILL_STARTED, WRITING
 from kvshm.zmq_ctrl.protocol import Limits, Status
 
@@ -94,6 +96,30 @@ class _Grant:
         self.deadline = deadline
         self.nbytes = nbytes
         self.held = False        # lease ran out, but its live client may still copy
+
+
+def _copy_runs(pool: Pool, src: tuple[tuple[int, int], ...],
+               dst: tuple[tuple[int, int], ...], size: int, bs: int) -> None:
+    """Copy ``size`` bytes laid over the block runs ``src`` to the runs ``dst`` (disjoint
+    blocks of the same pool)."""
+    si = di = 0
+    s_off, s_left = src[0][0] * bs, src[0][1] * bs
+    d_off, d_left = dst[0][0] * bs, dst[0][1] * bs
+    while size > 0:
+        if s_left == 0:
+            si += 1
+            s_off, s_left = src[si][0] * bs, src[si][1] * bs
+        if d_left == 0:
+            di += 1
+            d_off, d_left = dst[di][0] * bs, dst[di][1] * bs
+        k = min(size, s_left, d_left)
+        with pool.view(s_off, k, readonly=True) as v:
+            pool.write(d_off, v)
+        s_off += k
+        d_off += k
+        s_left -= k
+        d_left -= k
+        size -= k
 
 
 def _pid_alive(pid: int) -> bool:
@@ -190,7 +216,9 @@ class Store:
             ("hits", "misses", "evictions", "evicted_bytes", "bytes_in", "bytes_out",
              "puts", "gets", "commits", "aborts", "lease_expired_writes",
              "lease_expired_pins", "deletes", "purged", "pool_full", "too_large",
-             "invalid_keys", "quota_refusals", "replaced_early"), 0)
+             "invalid_keys", "quota_refusals", "replaced_early", "alloc_evictions",
+             "free_blocks_at_evictions", "fragmented_evictions", "relocations",
+             "relocated_bytes", "split_values"), 0)
 
     # ------------------------------------------------------------------ helpers
 
@@ -214,10 +242,21 @@ class Store:
         return max(1, -(-size // self.block_size))
 
     def _free(self, e: Entry) -> None:
-        self.alloc.free(e.start, e.nblocks)
+        if len(e.extents) == 1:
+            self.alloc.free(e.start, e.nblocks)
+        else:
+            self.alloc.free_extents(e.extents)
         e.state = DEAD
         e.start = -1
+        e.extents = ()
         self.progress += 1
+
+    def _free_runs(self, ext: tuple[tuple[int, int], ...]) -> None:
+        # blocks allocated for an entry that was never made
+        if len(ext) == 1:
+            self.alloc.free(ext[0][0], ext[0][1])
+        else:
+            self.alloc.free_extents(ext)
 
     def _retire(self, e: Entry) -> None:
         """A live entry left the index: free it now, or when its last pin goes."""
@@ -261,62 +300,180 @@ class Store:
         self.counters["evicted_bytes"] += e.size
         return True
 
-    def _drop_replaced(self, keys: list[bytes]) -> bool:
-        """Free the unpinned live entry of one of ``keys`` (consumed). False: none left."""
-        d = self.index.mapping
-        while keys:
-            e = d.get(keys.pop())
-            if e is not None and e.pins == 0:
-                self.index.remove(e.key)
-                self._free(e)
-                self.counters["replaced_early"] += 1
-                return True
-        return False
+    def _count_alloc_eviction(self, n: int) -> None:
+        # an eviction for an ALLOC of n blocks: how much was free when it was needed
+        c = self.counters
+        c["alloc_evictions"] += 1
+        free = self.alloc.num_free
+        c["free_blocks_at_evictions"] += free
+        if free >= n:
+            c["fragmented_evictions"] += 1
 
     def _allocate(self, nblocks_list: list[int], drop: bool = False,
-                  replacing: Sequence[Any] = ()) -> list[int]:
-        """Allocate runs, evicting LRU entries as needed; -1 where nothing more can go.
+                  replacing: Sequence[Any] = ()) -> list[tuple[tuple[int, int], ...] | None]:
+        """Blocks for each count: ``(first block, count)`` runs, None where nothing more
+        can go.
 
-        ``replacing`` are the keys being written: under pressure their current (unpinned)
-        entries go first, before any other entry is evicted, since the write replaces
-        them anyway. Without this an overwrite in a full pool would cost one unrelated
-        entry each, and the store would keep less than an exact LRU of the same size.
-        Until the new entry is committed such a key reads as a miss.
+        One run where one fits, else up to ``MAX_EXTENTS`` runs (:meth:`_place`). Only
+        when fewer blocks are free than a value needs does it evict, LRU first, one
+        entry at a time until they are enough.
+
+        ``replacing`` are the keys being written, one per count: when the pool lacks
+        room, a key's own current (unpinned) entry makes room first, since the write
+        replaces it anyway; but only if the new value then fits, so a write that fails
+        leaves the old value readable. Without this an overwrite in a full pool would
+        cost one unrelated entry each, and the store would keep less than an exact LRU
+        of the same size. Until the new entry is committed such a key reads as a miss.
+        Meanwhile the old entry is pinned so that no eviction takes it.
 
         With a tier, a dirty LRU entry is spilled rather than dropped, and ``self._wait``
-        tells whether a -1 may succeed once spills in flight complete; ``drop`` evicts
+        tells whether a None may succeed once spills in flight complete; ``drop`` evicts
         dirty entries without a copy instead (a request that waited long enough).
         """
         starts = self.alloc.alloc_many(nblocks_list) if nblocks_list else []
-        tier = self.tier
+        out: list[tuple[tuple[int, int], ...] | None] = [
+            ((s, n),) if s >= 0 else None for s, n in zip(starts, nblocks_list)]
         self._wait = False
-        stale = None
+        if -1 not in starts:
+            return out
+        tier = self.tier
+        d = self.index.mapping
         for i, s in enumerate(starts):
             if s >= 0:
                 continue
             n = nblocks_list[i]
-            while True:
-                s = self.alloc.alloc(n)
-                if s >= 0:
-                    break
-                if tier is None:
-                    if stale is None:
-                        stale = [k for k in replacing if type(k) is bytes]
-                    if self._drop_replaced(stale):
-                        continue
-                    if not self._evict_one():
-                        break
-                    continue
-                if self._wait:
-                    break
-                r = self._evict_tiered(drop)
-                if r == _WAIT:
-                    self._wait = True
-                    break
-                if r == _NOTHING:
-                    break
-            starts[i] = s
-        return starts
+            own = None
+            if tier is None and i < len(replacing):
+                k = replacing[i]
+                own = d.get(k) if type(k) is bytes else None
+                if own is not None and own.pins:
+                    own = None
+                if own is not None:
+                    self._pin(own)          # no eviction or move takes it meanwhile
+            try:
+                out[i] = self._make_room(n, own, drop)
+            finally:
+                if own is not None:
+                    self._unpin(own)
+        return out
+
+    def _make_room(self, n: int, own: Entry | None, drop: bool
+                   ) -> tuple[tuple[int, int], ...] | None:
+        """Runs for ``n`` blocks, evicting as little as possible (see :meth:`_allocate`);
+        ``own``: the pinned old entry of the key, given up if the new value fits then."""
+        alloc = self.alloc
+        tier = self.tier
+        while True:
+            ext = self._place(n)
+            if ext is not None:
+                return ext
+            if own is not None and own.pins == 1 and alloc.num_free + own.nblocks >= n:
+                # the key's old value makes room: in its blocks and the free ones
+                self._free_runs(own.extents)
+                ext = alloc.alloc_extents(n, MAX_EXTENTS)
+                if ext is not None:
+                    self.index.remove(own.key)
+                    if tier is not None:
+                        self._tier_leave(own)
+                    own.state = DEAD
+                    own.start = -1
+                    own.extents = ()
+                    self.progress += 1
+                    self.counters["replaced_early"] += 1
+                    return ext
+                for r0, r1 in own.extents:   # does not fit: it stays where it was
+                    alloc.alloc_at(r0, r1)
+            self._count_alloc_eviction(n)
+            if tier is None:
+                if not self._evict_one():
+                    return None
+                continue
+            if self._wait:
+                return None
+            r = self._evict_tiered(drop)
+            if r == _WAIT:
+                self._wait = True
+                return None
+            if r == _NOTHING:
+                return None
+
+    def _place(self, n: int) -> tuple[tuple[int, int], ...] | None:
+        """``n`` blocks in at most ``MAX_EXTENTS`` runs, without evicting: one run if one
+        fits, else the fewest runs; when the free blocks would do but lie in more
+        runs than that, live entries are moved to join holes (:meth:`_compact`)."""
+        ext = self.alloc.alloc_extents(n, MAX_EXTENTS)
+        if ext is None and self.alloc.num_free >= n:
+            ext = self._compact(n)
+        return ext
+
+    def _compact(self, n: int) -> tuple[tuple[int, int], ...] | None:
+        """Make one run of ``n`` blocks by moving live entries out of the way.
+
+        Called when at least ``n`` blocks are free but in more than ``MAX_EXTENTS``
+        runs. Picks the window of ``n`` blocks that holds the fewest allocated blocks, all
+        of live entries without pins (pinned, pending and dead entries never move),
+        copies those entries into free blocks outside it (each in up to
+        ``MAX_EXTENTS`` runs), re-points them (:meth:`Index.relocate`, LRU order kept)
+        and frees their old blocks. Costs one pass over the entries and a copy of at
+        most the bytes of the value being placed; None (nothing moved) when no window
+        qualifies or the entries to move do not fit elsewhere.
+        """
+        alloc = self.alloc
+        nb = alloc.num_blocks
+        big = n + 1
+        cost = np.frombuffer(alloc.free_map(), np.uint8).astype(np.int64)
+        cost = (1 - cost) * big        # allocated: immovable until shown otherwise
+        movable: list[Entry] = []
+        for e in self.index.lru():
+            if e.pins == 0:
+                movable.append(e)
+                for s0, c0 in e.extents:
+                    cost[s0:s0 + c0] = 1
+        csum = np.concatenate(([0], np.cumsum(cost)))
+        window = csum[n:] - csum[:nb - n + 1]
+        a = int(np.argmin(window))
+        used = int(window[a])
+        if used > n or used == 0:
+            return None
+        b = a + n
+        moving = [e for e in movable
+                  if any(s0 < b and a < s0 + c0 for s0, c0 in e.extents)]
+        free_inside = n - used
+        if alloc.num_free - free_inside < sum(e.nblocks for e in moving):
+            return None
+        # hold the window's free blocks, so that nothing moves into them
+        inside = np.flatnonzero(cost[a:b] == 0) + a
+        holes: list[tuple[int, int]] = []
+        if inside.size:
+            cuts = np.flatnonzero(np.diff(inside) != 1) + 1
+            for run in np.split(inside, cuts):
+                holes.append((int(run[0]), int(run.size)))
+                alloc.alloc_at(int(run[0]), int(run.size))
+        places: list[tuple[tuple[int, int], ...]] = []
+        for e in moving:
+            ext = alloc.alloc_extents(e.nblocks, MAX_EXTENTS)
+            if ext is None:
+                for p in places:
+                    self._free_runs(p)
+                for h in holes:
+                    alloc.free(*h)
+                return None
+            places.append(ext)
+        bs = self.block_size
+        pool = self.pool
+        c = self.counters
+        for e, ext in zip(moving, places):
+            old = e.extents
+            _copy_runs(pool, old, ext, e.size, bs)
+            self.index.relocate(e, ext)
+            self._free_runs(old)
+            c["relocations"] += 1
+            c["relocated_bytes"] += e.size
+        for h in holes:
+            alloc.free(*h)
+        alloc.alloc_at(a, n)
+        self.progress += 1
+        return ((a, n),)
 
     def _new_entries(self, keys: Sequence[Any], sizes: Sequence[Any],
                      sums: Sequence[Any] | None, pending_budget: int | None,
@@ -354,27 +511,29 @@ class Store:
                 want.append(self._nblocks(size))
                 want_idx.append(i)
         entries: list[Entry | None] = [None] * n
-        starts = self._allocate(want, drop, [keys[i] for i in want_idx])
+        places = self._allocate(want, drop, [keys[i] for i in want_idx])
         if self.tier is not None:
             self.tier.submit()          # spills started to make room
-        if defer and self._wait and -1 in starts:
-            for j, s in enumerate(starts):
-                if s >= 0:
-                    self.alloc.free(s, want[j])
+        if defer and self._wait and None in places:
+            for ext in places:
+                if ext is not None:
+                    self._free_runs(ext)
             return None
         c = self.counters
         c["invalid_keys"] += bad_keys
         c["too_large"] += too_large
         c["quota_refusals"] += quota
         for j, i in enumerate(want_idx):
-            s = starts[j]
-            if s < 0:
+            ext = places[j]
+            if ext is None:
                 statuses[i] = Status.POOL_FULL
                 self.counters["pool_full"] += 1
                 continue
             csum = sums[i] if sums is not None else None
-            entries[i] = Entry(keys[i], s, want[j], sizes[i],
-                               csum if type(csum) is int else None)
+            entries[i] = Entry(keys[i], ext[0][0], want[j], sizes[i],
+                               csum if type(csum) is int else None, ext)
+            if len(ext) > 1:
+                c["split_values"] += 1
         return entries, statuses
 
     def _install(self, e: Entry) -> None:
@@ -439,8 +598,10 @@ class Store:
 
         Returns
         -------
-        offsets : list of int
-            Byte offset in the pool per key, -1 where refused.
+        offsets : list of int, or of list of [offset, length]
+            Per key: the byte offset in the pool of a value in one run (the common case),
+            the byte extents of a value laid over several runs (:meth:`place`), -1
+            where refused.
         statuses : list of Status
             OK, INVALID_KEY, INVALID_REQUEST, TOO_LARGE, POOL_FULL or QUOTA_EXCEEDED.
 
@@ -459,11 +620,19 @@ class Store:
         entries, statuses = r
         granted = [e for e in entries if e is not None]
         bs = self.block_size
-        offsets = [e.start * bs if e is not None else -1 for e in entries]
+        offsets = [-1 if e is None else e.start * bs if len(e.extents) == 1
+                   else e.byte_extents(bs) for e in entries]
         if granted:
             self._pending += len(granted)
             self._add_grant(_ALLOC, client, req_id, granted, sum(e.size for e in granted))
         return offsets, statuses
+
+    def place(self, e: Entry) -> int | list[list[int]]:
+        """Where ``e``'s bytes lie, as ALLOC and LOOKUP answer it: the byte offset of a
+        value in one run, else its byte extents ``[[offset, length], ...]``."""
+        if len(e.extents) == 1:
+            return e.start * self.block_size
+        return e.byte_extents(self.block_size)
 
     def commit(self, client: bytes, req_ids: Sequence[int]) -> list[int]:
         """COMMIT: make the pending entries of these ALLOC grants visible.
@@ -507,8 +676,24 @@ class Store:
         ok = [e for e in entries if e is not None]
         if ok:
             bs = self.block_size
-            self.pool.write_many([e.start * bs for e in ok],
-                                 [values[i] for i, e in enumerate(entries) if e is not None])
+            offs: list[int] = []
+            srcs: list[Any] = []
+            for e, v in zip(entries, values):
+                if e is None:
+                    continue
+                if len(e.extents) == 1:
+                    offs.append(e.start * bs)
+                    srcs.append(v)
+                    continue
+                m = memoryview(v)
+                if m.format != "B" or m.ndim != 1:
+                    m = m.cast("B")
+                pos = 0
+                for o, k in e.byte_extents(bs):     # the frame's bytes into each run
+                    offs.append(o)
+                    srcs.append(m[pos:pos + k])
+                    pos += k
+            self.pool.write_many(offs, srcs)
             for e in ok:
                 self._install(e)
             self.counters["puts"] += len(ok)
@@ -527,13 +712,14 @@ class Store:
 
         Returns
         -------
-        offsets, sizes : list of int
-            -1 for a miss; a size of ``QUOTA_REFUSED`` (-2) for a key that is present but
+        offsets, sizes : list
+            Per key as :meth:`alloc_entries` (an int offset, or byte extents of a value
+            of several runs); -1 for a miss; a size of ``QUOTA_REFUSED`` (-2) for a key that is present but
             would take the client over ``max_client_pinned_bytes`` (not pinned).
         checksums : list of int or None
         """
         n = len(keys)
-        offsets = [-1] * n
+        offsets: list[Any] = [-1] * n
         sizes = [-1] * n
         sums: list[int | None] = [None] * n
         pinned: list[Entry] = []
@@ -561,7 +747,7 @@ class Store:
             self._pin(e)
             pinned.append(e)
             nbytes += e.size
-            offsets[i] = e.start * bs
+            offsets[i] = e.start * bs if len(e.extents) == 1 else e.byte_extents(bs)
             sizes[i] = e.size
             sums[i] = e.checksum
         hits = len(pinned)
@@ -617,8 +803,15 @@ class Store:
             self._unpin(e)
 
     def view(self, e: Entry) -> memoryview:
-        """A read-only view of a pinned entry's bytes."""
+        """A read-only view of a pinned entry's bytes (one run; see :meth:`views`)."""
+        if len(e.extents) != 1:
+            raise ValueError(f"{e!r} lies in {len(e.extents)} runs: use views()")
         return self.pool.view(e.start * self.block_size, e.size, readonly=True)
+
+    def views(self, e: Entry) -> list[memoryview]:
+        """Read-only views of a pinned entry's bytes, one per run, in order."""
+        pool = self.pool
+        return [pool.view(o, k, readonly=True) for o, k in e.byte_extents(self.block_size)]
 
     # ------------------------------------------------------------------ queries
 
@@ -951,21 +1144,22 @@ class Store:
         step = max(1, MAX_JOB_BYTES // self.block_size)
         for c in range(0, len(new), step):
             chunk = new[c:c + step]
-            starts = self._allocate([se.nblocks for _, se in chunk])
-            for (k, se), start in zip(chunk, starts):
+            places = self._allocate([se.nblocks for _, se in chunk])
+            for (k, se), ext in zip(chunk, places):
                 if k in promoting:          # the same key twice in one request
-                    if start >= 0:
-                        self.alloc.free(start, se.nblocks)
+                    if ext is not None:
+                        self._free_runs(ext)
                     tier.unreserve(se)
                     continue
-                if start < 0 or tier.lookup(k) is not se:
-                    if start >= 0:
-                        self.alloc.free(start, se.nblocks)
+                if ext is None or tier.lookup(k) is not se:
+                    if ext is not None:
+                        self._free_runs(ext)
                     tier.unreserve(se)
-                    if start < 0 and self._wait:
+                    if ext is None and self._wait:
                         ready = False       # room comes when spills complete
                     continue                # else: the pool is pinned full; a miss
-                e = Entry(k, start, se.nblocks, se.size, se.checksum)   # xxh64, as the client's
+                # xxh64, as the client's
+                e = Entry(k, ext[0][0], se.nblocks, se.size, se.checksum, ext)
                 p = promoting[k] = _Promotion(e, se)
                 tier.read(se, e)
                 hold.ssd_keys.add(k)
@@ -1107,7 +1301,12 @@ class Store:
         usage (float 0..1), clients (with open grants) and the counters: hits, misses,
         evictions, evicted_bytes, bytes_in, bytes_out, puts, gets, commits, aborts,
         lease_expired_writes, lease_expired_pins, deletes, purged, pool_full, too_large,
-        invalid_keys, quota_refusals, replaced_early. With ``verify``: entry_blocks (blocks held by live,
+        invalid_keys, quota_refusals, replaced_early, alloc_evictions (evictions made to
+        place an ALLOC or PUT), free_blocks_at_evictions (free blocks summed over those
+        evictions: space that fragmentation kept from use), fragmented_evictions (those
+        made while the free blocks were as many as the value needed), split_values
+        (values placed in several runs), relocations and relocated_bytes (live entries
+        moved to join free space for a value, :meth:`_compact`). With ``verify``: entry_blocks (blocks held by live,
         pending, dead and promoting entries, counted one by one) and accounting_ok
         (entry_blocks == used blocks). ``pins`` includes the pins of spill writes in
         flight and of parked reads.

@@ -7,7 +7,9 @@ Values are 4 KiB to 4 MiB (log-uniform), each self-describing (writer, sequence,
 xxh64 of the body) and stored with ``checksum=True``; every read is verified both ways.
 The key space is several times the pool, so the pool stays full and eviction runs all
 the time. Reports ops/s, p50/p99 latency, evictions, corrupt reads (must be 0),
-unexpected errors (must be 0), pool usage after warm-up, the server's peak RSS beside
+unexpected errors (must be 0), pool usage after warm-up beside the share of the pool lost
+to fragmentation (the free blocks when an ALLOC had to evict: with values of several runs
+an ALLOC evicts only when fewer blocks are free than it needs), the server's peak RSS beside
 the pool size, and the final accounting check (used blocks == blocks of live entries).
 Loopback only; stops by itself.
 """
@@ -174,6 +176,12 @@ def main() -> int:
         "deletes": sum(r["deletes"] for r in results),
         "hits": sum(r["hits"] for r in results), "misses": sum(r["misses"] for r in results),
         "evictions": st["evictions"],
+        "alloc_evictions": st["alloc_evictions"],
+        "fragmented_evictions": st["fragmented_evictions"],
+        # share of the pool free (unusable for the value) when an ALLOC had to evict
+        "free_share_at_evictions": (round(st["free_blocks_at_evictions"]
+                                          / (st["alloc_evictions"] * st["num_blocks"]), 3)
+                                    if st["alloc_evictions"] else 0.0),
         "corrupt_reads": sum(r["corrupt"] for r in results),
         "unexpected_errors": sum(r["errors"] for r in results),
         "error_samples": [s for r in results for s in r["error_samples"]][:5],

@@ -63,6 +63,32 @@ class Model:
     def largest_free_run(self) -> int:
         return max((n for _, n in self.free_runs()), default=0)
 
+    def alloc_extents(self, n: int, max_extents: int) -> tuple[tuple[int, int], ...] | None:
+        """One run by first fit; else the fewest runs: the longest free runs whole (equal
+        lengths: lower start first), then the shortest run holding the rest (best fit,
+        lower start first), its first blocks; in block order. None: does not fit."""
+        start = self.alloc(n)
+        if start >= 0:
+            return ((start, n),)
+        if n > self.num_free or max_extents < 2:
+            return None
+        runs = self.free_runs()
+        longest = sorted(runs, key=lambda r: (-r[1], r[0]))[:max_extents]
+        acc = k = 0
+        while k < len(longest) and acc + longest[k][1] < n:
+            acc += longest[k][1]
+            k += 1
+        if k == len(longest):
+            return None
+        whole = longest[:k]
+        rest = n - acc
+        last = min((r for r in runs if r[1] >= rest and r not in whole),
+                   key=lambda r: (r[1], r[0]))
+        chosen = sorted(whole + [(last[0], rest)])
+        for s, c in chosen:
+            self.set(s, c, False)
+        return tuple(chosen)
+
 
 def _prefill(a: BitmapAllocator, m: Model, layout: str, seed: int) -> None:
     """Give both the same starting layout (through alloc_at, one run at a time)."""
@@ -103,6 +129,7 @@ class BitmapMachine(RuleBasedStateMachine):
         self.a: BitmapAllocator
         self.m: Model
         self.runs: list[tuple[int, int]] = []  # runs handed out (some freed since)
+        self.extents: list[tuple[tuple[int, int], ...]] = []  # alloc_extents results
 
     @initialize(
         num_blocks=st.sampled_from(SIZES),
@@ -195,10 +222,62 @@ class BitmapMachine(RuleBasedStateMachine):
             self.a.alloc_many(counts)
         assert self.a.num_free == before  # checked before anything was allocated
 
+    @rule(data=st.data(), max_extents=st.sampled_from([1, 2, 3, 8, 64]))
+    def alloc_extents(self, data: st.DataObject, max_extents: int) -> None:
+        n = self._count(data)
+        runs_before = self.m.free_runs()
+        got = self.a.alloc_extents(n, max_extents)
+        assert got == self.m.alloc_extents(n, max_extents), (n, max_extents)
+        if got is None:
+            return
+        # what holds whatever the policy: n blocks, in block order, few runs, none adjacent
+        assert sum(c for _, c in got) == n and 1 <= len(got) <= max_extents
+        assert all(a + c < b for (a, c), (b, _) in zip(got, got[1:]))
+        longest = sorted((k for _, k in runs_before), reverse=True)
+        assert sum(longest[: len(got) - 1]) < n  # one run fewer could not hold it
+        self.extents.append(got)
+
+    @precondition(lambda self: self.extents)
+    @rule(data=st.data())
+    def free_extents(self, data: st.DataObject) -> None:
+        """Free extents handed out (maybe freed, or partly reused, since): all or nothing."""
+        ext = data.draw(st.sampled_from(self.extents), label="extents")
+        if data.draw(st.booleans(), label="reversed"):
+            ext = tuple(reversed(ext))
+        num_free = self.a.num_free
+        if all(self.m.all_are(s, c, False) for s, c in ext):
+            self.a.free_extents(ext)
+            for s, c in ext:
+                self.m.set(s, c, True)
+        else:
+            with pytest.raises(ValueError):
+                self.a.free_extents(ext)
+            assert self.a.num_free == num_free
+            for s, c in ext:
+                self._assert_unchanged_around(s, c, num_free)
+
+    @precondition(lambda self: self.m.num_free < len(self.m))
+    @rule(data=st.data())
+    def free_overlapping_extents(self, data: st.DataObject) -> None:
+        """Two runs that overlap (each allocated): refused, nothing freed."""
+        used = [i for i, f in enumerate(self.m.free) if not f]
+        start = data.draw(st.sampled_from(used), label="start")
+        num_free = self.a.num_free
+        with pytest.raises(ValueError):
+            self.a.free_extents(((start, 1), (start, 1)))
+        self._assert_unchanged_around(start, 1, num_free)
+
+    @rule(max_extents=st.sampled_from([-1, 0, 65, 1000]))
+    def alloc_extents_bad_limit(self, max_extents: int) -> None:
+        with pytest.raises(ValueError):
+            self.a.alloc_extents(1, max_extents)
+
     @rule(n=st.integers(-65, 0))
     def alloc_bad_count(self, n: int) -> None:
         with pytest.raises(ValueError):
             self.a.alloc(n)
+        with pytest.raises(ValueError):
+            self.a.alloc_extents(n)
 
     @rule(data=st.data())
     def alloc_at(self, data: st.DataObject) -> None:

@@ -614,21 +614,39 @@ class ServiceLoop:
         budget = self.zero_copy_cap - self._zc_out.get(client, 0)
         for first, count in plan_frames([e.size for e in hits]):
             group = hits[first:first + count]
-            if count == 1 and group[0].size >= PACK_BELOW and group[0].size <= budget:
-                out.append(self.store.view(group[0]))      # zero-copy, pinned until sent
-                on_sent.append(group[0])
-                budget -= group[0].size
-            elif count == 1 and group[0].size >= PACK_BELOW:
+            e = group[0]
+            if count == 1 and e.size >= PACK_BELOW and e.size <= budget:
+                # zero-copy, pinned until sent; a value of several runs in one frame per
+                # run, the runs after the first with a count of 0 (frames.unpack)
+                if len(e.extents) == 1:
+                    out.append(self.store.view(e))
+                    counts.append(1)
+                else:
+                    views = self.store.views(e)
+                    out.extend(views)
+                    counts.extend([1] + [0] * (len(views) - 1))
+                on_sent.append(e)
+                budget -= e.size
+                continue
+            if count == 1 and e.size >= PACK_BELOW:
                 # this peer has too much unsent: copy (its replies then wait in memory,
                 # bounded by the socket's high-water mark, not in the pool)
-                out.append(bytes(self.store.view(group[0])))
-                small.append(group[0])
+                buf = bytearray(e.size)
             else:                                           # small values: one packed copy
                 buf = bytearray(sum(e.size for e in group))
-                self.store.pool.gather([e.start * bs for e in group],
-                                       [e.size for e in group], buf)
-                out.append(buf)
-                small.extend(group)
+            offs: list[int] = []
+            lens: list[int] = []
+            for g in group:
+                if len(g.extents) == 1:
+                    offs.append(g.start * bs)
+                    lens.append(g.size)
+                else:
+                    for o, k in g.byte_extents(bs):
+                        offs.append(o)
+                        lens.append(k)
+            self.store.pool.gather(offs, lens, buf)
+            out.append(buf)
+            small.extend(group)
             counts.append(count)
         self.store.unpin(small)
         rbody: dict[str, Any] = {"sizes": sizes, "counts": counts}

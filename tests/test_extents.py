@@ -1,0 +1,313 @@
+"""Values laid over several block runs (issue 13, part 4): the store, then every mover.
+
+The store places a value in one run when one fits, else in up to MAX_EXTENTS runs, and
+evicts only when fewer blocks are free than the value needs; values of several runs must
+round-trip byte-exact over shm, TCP and RDMA (the verbs double), and an overwrite that
+fails must leave the old value readable.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvshm import Client, Pool, Server
+from kvshm.index import MAX_EXTENTS
+from kvshm.movers import VIRTUAL_BASE, Layout
+from kvshm.store import Store, StoreConfig
+from kvshm.zmq_ctrl.frames import FrameLayoutError
+from kvshm.zmq_ctrl.frames import unpack as unpack_frames
+from kvshm.zmq_ctrl.protocol import Limits, Status
+from servers import unique_shm_name
+
+KiB, MiB = 1024, 1 << 20
+BS = 4 * KiB
+
+
+def make_store(nblocks: int, **cfg) -> tuple[Pool, Store]:
+    pool = Pool.create(unique_shm_name("extents-"), nblocks * BS, BS)
+    return pool, Store(pool, StoreConfig(limits=Limits(max_batch=100_000), **cfg))
+
+
+@pytest.fixture
+def small():
+    pool, store = make_store(64)
+    yield store
+    pool.close()
+    pool.unlink()
+
+
+def val(i: int, size: int) -> bytes:
+    return np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+def read(store: Store, key: bytes) -> bytes | None:
+    """The value through LOOKUP's answer (an offset, or byte extents), pins released."""
+    offsets, sizes, _ = store.lookup(b"reader", 1, [key])
+    if sizes[0] < 0:
+        return None
+    place = offsets[0]
+    runs = [[place, sizes[0]]] if type(place) is int else place
+    assert sum(n for _, n in runs) == sizes[0]
+    data = b"".join(store.pool.read_bytes(o, n) for o, n in runs)
+    store.release(b"reader", [1])
+    return data
+
+
+def accounting_ok(store: Store) -> bool:
+    return store.stats(verify=True)["accounting_ok"]
+
+
+# --------------------------------------------------------------------- the measured case
+
+
+def test_a_4mib_put_into_scattered_4kib_holes_evicts_nothing():
+    """Half of a 64 MiB pool free in 4 KiB holes (4 KiB blocks): one 4 MiB put evicted
+    512 live keys when a value had to be one run; now it evicts none and every key reads
+    back byte-exact."""
+    nblocks = (64 * MiB) // BS
+    pool, store = make_store(nblocks)
+    try:
+        keys = [b"k%d" % i for i in range(nblocks)]
+        assert store.put(keys, [val(i, BS) for i in range(nblocks)]) == [Status.OK] * nblocks
+        assert store.alloc.num_free == 0
+        assert store.delete(keys[::2]) == nblocks // 2
+        assert store.alloc.num_free == nblocks // 2 and store.alloc.largest_free_run == 1
+        big = val(10**6, 4 * MiB)
+        assert store.put([b"big"], [big]) == [Status.OK]
+        assert store.counters["evictions"] == 0
+        assert store.exists(keys[1::2]) == [True] * (nblocks // 2)
+        assert read(store, b"big") == big
+        for i in range(1, nblocks, 2):
+            assert read(store, keys[i]) == val(i, BS), i
+        assert store.alloc.num_free == nblocks // 2 - (4 * MiB) // BS
+        assert accounting_ok(store)
+    finally:
+        pool.close()
+        pool.unlink()
+
+
+def test_a_put_evicts_only_the_blocks_it_lacks(small):
+    # 64 blocks of 1-block values, every 4th deleted: 16 free in holes of 1
+    keys = [b"k%d" % i for i in range(64)]
+    small.put(keys, [val(i, BS) for i in range(64)])
+    small.delete(keys[::4])
+    assert small.put([b"v"], [val(99, 20 * BS)]) == [Status.OK]
+    # 4 blocks lacking: the 4 oldest live keys went, no more
+    assert small.counters["evictions"] == 4
+    gone = {k for k in keys if k not in small.index}
+    assert gone == set(keys[::4]) | {keys[1], keys[2], keys[3], keys[5]}
+    assert read(small, b"v") == val(99, 20 * BS)
+    assert accounting_ok(small)
+
+
+def test_few_runs_without_moving_anything(small):
+    # holes of 8 blocks: a 20-block value takes 3 runs, nothing moved or evicted
+    keys = [b"k%d" % i for i in range(8)]
+    small.put(keys, [val(i, 8 * BS) for i in range(8)])
+    small.delete([keys[1], keys[3], keys[5]])
+    v = val(7, 20 * BS - 5)
+    offsets, st = small.alloc_entries(b"w", 1, [b"v"], [len(v)])
+    assert st == [Status.OK]
+    runs = offsets[0]
+    assert [o for o, _ in runs] == [8 * BS, 24 * BS, 40 * BS]
+    assert [n for _, n in runs] == [8 * BS, 8 * BS, 4 * BS - 5]
+    pos = 0
+    for o, n in runs:
+        small.pool.write(o, v[pos:pos + n])
+        pos += n
+    small.commit(b"w", [1])
+    e = small.index.get(b"v")
+    assert e.extents == ((8, 8), (24, 8), (40, 4)) and e.nblocks == 20
+    assert small.counters["evictions"] == small.counters["relocations"] == 0
+    assert small.counters["split_values"] == 1
+    assert read(small, b"v") == v
+    small.delete([b"v"])                    # frees every run
+    assert small.alloc.num_free == 24 and accounting_ok(small)
+
+
+def test_moves_keep_lru_order_and_skip_pinned_and_pending(small):
+    keys = [b"k%d" % i for i in range(64)]
+    small.put(keys, [val(i, BS) for i in range(64)])
+    small.delete(keys[::2])                 # 32 holes of one block
+    small.lookup(b"pinner", 5, [keys[1]])   # block 1 pinned: never moves
+    order = list(small.index.keys())
+    assert small.put([b"v"], [val(5, 16 * BS)]) == [Status.OK]
+    assert small.counters["evictions"] == 0 and small.counters["relocations"] > 0
+    assert list(small.index.keys()) == order + [b"v"]      # moved ones kept their place
+    assert small.index.get(keys[1]).extents == ((1, 1),)
+    assert all(read(small, keys[i]) == val(i, BS) for i in range(1, 64, 2))
+    assert read(small, b"v") == val(5, 16 * BS)
+    small.release(b"pinner", [5])
+    assert accounting_ok(small)
+
+
+def test_at_most_max_extents_runs(small):
+    keys = [b"k%d" % i for i in range(64)]
+    small.put(keys, [val(i, BS) for i in range(64)])
+    small.delete(keys[::2])
+    small.lookup(b"pinner", 1, keys[1::2])  # nothing can move: holes of one block stay
+    assert small.put([b"v"], [val(1, (MAX_EXTENTS + 1) * BS)]) == [Status.POOL_FULL]
+    assert small.put([b"w"], [val(2, MAX_EXTENTS * BS)]) == [Status.OK]
+    assert len(small.index.get(b"w").extents) == MAX_EXTENTS
+    assert read(small, b"w") == val(2, MAX_EXTENTS * BS)
+    small.release(b"pinner", [1])
+    assert accounting_ok(small)
+
+
+# --------------------------------------------------------------------- failed overwrites
+
+
+def test_an_overwrite_that_does_not_fit_leaves_the_old_value(small):
+    old = val(1, 4 * BS)
+    small.put([b"k"], [old])
+    fill = [b"f%d" % i for i in range(60)]
+    small.put(fill, [val(i, BS) for i in range(60)])
+    small.lookup(b"pinner", 1, fill)        # the rest of the pool is pinned
+    assert small.put([b"k"], [val(2, 5 * BS)]) == [Status.POOL_FULL]
+    offsets, st = small.alloc_entries(b"w", 2, [b"k"], [5 * BS])
+    assert st == [Status.POOL_FULL]
+    assert read(small, b"k") == old and small.counters["replaced_early"] == 0
+    # one that fits in the old value's blocks replaces it, evicting nothing
+    new = val(3, 4 * BS)
+    assert small.put([b"k"], [new]) == [Status.OK]
+    assert read(small, b"k") == new and small.counters["evictions"] == 0
+    small.release(b"pinner", [1])
+    assert accounting_ok(small)
+
+
+def test_an_overwrite_refused_by_the_quota_leaves_the_old_value():
+    pool, store = make_store(64, max_client_pending_bytes=8 * BS)
+    try:
+        old = val(1, 4 * BS)
+        store.put([b"k"], [old])
+        store.put([b"f%d" % i for i in range(60)], [val(i, BS) for i in range(60)])
+        offsets, st = store.alloc_entries(b"w", 1, [b"k"], [9 * BS])
+        assert st == [Status.QUOTA_EXCEEDED]
+        assert read(store, b"k") == old
+        assert accounting_ok(store)
+    finally:
+        pool.close()
+        pool.unlink()
+
+
+def test_an_overwrite_in_a_batch_does_not_spend_another_keys_old_value(small):
+    # a and b are both overwritten; the pool is full and pinned but for them. b's new
+    # value cannot fit: b's old value must survive, a's replacement goes through.
+    a_old, b_old = val(1, 2 * BS), val(2, 2 * BS)
+    small.put([b"a", b"b"], [a_old, b_old])
+    fill = [b"f%d" % i for i in range(60)]
+    small.put(fill, [val(i, BS) for i in range(60)])
+    small.lookup(b"pinner", 1, fill)
+    a_new = val(3, 2 * BS)
+    assert small.put([b"a", b"b"], [a_new, val(4, 3 * BS)]) == [Status.OK,
+                                                                 Status.POOL_FULL]
+    assert read(small, b"a") == a_new and read(small, b"b") == b_old
+    small.release(b"pinner", [1])
+    assert accounting_ok(small)
+
+
+# --------------------------------------------------------------------- pieces
+
+
+def test_layout_cuts_ranges_at_run_edges():
+    lay = Layout()
+    v = lay.add([[4096, 100], [0, 50], [9000, 10]])
+    assert v >= VIRTUAL_BASE
+    assert lay.pieces(v, 160) == [(4096, 100), (0, 50), (9000, 10)]
+    assert lay.pieces(v + 90, 20) == [(4186, 10), (0, 10)]
+    assert lay.pieces(v + 150, 10) == [(9000, 10)]
+    assert lay.pieces(123, 7) == [(123, 7)]             # a pool offset passes unchanged
+    w = lay.add([[0, 1], [2, 1]])
+    assert w >= v + 160 and lay.pieces(w, 2) == [(0, 1), (2, 1)]
+    with pytest.raises(IndexError):
+        lay.pieces(v + 150, 11)
+
+
+def test_frames_of_one_value_in_several_runs():
+    got = unpack_frames([b"ab", b"cde", b"f", b"gh"], [1, 0, 0, 1], [6, 2])
+    assert [bytes(g) for g in got] == [b"abcdef", b"gh"]
+    with pytest.raises(FrameLayoutError):
+        unpack_frames([b"ab", b"c"], [0, 1], [2, 1])          # nothing to continue
+    with pytest.raises(FrameLayoutError):
+        unpack_frames([b"ab", b"c"], [2, 0], [1, 2])          # continues two values
+    with pytest.raises(FrameLayoutError):
+        unpack_frames([b"ab", b"c"], [1, 0], [4])             # does not add up
+
+
+# --------------------------------------------------------------------- every mover
+
+
+def fragment(c: Client, n: int, size: int) -> list[str]:
+    """Fill the pool with n values of ``size`` bytes in order, delete every other: holes
+    of ``size`` bytes."""
+    keys = [f"fill{i}" for i in range(n)]
+    for j in range(0, n, 64):
+        c.put_batch(keys[j:j + 64], [val(i, size) for i in range(j, min(n, j + 64))])
+    c.delete(keys[::2])
+    return keys
+
+
+SIZES = [3 * 64 * KiB + 123, 8 * 64 * KiB, 1 * MiB + 5]   # 4 runs, 8 runs, moves
+
+
+def check_split_round_trip(writer: Client, readers: list[Client], stats_client: Client
+                           ) -> None:
+    keys = fragment(writer, 1024, 64 * KiB)      # 64 MiB pool: full, then half in holes
+    big = {f"big{n}": val(1000 + n, n) for n in SIZES}
+    for k, v in big.items():
+        writer.put(k, v, checksum=True)
+    st = stats_client.stats()
+    assert st["split_values"] >= 2 and st["relocations"] > 0, st
+    assert st["evictions"] == 0, st
+    for r in readers:
+        for k, v in big.items():
+            assert r.get(k, verify=True) == v, (r.transport, k)
+        got = r.get_batch(list(big), verify=True)
+        assert got == list(big.values())
+        out = [bytearray(len(v) + 7) for v in big.values()]
+        sizes = r.get_batch_into(list(big), out)
+        assert [bytes(o[:s]) for o, s in zip(out, sizes)] == list(big.values())
+        assert r.get_batch(keys[1:64:2]) == [val(i, 64 * KiB) for i in range(1, 64, 2)]
+    assert stats_client.stats(verify=True)["accounting_ok"]
+
+
+def test_values_of_several_runs_over_shm_and_tcp(shm_name):
+    srv = Server(service_port=0, manage_port=None, prealloc_size=0.0625, shm_name=shm_name,
+                 block_size=BS // KiB).start()
+    try:
+        with Client(srv.address, transport="shm") as s, \
+                Client(srv.address, transport="tcp") as t:
+            assert s.transport == "shm" and t.transport == "tcp"
+            check_split_round_trip(s, [s, t], t)
+        # written over TCP, read over both
+        with Client(srv.address, transport="tcp") as t, \
+                Client(srv.address, transport="shm") as s:
+            t.purge()
+            check_split_round_trip(t, [t, s], s)
+    finally:
+        srv.stop()
+
+
+def test_values_of_several_runs_over_rdma(tmp_path, shm_name):
+    from kvshm.rdma import RdmaOptions
+    from rdma_double import FakeVerbs
+
+    fabric = tmp_path / "fabric"
+    fabric.mkdir()
+    sverbs = FakeVerbs(str(fabric))
+    cverbs = FakeVerbs(str(fabric))
+    srv = Server(rdma_backend=sverbs, service_port=0, manage_port=None,
+                 prealloc_size=0.0625, shm_name=shm_name, ipc=False, dev_name="fake0",
+                 block_size=BS // KiB).start()
+    try:
+        with Client(srv.address, transport="rdma", timeout=10,
+                    rdma=RdmaOptions(backend=cverbs)) as r, \
+                Client(srv.address, transport="tcp") as t:
+            assert r.transport == "rdma"
+            check_split_round_trip(r, [r, t], t)
+    finally:
+        srv.stop()
+        sverbs.close()
+        cverbs.close()
+    assert not list(fabric.iterdir())
