@@ -193,6 +193,9 @@ class Store:
         self._pinned_entries = 0    # entries with pins > 0
         self._pins = 0              # total pins
         self.max_value = self.config.limits.max_value_bytes or pool.size
+        #: Most runs a value is placed in (MAX_EXTENTS; 1 below a tier that moves
+        #: whole runs only).
+        self.max_extents = MAX_EXTENTS
         # Called with each entry about to be evicted (without a tier); the entry's
         # blocks are freed after the hook returns.
         self.evict_hook: Callable[[Entry], None] | None = None
@@ -370,7 +373,7 @@ class Store:
             if own is not None and own.pins == 1 and alloc.num_free + own.nblocks >= n:
                 # the key's old value makes room: in its blocks and the free ones
                 self._free_runs(own.extents)
-                ext = alloc.alloc_extents(n, MAX_EXTENTS)
+                ext = alloc.alloc_extents(n, self.max_extents)
                 if ext is not None:
                     self.index.remove(own.key)
                     if tier is not None:
@@ -401,7 +404,7 @@ class Store:
         """``n`` blocks in at most ``MAX_EXTENTS`` runs, without evicting: one run if one
         fits, else the fewest runs; when the free blocks would do but lie in more
         runs than that, live entries are moved to join holes (:meth:`_compact`)."""
-        ext = self.alloc.alloc_extents(n, MAX_EXTENTS)
+        ext = self.alloc.alloc_extents(n, self.max_extents)
         if ext is None and self.alloc.num_free >= n:
             ext = self._compact(n)
         return ext
@@ -451,7 +454,7 @@ class Store:
                 alloc.alloc_at(int(run[0]), int(run.size))
         places: list[tuple[tuple[int, int], ...]] = []
         for e in moving:
-            ext = alloc.alloc_extents(e.nblocks, MAX_EXTENTS)
+            ext = alloc.alloc_extents(e.nblocks, self.max_extents)
             if ext is None:
                 for p in places:
                     self._free_runs(p)
@@ -917,6 +920,7 @@ class Store:
         """
         self.tier = tier
         self.clean_target = clean_target
+        self.max_extents = getattr(tier, "max_extents", 1)
         tier.unshadow = self._unshadowed
         self.index.on_read = lambda e: self._touch(e, None)   # lock-free reads, as LOOKUP
         for e in self.index.lru():
