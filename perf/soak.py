@@ -2,6 +2,7 @@
 """Soak: many client processes of mixed put/get/delete against one server, bounded.
 
     python perf/soak.py [--clients 8] [--seconds 60] [--pool-gib 0.5] [--tcp-clients 2]
+                        [--block-kib 64]
 
 Values are 4 KiB to 4 MiB (log-uniform), each self-describing (writer, sequence, size,
 xxh64 of the body) and stored with ``checksum=True``; every read is verified both ways.
@@ -123,11 +124,13 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--pool-gib", type=float, default=0.5)
     ap.add_argument("--keys", type=int, default=3000, help="key space (shared by all)")
+    ap.add_argument("--block-kib", type=int, default=64, help="the server's block size")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
     ctx = mp.get_context("spawn")
-    with ServerProcess(prealloc_size=args.pool_gib, ready_timeout=60) as srv:
+    with ServerProcess("--block-size", str(args.block_kib), prealloc_size=args.pool_gib,
+                       ready_timeout=60) as srv:
         q: mp.Queue = ctx.Queue()
         procs = [ctx.Process(target=worker,
                              args=(i, srv.address, "tcp" if i < args.tcp_clients else "shm",
@@ -175,9 +178,13 @@ def main() -> int:
         "puts": sum(r["puts"] for r in results), "gets": sum(r["gets"] for r in results),
         "deletes": sum(r["deletes"] for r in results),
         "hits": sum(r["hits"] for r in results), "misses": sum(r["misses"] for r in results),
+        "block_bytes": st["block_size"],
         "evictions": st["evictions"],
         "alloc_evictions": st["alloc_evictions"],
         "fragmented_evictions": st["fragmented_evictions"],
+        "split_values": st.get("split_values"),
+        "relocations": st.get("relocations"),
+        "relocated_bytes": st.get("relocated_bytes"),
         # share of the pool free (unusable for the value) when an ALLOC had to evict
         "free_share_at_evictions": (round(st["free_blocks_at_evictions"]
                                           / (st["alloc_evictions"] * st["num_blocks"]), 3)

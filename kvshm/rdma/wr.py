@@ -1,8 +1,10 @@
 """Work-request planning for a batch of one-sided transfers (pure: no verbs calls).
 
-A batch is a list of :class:`Segment`: one value each, a contiguous local buffer
-(address, lkey) and a contiguous range of the server's pool (remote address). :func:`plan`
-turns it into RDMA WRITE or READ work requests that the QP accepts:
+A batch is a list of :class:`Segment`: one run of a value each, a contiguous local
+buffer (address, lkey) and a contiguous range of the server's pool (remote address); a
+value laid over several block runs is one segment per run, cut by
+:class:`kvshm.movers.ExtentMover`. :func:`plan` turns it into RDMA WRITE or READ work
+requests that the QP accepts:
 
 * a piece longer than the port's maximum message size is split;
 * pieces whose remote ranges follow each other ride in one work request, one
