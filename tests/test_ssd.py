@@ -55,6 +55,11 @@ def get_many(c: Client, keys: list[str], batch: int = 8) -> list[bytes | None]:
     return out
 
 
+def runs_of(place, size: int) -> list:
+    """Byte ranges of a value as ALLOC/LOOKUP place it: an offset, or its byte extents."""
+    return [(place, size)] if type(place) is int else [tuple(r) for r in place]
+
+
 # ---------------------------------------------------------------------- store level
 
 
@@ -107,7 +112,10 @@ class Tiered:
                 self.store.service()
         offsets, st = r
         assert st == [Status.OK], st
-        self.pool.write(offsets[0], data)
+        pos = 0
+        for o, n in runs_of(offsets[0], len(data)):      # one run, or several
+            self.pool.write(o, data[pos:pos + n])
+            pos += n
         assert self.store.commit(b"w", [self.rid]) == []
         self.store.service()
 
@@ -122,9 +130,9 @@ class Tiered:
             self.store.service()
         offsets, sizes, _ = self.store.lookup(b"r", self.rid, [key], hold)
         self.store.release_hold(hold)
-        if offsets[0] < 0:
+        if sizes[0] < 0:
             return None
-        data = self.pool.read_bytes(offsets[0], sizes[0])
+        data = b"".join(self.pool.read_bytes(o, n) for o, n in runs_of(offsets[0], sizes[0]))
         self.store.release(b"r", [self.rid])
         return data
 

@@ -28,13 +28,14 @@ import time
 import warnings
 from typing import Any, Callable
 
+from kvshm.index import MAX_EXTENTS
 from kvshm.tiers.ssd import manifest
 from kvshm.tiers.ssd.entry import (ALIGN, DEAD, HOT, MARGIN, ONLY, SPILL_BUSY, SPILL_REFUSED,
                                    SPILL_STARTED, STORED, GiB, SsdConfig, SsdEntry)
 from kvshm.tiers.ssd.files import MANIFEST_NAME, FileSet, SsdFile, remove_file
 from kvshm.tiers.ssd.policy import SsdPolicy
 from kvshm.tiers.ssd.workers import (KICK_WAIT, MAX_JOB_BYTES, IoPool, Job, Prefetch,
-                                     batch_jobs, prefetch_jobs)
+                                     batch_jobs, pool_views, prefetch_jobs)
 
 __all__ = ["SsdTier"]
 
@@ -50,6 +51,9 @@ CHECK_INTERVAL = 1.0
 class SsdTier(SsdPolicy):
     """Spill files on a local disk, used in blocks, with their own LRU.
 
+    Pool entries may lie in several block runs (up to ``max_extents``): a spill reads
+    each run, a promotion writes into each run; on disk an entry is one run.
+
     Parameters
     ----------
     pool : kvshm.Pool
@@ -64,6 +68,9 @@ class SsdTier(SsdPolicy):
     ValueError
         A size that holds no block.
     """
+
+    #: Most pool runs of one entry this tier moves (the store places values in as many).
+    max_extents = MAX_EXTENTS
 
     def __init__(self, pool: Any, config: SsdConfig) -> None:
         cfg = config
@@ -86,8 +93,9 @@ class SsdTier(SsdPolicy):
         self.notify: Callable[[], None] | None = None
         self._writing: set[SsdEntry] = set()   # entries with a write in flight
         self.write_bytes = 0                   # bytes of spill writes queued or in flight
-        self._wbatch: list[tuple[SsdEntry, Any, memoryview]] = []
-        self._rbatch: list[tuple[SsdEntry, Any, memoryview]] = []
+        # (entry, pool entry, views of its pool runs)
+        self._wbatch: list[tuple[SsdEntry, Any, list[memoryview]]] = []
+        self._rbatch: list[tuple[SsdEntry, Any, list[memoryview]]] = []
         #: Entries whose read was started by :meth:`prefetch` and that were not yet
         #: placed (:meth:`read`) or given up (:meth:`unreserve`): their job and index.
         self._pending: dict[SsdEntry, tuple[Prefetch, int]] = {}
@@ -190,8 +198,7 @@ class SsdTier(SsdPolicy):
         self._writing.add(se)
         self.write_bytes += io_bytes
         e.meta = se
-        view = self.pool.view(e.start * self.bs, io_bytes, readonly=True)
-        self._wbatch.append((se, e, view))
+        self._wbatch.append((se, e, pool_views(self.pool, e, self.bs, True)))
         return SPILL_STARTED
 
     def reserve(self, se: SsdEntry) -> None:
@@ -242,8 +249,7 @@ class SsdTier(SsdPolicy):
         p = self._pending.pop(se, None)
         if p is not None and p[0].place(p[1], e):
             return                      # its prefetch copies it there
-        view = self.pool.view(e.start * self.bs, e.nblocks * self.bs)
-        self._rbatch.append((se, e, view))
+        self._rbatch.append((se, e, pool_views(self.pool, e, self.bs, False)))
 
     def submit(self) -> None:
         """Queue the spills and reads asked for since the last call, entries adjacent on
@@ -255,7 +261,8 @@ class SsdTier(SsdPolicy):
             batch, self._rbatch = self._rbatch, []
             self._queue_jobs("r", batch)
 
-    def _queue_jobs(self, kind: str, batch: list[tuple[SsdEntry, Any, memoryview]]) -> None:
+    def _queue_jobs(self, kind: str, batch: list[tuple[SsdEntry, Any, list[memoryview]]]
+                    ) -> None:
         assert self._io is not None
         for job in batch_jobs(kind, batch, self.files, self.bs, self.pool, self.direct):
             self._io.put(job)

@@ -14,6 +14,10 @@ them in the pool, in pieces of READ_PIECE_BYTES read in queue order, READ_DEPTH 
 (:class:`ReadGate`): a worker checks and copies its piece while the next pieces are read.
 The copy into the pool waits until the loop thread gave every entry of the piece its
 (allocated, unpublished) pool blocks, or none.
+
+A pool entry may lie in several block runs (``Entry.extents``): it then moves as one
+view of the pool per run (:func:`pool_views`), in order, and a promotion copies into
+each run (:func:`run_pieces`); on disk an entry is always one run.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ import xxhash
 from kvshm.tiers.ssd.entry import ALIGN, MiB, SsdEntry, round_up
 
 __all__ = ["Job", "Prefetch", "ReadGate", "IoPool", "io_buffer", "pwritev_all",
-           "preadv_all", "xxh", "xxh_at", "batch_jobs", "prefetch_jobs", "MAX_JOB_BYTES",
+           "preadv_all", "xxh", "xxh_at", "xxh_views", "batch_jobs", "prefetch_jobs",
+           "pool_views", "run_pieces", "MAX_JOB_BYTES",
            "MAX_JOB_ITEMS", "READ_PIECE_BYTES", "READ_DEPTH", "KICK_WAIT", "PLACE_TIMEOUT"]
 
 log = logging.getLogger(__name__)
@@ -58,11 +63,33 @@ KICK_WAIT = 0.001
 PLACE_TIMEOUT = 30.0
 
 
+def pool_views(pool: Any, e: Any, bs: int, readonly: bool) -> list[memoryview]:
+    """Views of pool entry ``e``'s blocks, one per run, in the order of its bytes."""
+    return [pool.view(s * bs, n * bs, readonly=readonly) for s, n in e.extents]
+
+
+def run_pieces(e: Any, bs: int, size: int, src: int
+               ) -> tuple[list[int], list[int], list[int]]:
+    """``(pool offsets, lengths, source offsets)`` that copy ``size`` bytes found at
+    ``src`` of a buffer into the runs of pool entry ``e``."""
+    offs, lens, srcs = [], [], []
+    for s, n in e.extents:
+        k = min(size, n * bs)
+        offs.append(s * bs)
+        lens.append(k)
+        srcs.append(src)
+        src += k
+        size -= k
+        if size <= 0:
+            break
+    return offs, lens, srcs
+
+
 class Job:
     """One preadv/pwritev over a run of entries adjacent in one file (or a manifest)."""
 
-    __slots__ = ("kind", "fd", "path", "offset", "items", "views", "oks", "sums", "error",
-                 "payload", "pool", "direct")
+    __slots__ = ("kind", "fd", "path", "offset", "items", "views", "parts", "places",
+                 "oks", "sums", "error", "payload", "pool", "direct")
 
     def __init__(self, kind: str, fd: int = -1, path: str = "", offset: int = 0,
                  pool: Any = None, direct: bool = False) -> None:
@@ -73,7 +100,9 @@ class Job:
         self.pool = pool
         self.direct = direct
         self.items: list[tuple[SsdEntry, Any]] = []
-        self.views: list[memoryview] = []   # pool memory of each entry (I/O length)
+        self.views: list[memoryview] = []   # pool memory of the entries (I/O length)
+        self.parts: list[int] = []          # views of each item (its runs), in order
+        self.places: list[int] = []         # pool offset of each view
         self.oks: list[bool] = []
         self.sums: list[int] = []
         self.error: BaseException | None = None
@@ -95,19 +124,26 @@ class Job:
                 with bounce[:total] as buf:
                     self._run_bounced(buf)
             elif self.kind == "w":
-                self.sums = [xxh(v, se.size) for (se, _), v in
-                             zip(self.items, self.views)]
+                self.sums = [xxh_views(vs, se.size) for se, vs in self._item_views()]
                 pwritev_all(self.fd, self.views, self.offset)
                 self.oks = [True] * len(self.items)
             else:
                 preadv_all(self.fd, self.views, self.offset)
-                self.oks = [xxh(v, se.size) == se.checksum for (se, _), v in
-                            zip(self.items, self.views)]
+                self.oks = [xxh_views(vs, se.size) == se.checksum
+                            for se, vs in self._item_views()]
         except BaseException as exc:   # OSError from the disk; anything else is a bug
             self.error = exc
             self.oks = [False] * max(1, len(self.items))
         finally:
             self.release()
+
+    def _item_views(self) -> list[tuple[SsdEntry, list[memoryview]]]:
+        out = []
+        j = 0
+        for (se, _), k in zip(self.items, self.parts):
+            out.append((se, self.views[j:j + k]))
+            j += k
+        return out
 
     def _run_bounced(self, buf: memoryview) -> None:
         """O_DIRECT through the worker's private buffer, in huge pages (see
@@ -116,14 +152,18 @@ class Job:
         released) costs a fraction of that. The checksum of a spill covers exactly the
         bytes written."""
         pool = self.pool
-        bs = pool.block_size
-        offsets = [e.start * bs for _, e in self.items]
+        offsets = self.places
         sizes = [v.nbytes for v in self.views]
-        starts = []
+        starts = []                     # where each item begins in the buffer
+        item_of = []                    # the item of each view
         pos = 0
-        for n in sizes:
+        j = 0
+        for i, k in enumerate(self.parts):
             starts.append(pos)
-            pos += n
+            for n in sizes[j:j + k]:
+                pos += n
+                item_of.append(i)
+            j += k
         if self.kind == "w":
             pool.gather(offsets, sizes, buf)
             self.sums = [xxh_at(buf, a, se.size) for (se, _), a in zip(self.items, starts)]
@@ -133,10 +173,15 @@ class Job:
         preadv_all(self.fd, [buf], self.offset)
         self.oks = [xxh_at(buf, a, se.size) == se.checksum
                     for (se, _), a in zip(self.items, starts)]
-        keep = [i for i, ok in enumerate(self.oks) if ok]
+        keep = [v for v, i in enumerate(item_of) if self.oks[i]]
         if keep:
-            pool.scatter(buf, [offsets[i] for i in keep], [sizes[i] for i in keep],
-                         [starts[i] for i in keep])
+            vstarts = [0] * len(sizes)
+            p = 0
+            for v, n in enumerate(sizes):
+                vstarts[v] = p
+                p += n
+            pool.scatter(buf, [offsets[v] for v in keep], [sizes[v] for v in keep],
+                         [vstarts[v] for v in keep])
 
 
 class Prefetch:
@@ -234,9 +279,10 @@ class Prefetch:
                 pos = 0
                 for (se, _), e, ok in zip(items, dests, sums):
                     if e is not None and ok:
-                        offs.append(e.start * bs)
-                        sizes.append(se.size)
-                        srcs.append(pos)
+                        o, n, src = run_pieces(e, bs, se.size, pos)
+                        offs += o
+                        sizes += n
+                        srcs += src
                     pos += se.nblocks * bs
                 if offs:
                     self.pool.scatter(buf, offs, sizes, srcs)
@@ -245,6 +291,20 @@ class Prefetch:
             with self._lock:
                 self.abandoned = True
             self.oks = [False] * len(items)
+
+
+def xxh_views(views: Sequence[memoryview], size: int) -> int:
+    """xxh64 of the first ``size`` bytes of ``views`` taken one after the other."""
+    if len(views) == 1:
+        return xxh(views[0], size)
+    h = xxhash.xxh64()
+    for v in views:
+        if size <= 0:
+            break
+        with v[:size] as part:
+            h.update(part)
+            size -= part.nbytes
+    return h.intdigest()
 
 
 def xxh_at(buf: memoryview, start: int, size: int) -> int:
@@ -445,30 +505,33 @@ class IoPool:
 # ---------------------------------------------------------------------- cutting into jobs
 
 
-def batch_jobs(kind: str, batch: list[tuple[SsdEntry, Any, memoryview]],
+def batch_jobs(kind: str, batch: list[tuple[SsdEntry, Any, list[memoryview]]],
                files: Sequence[Any], bs: int, pool: Any, direct: bool) -> list[Job]:
-    """Jobs for spills (``kind`` "w") or reads ("r") of ``(entry, pool entry, view of
-    its pool memory)``: entries adjacent on disk merged into one job, at most
-    MAX_JOB_ITEMS entries and MAX_JOB_BYTES bytes each. ``files[i]`` has ``fd`` and
+    """Jobs for spills (``kind`` "w") or reads ("r") of ``(entry, pool entry, views of
+    its pool memory, one per run)``: entries adjacent on disk merged into one job, at
+    most MAX_JOB_ITEMS entries and MAX_JOB_BYTES bytes each. ``files[i]`` has ``fd`` and
     ``path``."""
     batch.sort(key=lambda t: (t[0].file, t[0].start))
     jobs: list[Job] = []
     job: Job | None = None
     end = -1
     nbytes = 0
-    for se, e, view in batch:
+    for se, e, views in batch:
         f = files[se.file]
+        size = sum(v.nbytes for v in views)
         if (job is None or job.fd != f.fd or se.start != end
                 or len(job.items) >= MAX_JOB_ITEMS
-                or nbytes + view.nbytes > MAX_JOB_BYTES):
+                or nbytes + size > MAX_JOB_BYTES):
             if job is not None:
                 _finish_job(job)
                 jobs.append(job)
             job = Job(kind, f.fd, f.path, se.start * bs, pool, direct)
             nbytes = 0
         job.items.append((se, e))
-        job.views.append(view)
-        nbytes += view.nbytes
+        job.views.extend(views)
+        job.parts.append(len(views))
+        job.places.extend(s * bs for s, _ in e.extents)
+        nbytes += size
         end = se.start + se.nblocks
     if job is not None:
         _finish_job(job)
@@ -482,9 +545,10 @@ def _finish_job(job: Job) -> None:
     # run stays contiguous on disk.
     se = job.items[-1][0]
     n = max(ALIGN, round_up(se.size, ALIGN))
+    whole = sum(v.nbytes for v in job.views[len(job.views) - job.parts[-1]:])
     v = job.views[-1]
-    if n < v.nbytes:
-        job.views[-1] = v[:n]
+    if n < whole:               # the value ends in its last run: only that one is cut
+        job.views[-1] = v[:v.nbytes - (whole - n)]
         v.release()
 
 
