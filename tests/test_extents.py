@@ -8,6 +8,8 @@ fails must leave the old value readable.
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
@@ -280,6 +282,19 @@ def test_values_of_several_runs_over_shm_and_tcp(shm_name):
                 Client(srv.address, transport="tcp") as t:
             assert s.transport == "shm" and t.transport == "tcp"
             check_split_round_trip(s, [s, t], t)
+        # the asyncio client shares the same paths
+        async def via_aio() -> None:
+            from kvshm import AsyncClient
+
+            for transport in ("shm", "tcp"):
+                async with AsyncClient(srv.address, transport=transport, timeout=10) as a:
+                    v = val(5, 1 * MiB + 77)
+                    await a.put(f"aio-{transport}", v)
+                    assert await a.get(f"aio-{transport}") == v
+                    for n in SIZES:
+                        assert await a.get(f"big{n}") == val(1000 + n, n)
+
+        asyncio.run(via_aio())
         # written over TCP, read over both
         with Client(srv.address, transport="tcp") as t, \
                 Client(srv.address, transport="shm") as s:
@@ -401,3 +416,70 @@ def test_pages_of_several_runs_round_trip(shm_name, layout):
             assert np.array_equal(out[sel], kv[sel])
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("direct", [None, False])
+def test_ssd_tier_spills_and_promotes_values_of_several_runs(shm_name, tmp_path, direct):
+    """A value in 4 runs spills to disk (a read of each run) and is promoted back into
+    4 other runs (a write into each), byte-exact, O_DIRECT or buffered."""
+    import threading
+
+    from kvshm.tiers import SsdConfig, SsdTier
+
+    pool = Pool.create(shm_name, 64 * BS, BS)
+    store = Store(pool, StoreConfig(limits=Limits(max_batch=10_000)))
+    tier = SsdTier(pool, SsdConfig(path=str(tmp_path), size=512 * BS, block_size=BS,
+                                   files=1, workers=2, queue_bytes=64 * BS, direct=direct))
+    woke = threading.Event()
+    tier.notify = woke.set
+    store.attach_tier(tier)
+
+    def drain() -> None:
+        for _ in range(200):
+            woke.clear()
+            store.service()
+            if not (tier._writing or tier.reads_in_flight or store._promoting):
+                return
+            woke.wait(0.5)
+        raise AssertionError("SSD I/O did not complete")
+
+    def holes(tag: str) -> list[bytes]:
+        """Fill the pool with one-block values, drop every other, pin the rest."""
+        keys = [b"%s%d" % (tag.encode(), i) for i in range(64)]
+        assert store.put(keys, [val(i, BS) for i in range(64)], drop=True) \
+            == [Status.OK] * 64
+        store.delete(keys[::2])
+        store.lookup(b"pin-" + tag.encode(), 1, keys[1::2])
+        return keys
+
+    try:
+        holes("a")
+        big = val(77, 4 * BS - 100)
+        assert store.put([b"big"], [big]) == [Status.OK]
+        assert len(store.index.get(b"big").extents) == 4
+        store.release(b"pin-a", [1])
+        for _ in range(10):                     # spill everything, then evict it
+            store.evict(0.0)
+            drain()
+            if b"big" not in store.index:
+                break
+        assert b"big" not in store.index and tier.has(b"big")
+        holes("b")
+        hold = store.read_hold()
+        for _ in range(100):
+            if store.prepare_read([b"big"], hold):
+                break
+            drain()
+        e = store.index.get(b"big")
+        assert e is not None and len(e.extents) == 4, e
+        assert read(store, b"big") == big
+        store.release_hold(hold)
+        store.release(b"pin-b", [1])
+        drain()
+        s = store.stats(verify=True)
+        assert s["accounting_ok"] and s["tiers"]["ssd"]["accounting_ok"], s
+        assert s["tiers"]["pool"]["promotions"] >= 1
+    finally:
+        store.close_tier()
+        pool.close()
+        pool.unlink()
