@@ -196,6 +196,8 @@ class Store:
         #: Most runs a value is placed in (MAX_EXTENTS; 1 below a tier that moves
         #: whole runs only).
         self.max_extents = MAX_EXTENTS
+        self._compact_skip = 0          # chances to compact left out (_try_compact)
+        self._compact_backoff = 0
         # Called with each entry about to be evicted (without a tier); the entry's
         # blocks are freed after the hook returns.
         self.evict_hook: Callable[[Entry], None] | None = None
@@ -221,7 +223,7 @@ class Store:
              "lease_expired_pins", "deletes", "purged", "pool_full", "too_large",
              "invalid_keys", "quota_refusals", "replaced_early", "alloc_evictions",
              "free_blocks_at_evictions", "fragmented_evictions", "relocations",
-             "relocated_bytes", "split_values"), 0)
+             "relocated_bytes", "split_values", "compactions_failed"), 0)
 
     # ------------------------------------------------------------------ helpers
 
@@ -303,11 +305,10 @@ class Store:
         self.counters["evicted_bytes"] += e.size
         return True
 
-    def _count_alloc_eviction(self, n: int) -> None:
+    def _count_alloc_eviction(self, n: int, free: int) -> None:
         # an eviction for an ALLOC of n blocks: how much was free when it was needed
         c = self.counters
         c["alloc_evictions"] += 1
-        free = self.alloc.num_free
         c["free_blocks_at_evictions"] += free
         if free >= n:
             c["fragmented_evictions"] += 1
@@ -317,8 +318,10 @@ class Store:
         """Blocks for each count: ``(first block, count)`` runs, None where nothing more
         can go.
 
-        One run where one fits, else up to ``MAX_EXTENTS`` runs (:meth:`_place`). Only
-        when fewer blocks are free than a value needs does it evict, LRU first, one
+        One run where one fits, else up to ``max_extents`` runs (the fewest the free
+        space allows); when the free blocks would do but lie in more runs than that,
+        live entries are moved to join holes (:meth:`_compact`). Only when fewer blocks
+        are free than a value needs (or nothing can move) does it evict, LRU first, one
         entry at a time until they are enough.
 
         ``replacing`` are the keys being written, one per count: when the pool lacks
@@ -366,8 +369,14 @@ class Store:
         ``own``: the pinned old entry of the key, given up if the new value fits then."""
         alloc = self.alloc
         tier = self.tier
+        compact_at = n          # free blocks from which moving entries is worth a try
         while True:
-            ext = self._place(n)
+            ext = alloc.alloc_extents(n, self.max_extents)
+            if ext is None and alloc.num_free >= compact_at:
+                ext = self._try_compact(n)
+                # it failed (pinned or pending blocks everywhere): try again only once
+                # evictions freed another value's worth, not after every eviction
+                compact_at = alloc.num_free + n
             if ext is not None:
                 return ext
             if own is not None and own.pins == 1 and alloc.num_free + own.nblocks >= n:
@@ -386,10 +395,11 @@ class Store:
                     return ext
                 for r0, r1 in own.extents:   # does not fit: it stays where it was
                     alloc.alloc_at(r0, r1)
-            self._count_alloc_eviction(n)
+            free = alloc.num_free
             if tier is None:
                 if not self._evict_one():
                     return None
+                self._count_alloc_eviction(n, free)
                 continue
             if self._wait:
                 return None
@@ -399,14 +409,23 @@ class Store:
                 return None
             if r == _NOTHING:
                 return None
+            self._count_alloc_eviction(n, free)
 
-    def _place(self, n: int) -> tuple[tuple[int, int], ...] | None:
-        """``n`` blocks in at most ``MAX_EXTENTS`` runs, without evicting: one run if one
-        fits, else the fewest runs; when the free blocks would do but lie in more
-        runs than that, live entries are moved to join holes (:meth:`_compact`)."""
-        ext = self.alloc.alloc_extents(n, self.max_extents)
-        if ext is None and self.alloc.num_free >= n:
-            ext = self._compact(n)
+    def _try_compact(self, n: int) -> tuple[tuple[int, int], ...] | None:
+        """:meth:`_compact`, with a back-off: after a failed attempt (every window holds
+        pinned or pending blocks) the next 1, 2, 4 ... 64 chances are skipped (those
+        values are placed by evicting), so that a pool that cannot be compacted costs
+        little more than one without compaction."""
+        if self._compact_skip:
+            self._compact_skip -= 1
+            return None
+        ext = self._compact(n)
+        if ext is None:
+            self.counters["compactions_failed"] += 1
+            self._compact_backoff = min(64, self._compact_backoff * 2 or 1)
+            self._compact_skip = self._compact_backoff
+        else:
+            self._compact_backoff = 0
         return ext
 
     def _compact(self, n: int) -> tuple[tuple[int, int], ...] | None:
@@ -417,21 +436,35 @@ class Store:
         of live entries without pins (pinned, pending and dead entries never move),
         copies those entries into free blocks outside it (each in up to
         ``MAX_EXTENTS`` runs), re-points them (:meth:`Index.relocate`, LRU order kept)
-        and frees their old blocks. Costs one pass over the entries and a copy of at
-        most the bytes of the value being placed; None (nothing moved) when no window
-        qualifies or the entries to move do not fit elsewhere.
+        and frees their old blocks. Costs one pass over the entries, a few vector
+        operations over the blocks and a copy of at most the bytes of the value being
+        placed; None (nothing moved) when no window qualifies or the entries to move do
+        not fit elsewhere.
         """
         alloc = self.alloc
         nb = alloc.num_blocks
-        big = n + 1
-        cost = np.frombuffer(alloc.free_map(), np.uint8).astype(np.int64)
-        cost = (1 - cost) * big        # allocated: immovable until shown otherwise
         movable: list[Entry] = []
+        starts: list[int] = []
+        counts: list[int] = []
+        owner: list[int] = []
         for e in self.index.lru():
             if e.pins == 0:
+                j = len(movable)
                 movable.append(e)
                 for s0, c0 in e.extents:
-                    cost[s0:s0 + c0] = 1
+                    starts.append(s0)
+                    counts.append(c0)
+                    owner.append(j)
+        st = np.array(starts, np.int64)
+        ct = np.array(counts, np.int64)
+        # blocks held by movable entries (a difference array, summed)
+        edge = np.zeros(nb + 1, np.int32)
+        np.add.at(edge, st, 1)
+        np.add.at(edge, st + ct, -1)
+        movable_blk = np.cumsum(edge[:nb]) > 0
+        free_blk = np.frombuffer(alloc.free_map(), np.uint8).astype(bool)
+        # per block: 0 free, 1 movable, n + 1 immovable (pinned, pending, dead)
+        cost = np.where(free_blk, 0, np.where(movable_blk, 1, n + 1)).astype(np.int64)
         csum = np.concatenate(([0], np.cumsum(cost)))
         window = csum[n:] - csum[:nb - n + 1]
         a = int(np.argmin(window))
@@ -439,8 +472,8 @@ class Store:
         if used > n or used == 0:
             return None
         b = a + n
-        moving = [e for e in movable
-                  if any(s0 < b and a < s0 + c0 for s0, c0 in e.extents)]
+        hit = np.flatnonzero((st < b) & (st + ct > a))
+        moving = [movable[j] for j in dict.fromkeys(int(owner[i]) for i in hit)]
         free_inside = n - used
         if alloc.num_free - free_inside < sum(e.nblocks for e in moving):
             return None
@@ -1310,7 +1343,8 @@ class Store:
         evictions: space that fragmentation kept from use), fragmented_evictions (those
         made while the free blocks were as many as the value needed), split_values
         (values placed in several runs), relocations and relocated_bytes (live entries
-        moved to join free space for a value, :meth:`_compact`). With ``verify``: entry_blocks (blocks held by live,
+        moved to join free space for a value, :meth:`_compact`), compactions_failed
+        (attempts that found no window to clear). With ``verify``: entry_blocks (blocks held by live,
         pending, dead and promoting entries, counted one by one) and accounting_ok
         (entry_blocks == used blocks). ``pins`` includes the pins of spill writes in
         flight and of parked reads.
