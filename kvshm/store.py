@@ -76,6 +76,12 @@ class StoreConfig:
     tier_wait : float
         With a tier: seconds a request may be parked waiting for spills (to make room) or
         a promotion before it is answered anyway (dirty entries dropped, or misses).
+    max_extents : int
+        Most block runs one value may be laid over, 1 to ``MAX_EXTENTS`` (1: every value
+        in one contiguous run, as before values had extents).
+    compact : bool
+        Move live entries to join free holes when the free blocks would hold a value but
+        lie in too many runs (else such a put evicts).
     """
 
     lease_timeout: float = 10.0
@@ -83,6 +89,8 @@ class StoreConfig:
     max_client_pending_bytes: int = 0
     max_client_pinned_bytes: int = 0
     tier_wait: float = 1.0
+    max_extents: int = MAX_EXTENTS
+    compact: bool = True
 
 
 class _Grant:
@@ -193,9 +201,11 @@ class Store:
         self._pinned_entries = 0    # entries with pins > 0
         self._pins = 0              # total pins
         self.max_value = self.config.limits.max_value_bytes or pool.size
-        #: Most runs a value is placed in (MAX_EXTENTS; 1 below a tier that moves
-        #: whole runs only).
-        self.max_extents = MAX_EXTENTS
+        if not 1 <= self.config.max_extents <= MAX_EXTENTS:
+            raise ValueError(f"max_extents must be in 1..{MAX_EXTENTS}")
+        #: Most runs a value is placed in (config.max_extents; at most what a tier
+        #: below moves).
+        self.max_extents = self.config.max_extents
         self._compact_skip = 0          # chances to compact left out (_try_compact)
         self._compact_backoff = 0
         # Called with each entry about to be evicted (without a tier); the entry's
@@ -416,6 +426,8 @@ class Store:
         pinned or pending blocks) the next 1, 2, 4 ... 64 chances are skipped (those
         values are placed by evicting), so that a pool that cannot be compacted costs
         little more than one without compaction."""
+        if not self.config.compact:
+            return None
         if self._compact_skip:
             self._compact_skip -= 1
             return None
@@ -953,7 +965,7 @@ class Store:
         """
         self.tier = tier
         self.clean_target = clean_target
-        self.max_extents = getattr(tier, "max_extents", 1)
+        self.max_extents = min(self.config.max_extents, getattr(tier, "max_extents", 1))
         tier.unshadow = self._unshadowed
         self.index.on_read = lambda e: self._touch(e, None)   # lock-free reads, as LOOKUP
         for e in self.index.lru():

@@ -3,6 +3,7 @@
 
     python perf/soak.py [--clients 8] [--seconds 60] [--pool-gib 0.5] [--tcp-clients 2]
                         [--block-kib 64]
+    python perf/soak.py --store-only [--puts 3000] [--pool-gib 0.5] [--block-kib 64]
 
 Values are 4 KiB to 4 MiB (log-uniform), each self-describing (writer, sequence, size,
 xxh64 of the body) and stored with ``checksum=True``; every read is verified both ways.
@@ -13,6 +14,12 @@ to fragmentation (the free blocks when an ALLOC had to evict: with values of sev
 an ALLOC evicts only when fewer blocks are free than it needs), the server's peak RSS beside
 the pool size, and the final accounting check (used blocks == blocks of live entries).
 Loopback only; stops by itself.
+
+``--store-only`` drives a Store in this process instead (no sockets, no clients): the same
+mixed puts, readers pinning a few keys at a time, once with values in one run each and no
+entries moved (as before values had extents) and once in up to 8 runs with moves, and
+prints pool usage, the share
+free at evictions and puts/s of both, measured in the same run.
 """
 
 from __future__ import annotations
@@ -108,6 +115,56 @@ def worker(wid: int, address: str, transport: str, seconds: float, nkeys: int,
     out.put(stats)
 
 
+def store_only(args: argparse.Namespace) -> int:
+    """Pool usage of one-run vs multi-run placement on a Store alone (see the docstring)."""
+    from kvshm.store import Store, StoreConfig
+    from kvshm.zmq_ctrl.protocol import Limits
+    from servers import unique_shm_name
+
+    bs = args.block_kib << 10
+    size = int(args.pool_gib * 2**30) // bs * bs
+    src = memoryview(bytes(4 << 20))
+    rows = []
+    for name, runs, compact in (("one run", 1, False), ("up to 8 runs", 8, True)):
+        pool = kvshm.Pool.create(unique_shm_name("soak-"), size, bs)
+        try:
+            st = Store(pool, StoreConfig(limits=Limits(max_batch=100_000), max_extents=runs,
+                                         compact=compact))
+            rng = random.Random(1)
+            usage: list[float] = []
+            t = time.perf_counter()
+            for i in range(args.puts):
+                key = b"k%d" % rng.randrange(args.keys)
+                n = int(math.exp(rng.uniform(math.log(4096), math.log(4 << 20))))
+                st.put([key], [src[:n]])
+                if rng.random() < 0.3:     # a reader pins 3 keys for 8 puts
+                    st.lookup(b"r", i, [b"k%d" % rng.randrange(args.keys) for _ in range(3)])
+                    if i >= 8:
+                        st.release(b"r", [i - 8])
+                if i > args.puts // 3:
+                    usage.append(st.alloc.num_used / st.alloc.num_blocks)
+            dt = time.perf_counter() - t
+            c = st.stats(verify=True)
+            assert c["accounting_ok"], c
+            rows.append((name, args.puts / dt, sum(usage) / len(usage),
+                         c["free_blocks_at_evictions"]
+                         / max(1, c["alloc_evictions"]) / c["num_blocks"],
+                         c["evictions"], c["split_values"], c["relocations"]))
+        finally:
+            pool.close()
+            pool.unlink()
+    print(f"Store alone: {args.puts} puts of 4 KiB-4 MiB (log-uniform), "
+          f"{size >> 20} MiB pool, {bs >> 10} KiB blocks")
+    print(f"{'placement':14s} {'puts/s':>8s} {'usage':>6s} {'free@evict':>10s} "
+          f"{'evictions':>9s} {'split':>6s} {'moved':>6s}")
+    for r in rows:
+        print(f"{r[0]:14s} {r[1]:8.0f} {r[2]:6.3f} {r[3]:10.3f} {r[4]:9d} {r[5]:6d} "
+              f"{r[6]:6d}")
+    print(f"ratio (8 runs / 1 run): usage {rows[1][2] / rows[0][2]:.3f}, "
+          f"puts/s {rows[1][1] / rows[0][1]:.2f}")
+    return 0
+
+
 def rss_peak(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -126,7 +183,12 @@ def main() -> int:
     ap.add_argument("--keys", type=int, default=3000, help="key space (shared by all)")
     ap.add_argument("--block-kib", type=int, default=64, help="the server's block size")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--store-only", action="store_true",
+                    help="a Store in this process, one-run vs multi-run placement")
+    ap.add_argument("--puts", type=int, default=3000, help="puts of --store-only")
     args = ap.parse_args()
+    if args.store_only:
+        return store_only(args)
 
     ctx = mp.get_context("spawn")
     with ServerProcess("--block-size", str(args.block_kib), prealloc_size=args.pool_gib,
