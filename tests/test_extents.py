@@ -483,3 +483,128 @@ def test_ssd_tier_spills_and_promotes_values_of_several_runs(shm_name, tmp_path,
         store.close_tier()
         pool.close()
         pool.unlink()
+
+
+# --------------------------------------------------------------------- stateful model
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import strategies as hst  # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule  # noqa: E402
+
+
+class StoreMachine(RuleBasedStateMachine):
+    """Puts, overwrites, deletes and pinned readers on a small fragmented pool: every
+    live key reads back the bytes last put under it, and every pinned read (even of a
+    replaced or deleted value) still reads the bytes it pinned, whatever was split,
+    moved or evicted meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = Pool.create(unique_shm_name("extents-sm-"), 64 * BS, BS)
+        self.store = Store(self.pool, StoreConfig(limits=Limits(max_batch=100)))
+        self.want: dict[bytes, bytes] = {}
+        self.pins: dict[int, tuple[list, list, list[bytes]]] = {}  # rid -> what it read
+        self.rid = 0
+        self.seq = 0
+
+    def teardown(self) -> None:
+        self.pool.close()
+        self.pool.unlink()
+
+    def _value(self, blocks: int, cut: int) -> bytes:
+        self.seq += 1
+        return val(self.seq, max(0, blocks * BS - cut))
+
+    @rule(keys=hst.lists(hst.integers(0, 23), min_size=1, max_size=4, unique=True),
+          blocks=hst.lists(hst.integers(1, 20), min_size=4, max_size=4),
+          cut=hst.integers(0, BS - 1))
+    def put(self, keys, blocks, cut):
+        ks = [b"k%d" % k for k in keys]
+        vs = [self._value(b, cut) for b in blocks[:len(ks)]]
+        evicted = self.store.counters["evictions"]
+        before = set(self.want)
+        st = self.store.put(ks, vs)
+        for k, v, s in zip(ks, vs, st):
+            if s == Status.OK:
+                self.want[k] = v
+            else:       # pool full (everything pinned): the old value, if any, stays
+                assert s == Status.POOL_FULL
+        # only an eviction removes a key here, and never one this put just wrote
+        self._forget_evicted(evicted, before)
+
+    @rule(first=hst.integers(24, 40))
+    def holes(self, first):
+        """16 one-block values, every other one deleted: small holes between live keys."""
+        ks = [b"k%d" % k for k in range(first, first + 16)]
+        vs = [self._value(1, 0) for _ in ks]
+        evicted = self.store.counters["evictions"]
+        st = self.store.put(ks, vs)
+        for k, v, s in zip(ks, vs, st):
+            if s == Status.OK:
+                self.want[k] = v
+        self.store.delete(ks[::2])
+        for k in ks[::2]:
+            self.want.pop(k, None)
+        self._forget_evicted(evicted, set(self.want) - set(ks))
+
+    @rule(key=hst.integers(0, 23), less=hst.integers(0, 2))
+    def put_what_is_free(self, key, less):
+        """A value of about the free blocks: split over the holes, or moves to join them."""
+        n = self.store.alloc.num_free - less
+        if n < 2:
+            return
+        k = b"k%d" % key
+        v = self._value(n, 0)
+        evicted = self.store.counters["evictions"]
+        before = set(self.want) - {k}
+        if self.store.put([k], [v]) == [Status.OK]:
+            self.want[k] = v
+        self._forget_evicted(evicted, before)
+
+    def _forget_evicted(self, evicted, before):
+        gone = [k for k in self.want if k not in self.store.index]
+        assert len(gone) <= self.store.counters["evictions"] - evicted
+        assert not set(gone) - before
+        for k in gone:
+            del self.want[k]
+
+    @rule(keys=hst.lists(hst.integers(0, 23), min_size=1, max_size=3, unique=True))
+    def delete(self, keys):
+        ks = [b"k%d" % k for k in keys]
+        self.store.delete(ks)
+        for k in ks:
+            self.want.pop(k, None)
+
+    @rule(keys=hst.lists(hst.integers(0, 55), min_size=1, max_size=3, unique=True))
+    def pin(self, keys):
+        self.rid += 1
+        ks = [b"k%d" % k for k in keys]
+        offsets, sizes, _ = self.store.lookup(b"reader", self.rid, ks)
+        got = [self.want.get(k) if s >= 0 else None for k, s in zip(ks, sizes)]
+        assert [s >= 0 for s in sizes] == [k in self.want for k in ks]
+        self.pins[self.rid] = (offsets, sizes, got)
+
+    @rule(data=hst.data())
+    def release(self, data):
+        if self.pins:
+            rid = data.draw(hst.sampled_from(sorted(self.pins)))
+            self.store.release(b"reader", [rid])
+            del self.pins[rid]
+
+    @invariant()
+    def bytes_and_accounting(self):
+        assert set(self.store.index.keys()) == set(self.want)
+        for k, v in self.want.items():
+            assert read(self.store, k) == v, k
+        for offsets, sizes, got in self.pins.values():
+            for place, size, v in zip(offsets, sizes, got):
+                if size < 0:
+                    continue
+                runs = [[place, size]] if type(place) is int else place
+                assert b"".join(self.pool.read_bytes(o, n) for o, n in runs) == v
+        assert accounting_ok(self.store)
+
+
+TestStoreMachine = StoreMachine.TestCase
+TestStoreMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
+                                     suppress_health_check=[HealthCheck.too_slow])
