@@ -579,7 +579,7 @@ class StoreMachine(RuleBasedStateMachine):
     def pin(self, keys):
         self.rid += 1
         ks = [b"k%d" % k for k in keys]
-        offsets, sizes, _ = self.store.lookup(b"reader", self.rid, ks)
+        offsets, sizes, _ = self.store.lookup(b"pinner", self.rid, ks)   # read() is "reader"
         got = [self.want.get(k) if s >= 0 else None for k, s in zip(ks, sizes)]
         assert [s >= 0 for s in sizes] == [k in self.want for k in ks]
         self.pins[self.rid] = (offsets, sizes, got)
@@ -588,7 +588,7 @@ class StoreMachine(RuleBasedStateMachine):
     def release(self, data):
         if self.pins:
             rid = data.draw(hst.sampled_from(sorted(self.pins)))
-            self.store.release(b"reader", [rid])
+            self.store.release(b"pinner", [rid])
             del self.pins[rid]
 
     @invariant()
