@@ -340,7 +340,8 @@ class Store:
         leaves the old value readable. Without this an overwrite in a full pool would
         cost one unrelated entry each, and the store would keep less than an exact LRU
         of the same size. Until the new entry is committed such a key reads as a miss.
-        Meanwhile the old entry is pinned so that no eviction takes it.
+        Meanwhile the old entries of the request's keys are pinned, so that no eviction
+        for another key of it takes one.
 
         With a tier, a dirty LRU entry is spilled rather than dropped, and ``self._wait``
         tells whether a None may succeed once spills in flight complete; ``drop`` evicts
@@ -354,23 +355,29 @@ class Store:
             return out
         tier = self.tier
         d = self.index.mapping
-        for i, s in enumerate(starts):
-            if s >= 0:
-                continue
-            n = nblocks_list[i]
-            own = None
-            if tier is None and i < len(replacing):
-                k = replacing[i]
-                own = d.get(k) if type(k) is bytes else None
-                if own is not None and own.pins:
-                    own = None
-                if own is not None:
-                    self._pin(own)          # no eviction or move takes it meanwhile
-            try:
-                out[i] = self._make_room(n, own, drop)
-            finally:
-                if own is not None:
-                    self._unpin(own)
+        # the keys' current values are pinned while the request is placed: no eviction
+        # for another key takes one, and each is given up only for its own key's value
+        held: dict[int, Entry] = {}
+        if tier is None:
+            for k in replacing:
+                e = d.get(k) if type(k) is bytes else None
+                if e is not None and e.pins == 0:
+                    self._pin(e)
+                    held[id(e)] = e
+        try:
+            for i, s in enumerate(starts):
+                if s >= 0:
+                    continue
+                own = None
+                if held and i < len(replacing):
+                    k = replacing[i]
+                    e = d.get(k) if type(k) is bytes else None
+                    if e is not None and id(e) in held:
+                        own = e
+                out[i] = self._make_room(nblocks_list[i], own, drop)
+        finally:
+            for e in held.values():
+                self._unpin(e)
         return out
 
     def _make_room(self, n: int, own: Entry | None, drop: bool
