@@ -608,3 +608,37 @@ class StoreMachine(RuleBasedStateMachine):
 TestStoreMachine = StoreMachine.TestCase
 TestStoreMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
                                      suppress_health_check=[HealthCheck.too_slow])
+
+
+# ------------------------------------------------------- moves and the shared index
+
+
+def test_moved_entries_are_republished_for_lock_free_readers():
+    """A compaction moves live entries and frees their old blocks: a same-host reader of
+    the shared index must then find each moved key at its new runs (never the freed
+    blocks, which the new value overwrites)."""
+    from kvshm._shmindex import IndexReader, IndexWriter, default_slots
+
+    name = unique_shm_name("extents-idx-")
+    pool, store = make_store(64)
+    writer = IndexWriter.create(name + "-index", name + "-reads", default_slots(64), epoch=5,
+                                block_size=BS, num_blocks=64, token=pool.token,
+                                misses_final=True)
+    store.index.attach_shared(writer)
+    reader = IndexReader(writer.name, writer.reads_name, pool, 5)
+    try:
+        keys = [b"k%d" % i for i in range(64)]
+        store.put(keys, [val(i, BS) for i in range(64)])
+        store.delete(keys[::2])                       # 32 one-block holes
+        assert store.put([b"v"], [val(99, 16 * BS)]) == [Status.OK]
+        assert store.counters["relocations"] > 0      # live entries were moved
+        for i in range(1, 64, 2):
+            assert reader.get(keys[i]) == val(i, BS), keys[i]
+        assert reader.get(b"v") == val(99, 16 * BS)
+        assert accounting_ok(store)
+    finally:
+        reader.close()
+        store.index.detach_shared()
+        writer.unlink()
+        pool.close()
+        pool.unlink()
