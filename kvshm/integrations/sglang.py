@@ -40,8 +40,10 @@ Keys
     the backend adds what tells the shards apart:
     ``{prefix}|{model}|{dtype}|{layout}|p{page_size}|tp{rank}of{size}[|pp..][|cp..][|dcp..]|{page key}``
     (``mla`` instead of the TP rank for MLA models, whose KV is the same on every rank;
-    only SGLang's writer rank stores it). ``page_first`` and ``page_first_direct`` share
-    ``page_first`` (the same bytes).
+    only SGLang's writer rank stores it). ``{layout}`` is the byte order of a stored page
+    (:data:`MHA_PAGE_ORDER`): ``page_first`` (``kv-TLHD``), ``page_head`` (``kv-HTLD``)
+    and ``layer_first`` = ``page_first_direct`` (``kv-LTHD``, the same bytes, checked);
+    MLA pools and other layouts use the layout name itself.
 
 Values
     One kvshm entry per page: the page's buffers from ``get_page_buffer_meta`` end to end
@@ -81,7 +83,7 @@ from kvshm.integrations._common import (
     raw_view,
 )
 
-__all__ = ["KvshmHiCacheStorage", "DEFAULTS"]
+__all__ = ["KvshmHiCacheStorage", "DEFAULTS", "MHA_PAGE_ORDER", "key_layout"]
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +92,27 @@ DEFAULTS: dict[str, Any] = {"kvshm_url": "127.0.0.1:12345", "kvshm_transport": "
                             "kvshm_timeout": 5.0, "kvshm_retry_interval": 1.0,
                             "kvshm_key_prefix": "sgl", "kvshm_skip_existing": True,
                             "kvshm_allow_clear": False}
+
+
+#: The byte order of one stored page of an MHA host pool, per SGLang layout: K then V, each
+#: in this dimension order (L layers, T tokens of the page, H heads, D head dim), as
+#: ``get_page_buffer_meta`` hands the page out (``layer_first`` reordered to all K, then
+#: all V) and as the legacy path's flat data page holds it. Layouts of one order store
+#: the same bytes and share keys; the others differ byte for byte (within a page
+#: ``page_first`` is token-major, ``page_first_direct`` layer-major, ``page_head``
+#: head-major). tests/integrations/test_sglang.py stores the same KV through SGLang's own
+#: MHATokenToKVPoolHost in every layout and compares the stored bytes of every pair.
+MHA_PAGE_ORDER: dict[str, str] = {"layer_first": "kv-LTHD", "page_first_direct": "kv-LTHD",
+                                  "page_first": "kv-TLHD", "page_head": "kv-HTLD"}
+
+
+def key_layout(layout: str, mla: bool) -> str:
+    """The layout field of the keys: the page byte order for the MHA layouts of
+    :data:`MHA_PAGE_ORDER`, else the layout name as it is (MLA pools and layouts not
+    checked here share keys only with themselves)."""
+    if not mla and layout in MHA_PAGE_ORDER:
+        return MHA_PAGE_ORDER[layout]
+    return layout
 
 
 def _dtype_name(d: Any) -> str:
@@ -119,6 +142,7 @@ class KvshmHiCacheStorage(HiCacheStorage):
         self.allow_clear = as_bool(o["kvshm_allow_clear"])
         self.mem_pool_host: Any = None
         self.namespace: str | None = None
+        self.key_layout: str | None = None
         self._reorder: list[int] | None = None
         if getattr(cfg, "should_split_heads", False):
             log.warning("kvshm HiCache: should_split_heads is set; kvshm keys use the TP "
@@ -132,9 +156,9 @@ class KvshmHiCacheStorage(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         cfg = self.storage_config
         layout = str(getattr(mem_pool_host, "layout", "unknown"))
-        layout = {"page_first_direct": "page_first"}.get(layout, layout)
+        self.key_layout = key_layout(layout, bool(cfg.is_mla_model))
         parts = [str(self.options["kvshm_key_prefix"]), quote(cfg.model_name or "", safe=""),
-                 _dtype_name(getattr(mem_pool_host, "dtype", "unknown")), layout,
+                 _dtype_name(getattr(mem_pool_host, "dtype", "unknown")), self.key_layout,
                  f"p{getattr(mem_pool_host, 'page_size', 0)}"]
         parts.append("mla" if cfg.is_mla_model else f"tp{cfg.tp_rank}of{cfg.tp_size}")
         if cfg.pp_size > 1:

@@ -41,9 +41,11 @@ Tier options (keys of the tier's dict; vLLM passes them to the constructor):
 Keys
     ``{prefix}|{model}|{dtype}|{parallel}|{layout}|c{blocks_per_chunk}x{tokens_per_hash}|
     r{row bytes}|{OffloadKey hex}``. vLLM's OffloadKey (block hash + group index) covers the
-    token prefix only; a primary row holds the chunk for *all* workers of the engine, so the
-    key names the parallel layout (``tp..pp..pcp..dcp..``, omitted when vLLM says the layout
-    is parallelism-agnostic) rather than a rank.
+    token prefix only; a primary row holds the chunk for *all* workers of the engine, laid
+    out worker by worker, so the key names the parallel layout (``tp..pp..pcp..dcp..``,
+    always, also when vLLM calls the layout parallelism-agnostic: such rows still differ
+    byte for byte between TP sizes) rather than a rank. Engines of another parallel layout
+    never share chunks.
 
 Values
     One kvshm entry per chunk: the primary row's bytes as they are (``block_size_bytes``).
@@ -94,7 +96,11 @@ class _KvshmLookups(AsyncLookupManager):
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
         t = self._tier
         bkeys = [t.store_key(k) for k in keys]
-        return t._kv.call(lambda c: c.exists_batch(bkeys))  # type: ignore[no-any-return]
+        try:
+            return t._kv.call(lambda c: c.exists_batch(bkeys))  # type: ignore[no-any-return]
+        except KvshmError as exc:       # server down: misses, at once (see ResilientClient)
+            log.debug("kvshm lookup failed: %s", exc)
+            return [False] * len(bkeys)
 
 
 class KvshmTier(SecondaryTierManager):
@@ -143,12 +149,16 @@ class KvshmTier(SecondaryTierManager):
     # ------------------------------------------------------------------ keys
 
     def _namespace(self, cfg: Any, prefix: str) -> str:
+        # The parallel layout is always in the key. vLLM's is_parallelism_agnostic says
+        # that a block's data concatenated across workers in rank order is the same
+        # under any topology; a primary row is not that: it holds worker 0's slot (all
+        # of its layers, its share of the heads), then worker 1's, so a TP=1 row and a
+        # TP=2 row of the same tokens differ byte for byte (measured: 0 of 54 equal).
+        # Even canonical rows are only certified per layer in the worker processes,
+        # after this namespace is fixed; sharing across topologies would be a claim
+        # nothing here checked.
         par = cfg.parallel
-        if par.is_parallelism_agnostic:
-            parallel = "agnostic"
-        else:
-            parallel = (f"tp{par.tp_size}pp{par.pp_size}pcp{par.pcp_size}"
-                        f"dcp{par.dcp_size}")
+        parallel = f"tp{par.tp_size}pp{par.pp_size}pcp{par.pcp_size}dcp{par.dcp_size}"
         layout = cfg.kv_cache_layout or "default"
         if cfg.canonical_layout:
             layout += "+canonical"

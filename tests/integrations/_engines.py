@@ -35,7 +35,9 @@ MODULES = {
              "vllm.v1.kv_offload.factory"],
     "sglang": ["sglang.srt.mem_cache.hicache_storage",
                "sglang.srt.mem_cache.storage.backend_factory",
-               "sglang.srt.mem_cache.utils"],
+               "sglang.srt.mem_cache.utils",
+               "sglang.srt.mem_cache.pool_host.mha",
+               "sglang.srt.managers.cache_controller"],
 }
 VERSIONS = {"lmcache": "0.5.6", "vllm": "0.33.0", "sglang": "0.5.23"}
 
@@ -61,28 +63,40 @@ def _import_sglang() -> None:
             load("vllm")             # see the module docstring: vLLM first
         except pytest.skip.Exception:
             pass
-    stub = not installed("triton")
-    if stub:
+    stubbed = [p for p in ("triton", "torchvision") if not installed(p)]
+    if stubbed:
         sys.path.insert(0, STUBS)
     try:
         _import("sglang")
     finally:
-        if stub:
+        if stubbed:
             sys.path.remove(STUBS)
-            for m in [m for m in sys.modules if m == "triton" or m.startswith("triton.")]:
+            for m in [m for m in sys.modules if m.split(".")[0] in stubbed]:
                 del sys.modules[m]
 
 
+def required() -> bool:
+    """Whether a missing, broken or other-version engine is a failure here instead of a
+    skip: ``KVSHM_REQUIRE_ENGINES=1`` (CI sets it where it built the integration venv)."""
+    return os.environ.get("KVSHM_REQUIRE_ENGINES", "") not in ("", "0")
+
+
+def _skip(reason: str) -> None:
+    if required():
+        pytest.fail(f"KVSHM_REQUIRE_ENGINES is set: {reason}", pytrace=False)
+    pytest.skip(reason, allow_module_level=True)
+
+
 def load(engine: str) -> None:
-    """Import what the tests of ``engine`` need, or skip the calling module with the reason."""
+    """Import what the tests of ``engine`` need, or skip the calling module with the reason
+    (fail instead when :func:`required`)."""
     if engine in _loaded:
         if isinstance(_loaded[engine], BaseException):
-            pytest.skip(f"{engine} does not import here: {_loaded[engine]!r}",
-                        allow_module_level=True)
+            _skip(f"{engine} does not import here: {_loaded[engine]!r}")
         return
     if not installed(engine):
-        pytest.skip(f"{engine} is not installed in this interpreter ({sys.executable}); the "
-                    f"integration tests run in the venv of {SETUP}", allow_module_level=True)
+        _skip(f"{engine} is not installed in this interpreter ({sys.executable}); the "
+              f"integration tests run in the venv of {SETUP}")
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
@@ -98,5 +112,6 @@ def load(engine: str) -> None:
 
     got = version(engine)
     if got != VERSIONS[engine]:
-        pytest.skip(f"{engine} {got} is installed; these tests are written against "
-                    f"{VERSIONS[engine]}", allow_module_level=True)
+        _loaded[engine] = RuntimeError(f"{engine} {got} is installed; these tests are "
+                                       f"written against {VERSIONS[engine]}")
+        _skip(str(_loaded[engine]))

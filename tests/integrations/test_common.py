@@ -133,19 +133,42 @@ def test_framed_get_waits_for_room(client: kvshm.Client) -> None:
 
 
 def test_resilient_client_fails_fast_then_recovers() -> None:
+    """An unreachable server costs one short probe, then calls fail without touching the
+    server (the operation never runs) until a background probe finds it back; a server
+    lost between calls costs one call its timeout, then the same."""
     port = free_port()
-    rc = C.ResilientClient(f"kvshm://127.0.0.1:{port}", timeout=0.5, retry_interval=0.3)
+    rc = C.ResilientClient(f"kvshm://127.0.0.1:{port}", timeout=1.0, retry_interval=0.1,
+                           probe_timeout=0.2)
+    ran: list[str] = []
+
+    def op(c: kvshm.Client) -> bool:
+        ran.append("op")
+        return c.exists("x")
+
     srv = None
     try:
-        t0 = time.monotonic()
-        with pytest.raises(kvshm.ServerUnavailable):
-            rc.call(lambda c: c.exists("x"))
-        with pytest.raises(kvshm.ServerUnavailable, match="next try"):
-            rc.call(lambda c: c.exists("x"))       # at once
-        assert time.monotonic() - t0 < 2 and not rc.up
+        with pytest.raises(kvshm.ServerUnavailable, match=r"HELLO within 0.2 s"):
+            rc.call(op)
+        assert ran == [] and not rc.up               # the probe failed; op never ran
+        for _ in range(50):
+            with pytest.raises(kvshm.ServerUnavailable, match="probing again"):
+                rc.call(op)
+        assert ran == []
         srv = ServerProcess(prealloc_size=0.0625, service_port=port)
-        wait_for(lambda: rc.up, what="the fail-fast window")
-        assert rc.call(lambda c: c.exists("x")) is False
+        wait_for(lambda: rc.up, what="the background probe to find the server")
+        assert rc.call(op) is False and ran == ["op"]
+        stop_server(srv)
+        srv = None
+        with pytest.raises(kvshm.ServerUnavailable):  # lost mid-way: this call waits
+            rc.call(op)
+        assert ran == ["op", "op"] and not rc.up
+        for _ in range(20):
+            with pytest.raises(kvshm.ServerUnavailable, match="probing again"):
+                rc.call(op)
+        assert ran == ["op", "op"]
+        srv = ServerProcess(prealloc_size=0.0625, service_port=port)
+        wait_for(lambda: rc.up, what="the background probe to find the restarted server")
+        assert rc.call(op) is False
     finally:
         rc.close()
         if srv is not None:

