@@ -327,6 +327,22 @@ def test_plugin_built_before_the_server_starts() -> None:
             stop_server(srv)
 
 
+def test_unreachable_server_costs_one_short_wait() -> None:
+    """No server: the first call probes once (a short HELLO), then every lookup and get
+    is a miss at once, the plugin's background probe the only traffic."""
+    m = Lmc(make_config(f"127.0.0.1:{free_port()}"))
+    try:
+        assert m.backend.contains(ckey(0)) is False
+        assert not m.conn._kv.up
+        for i in range(30):
+            assert m.backend.contains(ckey(i)) is False
+            assert m.backend.batched_contains([ckey(i), ckey(i + 1)]) == 0
+            assert m.backend.get_blocking(ckey(i)) is None
+        m.check_no_leaks()
+    finally:
+        m.close()
+
+
 def test_adapter_style_and_config_file(kvshm_server: ServerProcess, tmp_path: Any) -> None:
     """The documented YAML loads, in the adapter style with an instance name."""
     cfg_file = tmp_path / "lmcache.yaml"
