@@ -7,106 +7,39 @@ connector: the recompute baseline), ``cpu_bytes``, ``engine_id``.
 RESULT: ``outputs`` (generated token ids per prompt), ``loaded_tokens`` (tokens copied
 primary tier -> engine KV cache per prompt, in order), ``stored_tokens``, ``seconds``.
 
-What stands in for vLLM here, and only that: vLLM refuses its offload worker on a CPU
-platform (``CPUOffloadingSpec.get_worker`` raises unless the platform is CUDA-alike or XPU;
-its ``SingleDirectionOffloadingHandler`` copies with CUDA streams and events). So this
-script (1) lets ``get_worker`` build the worker on CPU and (2) replaces the handler, the
-device <-> host copy of each transfer direction, with :class:`CpuCopyHandler`: the same
-block-id to chunk-row mapping for the direct layout, done with synchronous ``memmove``s.
-Everything else is vLLM's: the engine, its scheduler, the OffloadingConnector (scheduler
-and worker sides), TieringOffloadingSpec/Manager with its shared-memory primary tier, the
+What stands in for vLLM here, and only that: the offload worker's device <-> host copy,
+replaced in every vLLM process by the test-only plugin ``vllm_plugin/`` (see
+``kvshm_test_vllm_cpu_copy.py``; its folder must be on ``PYTHONPATH``). Everything else
+is vLLM's: the engine, its scheduler, the OffloadingConnector (scheduler and worker sides), TieringOffloadingSpec/Manager with its shared-memory primary tier, the
 SecondaryTierFactory loading ``KvshmTier`` by module path, and the CPU attention backend.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import sys
 import time
 from typing import Any
 
-COUNTS = {"loaded_blocks": 0, "stored_blocks": 0}
 
-
-class CpuCopyHandler:
-    """Stand-in for vLLM's SingleDirectionOffloadingHandler on CPU: per transfer, copy
-    each engine KV block (every KV tensor's page) to or from its place in a primary-tier
-    chunk row, at once, then report the job finished (direct layout only)."""
-
-    def __init__(self, gpu_tensors: list[Any], cpu_tensors: list[Any], blocks_per_chunk: int,
-                 layer_refs_per_group: list[Any], gpu_to_cpu: bool,
-                 canonical_layout: bool = False, host_memory_is_pinned: bool = True) -> None:
-        if canonical_layout:
-            raise NotImplementedError("the CPU stand-in copies the direct layout only")
-        self.gpu = gpu_tensors
-        self.cpu = cpu_tensors
-        self.bpc = blocks_per_chunk
-        self.ngroups = len(layer_refs_per_group)
-        self.gpu_to_cpu = gpu_to_cpu
-        self.done: list[Any] = []
-
-    def transfer_async(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
-        from vllm.v1.kv_offload.base import TransferResult
-
-        gpu_spec, cpu_spec = (src_spec, dst_spec) if self.gpu_to_cpu else (dst_spec, src_spec)
-        gpu_blocks = [int(b) for b in gpu_spec.block_ids]
-        chunks = [int(c) for c in cpu_spec.block_ids]
-        t0 = time.monotonic()
-        nbytes = 0
-        g_off = c_off = 0
-        for size, first in zip(gpu_spec.group_sizes, gpu_spec.block_indices):
-            if size == 0:
-                continue
-            skip = int(first) % self.bpc
-            nchunks = -(-(size + skip) // self.bpc)
-            for i in range(size):
-                gb = gpu_blocks[g_off + i]
-                chunk = chunks[c_off + (skip + i) // self.bpc]
-                sub = (skip + i) % self.bpc
-                for g, c in zip(self.gpu, self.cpu):
-                    page = g.shape[1]
-                    gp = g.data_ptr() + gb * g.stride(0)
-                    cp = c.data_ptr() + chunk * c.stride(0) + sub * page
-                    dst, src = (cp, gp) if self.gpu_to_cpu else (gp, cp)
-                    ctypes.memmove(dst, src, page)
-                    nbytes += page
-            g_off += size
-            c_off += nchunks
-        COUNTS["stored_blocks" if self.gpu_to_cpu else "loaded_blocks"] += len(gpu_blocks)
-        self.done.append(TransferResult(job_id=job_id, success=True, transfer_size=nbytes,
-                                        transfer_time=time.monotonic() - t0))
-        return True
-
-    def get_finished(self) -> list[Any]:
-        done, self.done = self.done, []
-        return done
-
-    def wait(self, job_ids: set[int]) -> None:
-        return
-
-    def shutdown(self) -> None:
-        self.done = []
-
-
-def _stand_in_for_the_device_copy() -> None:
-    from vllm.v1.kv_offload.cpu import gpu_worker, spec
-
-    gpu_worker.SingleDirectionOffloadingHandler = CpuCopyHandler  # type: ignore[misc]
-
-    def get_worker(self: Any, kv_caches: Any) -> Any:    # without the platform check
-        if not self._worker:
-            self._worker = self.create_worker(kv_caches)
-        return self._worker
-
-    spec.CPUOffloadingSpec.get_worker = get_worker  # type: ignore[method-assign]
+def _counts(d: str) -> dict[str, int]:
+    """Blocks the stand-in copied, per direction: the most any one process copied (each
+    TP worker copies its own shard of the same blocks)."""
+    out = {"loaded_blocks": 0, "stored_blocks": 0}
+    for name in os.listdir(d):
+        if name.endswith(".json"):
+            with open(os.path.join(d, name)) as f:
+                c = json.load(f)
+            for k in out:
+                out[k] = max(out[k], int(c[k]))
+    return out
 
 
 def main(req_path: str, out_path: str) -> None:
     with open(req_path) as f:
         req = json.load(f)
-    _stand_in_for_the_device_copy()
+    counts = os.environ["KVSHM_TEST_COUNTS_DIR"]
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -130,13 +63,14 @@ def main(req_path: str, out_path: str) -> None:
                         detokenize=False, ignore_eos=True)
     outputs, loaded = [], []
     for p in req["prompts"]:                     # one by one: per-prompt load counts
-        before = COUNTS["loaded_blocks"]
+        before = _counts(counts)
         out = llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)
         outputs.append(list(out[0].outputs[0].token_ids))
-        loaded.append((COUNTS["loaded_blocks"] - before) * int(req["block_size"]))
+        loaded.append((_counts(counts)["loaded_blocks"] - before["loaded_blocks"])
+                      * int(req["block_size"]))
     seconds = time.monotonic() - t0
     result = {"outputs": outputs, "loaded_tokens": loaded, "seconds": seconds,
-              "stored_tokens": COUNTS["stored_blocks"] * int(req["block_size"])}
+              "stored_tokens": _counts(counts)["stored_blocks"] * int(req["block_size"])}
     del llm
     with open(out_path, "w") as f:
         json.dump(result, f)
