@@ -132,8 +132,10 @@ check() {
 step "import check: lmcache" check "$venv/bin/python" -c \
     "import torch, lmcache.v1.storage_backend.connector.base_connector; assert torch.version.cuda is None"
 step "import check: sglang (with the test-only triton and torchvision stubs)" check \
-    env PYTHONPATH="$here/../tests/integrations/stubs" "$venv/bin/python" -c \
-    "import vllm.v1.kv_offload.tiering.base; import sglang.srt.mem_cache.hicache_storage, sglang.srt.mem_cache.storage.backend_factory, sglang.srt.mem_cache.pool_host.mha, sglang.srt.managers.cache_controller"
+    "$venv/bin/python" -c "import sys, vllm.v1.kv_offload.tiering.base
+sys.path.insert(0, '$here/../tests/integrations/stubs')   # after vLLM, as the tests do
+import sglang.srt.mem_cache.hicache_storage, sglang.srt.mem_cache.storage.backend_factory
+import sglang.srt.mem_cache.pool_host.mha, sglang.srt.managers.cache_controller"
 step "import check: vllm" check "$venv/bin/python" -c \
     "import vllm.v1.kv_offload.tiering.spec, vllm.v1.kv_offload.tiering.base"
 rm -f "$venv/.check.err"

@@ -2,8 +2,11 @@
 
 The engine tests run only in the integration venv (``scripts/integration-env.sh``);
 anywhere else (the main ``.venv`` collecting ``tests/``) each test module skips with the
-reason, and nothing here imports an engine package: :func:`require` looks a package up
-with ``importlib.util.find_spec`` before it imports anything.
+reason, and nothing here imports an engine package: :func:`load` looks a package up
+with ``importlib.util.find_spec`` before it imports anything. Where CI built the engine
+venvs it sets ``KVSHM_REQUIRE_ENGINES=1`` for their runs: then a missing engine, one that
+does not import, or one of another version than :data:`VERSIONS` fails the module instead
+of skipping it (CI stays red when an engine pin breaks).
 
 Import order: SGLang 0.5.23 does a bare ``import triton``; this machine has no triton (its
 wheel is 1 GB), so the SGLang tests import SGLang with the test-only stub in ``stubs/`` on
