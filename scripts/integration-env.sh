@@ -132,7 +132,7 @@ check() {
 step "import check: lmcache" check "$venv/bin/python" -c \
     "import torch, lmcache.v1.storage_backend.connector.base_connector; assert torch.version.cuda is None"
 step "import check: sglang (with the test-only triton and torchvision stubs)" check \
-    "$venv/bin/python" -c "import sys, vllm.v1.kv_offload.tiering.base
+    "$venv/bin/python" -c "import sys, vllm.v1.kv_offload.tiering.base, vllm.v1.kv_offload.tiering.spec, vllm.v1.kv_offload.factory
 sys.path.insert(0, '$here/../tests/integrations/stubs')   # after vLLM, as the tests do
 import sglang.srt.mem_cache.hicache_storage, sglang.srt.mem_cache.storage.backend_factory
 import sglang.srt.mem_cache.pool_host.mha, sglang.srt.managers.cache_controller"

@@ -14,6 +14,12 @@ class InterpolationMode(enum.Enum):
 
 
 def __getattr__(name):
+    """Any other function (``pil_to_tensor``, ...): importable, refuses to run."""
     if name.startswith("__"):
         raise AttributeError(name)
-    raise AttributeError(f"torchvision test stub has no transforms.functional.{name}")
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(f"torchvision test stub: no transforms.functional.{name} here")
+
+    refuse.__name__ = name
+    return refuse
