@@ -175,3 +175,29 @@ def test_resilient_client_fails_fast_then_recovers() -> None:
             stop_server(srv)
     with pytest.raises(kvshm.ServerUnavailable, match="closed"):
         rc.call(lambda c: c.exists("x"))
+
+
+@pytest.mark.parametrize("required", [False, True])
+def test_missing_engine_skips_or_fails(tmp_path: Any, required: bool) -> None:
+    """An engine test module whose pinned engine is missing skips, unless CI requires the
+    engines (KVSHM_REQUIRE_ENGINES=1): then it fails, so CI cannot stay green."""
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    mod = tmp_path / "test_fake_engine.py"
+    mod.write_text("import _engines\n"
+                   "_engines.load_dist('kvshm-no-such-engine', '1.0', 'kvshm_no_such_engine')\n"
+                   "def test_x():\n    pass\n")
+    env = {k: v for k, v in os.environ.items() if k != "KVSHM_REQUIRE_ENGINES"}
+    if required:
+        env["KVSHM_REQUIRE_ENGINES"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([here, env.get("PYTHONPATH", "")])
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "-rs", str(mod)], capture_output=True, text=True, timeout=120,
+                       env=env, cwd=tmp_path)
+    if required:
+        assert p.returncode in (1, 2) and "KVSHM_REQUIRE_ENGINES is set" in p.stdout, p.stdout
+    else:
+        assert p.returncode in (0, 5) and "1 skipped" in p.stdout, p.stdout
