@@ -3,10 +3,14 @@
 
     python perf/bench_store.py [--reps 5] [--pool-gib 1.5] [--skip-redis]
 
-Prints GB/s of put_batch / get_batch_into of 256 x 1 MiB and 256 x 64 KiB through the
-shm and TCP movers, beside numpy memcpy of the same bytes, a raw TCP socket on loopback
-(one process sends, another receives into a reused buffer), and Redis (redis-server,
-redis-py, pipelined SET / MGET of the same values); then exists/match_prefix keys per
+Prints GB/s of put_batch, get_batch_into (into caller buffers) and get_batch (fresh
+bytes objects) of 256 x 1 MiB and 256 x 64 KiB through the shm and TCP movers, beside
+numpy memcpy of the same bytes, a raw TCP socket on loopback (one process sends, another
+receives into a reused buffer), and Redis (redis-server, redis-py, pipelined SET / MGET
+of the same values). Like is compared with like: Redis MGET allocates fresh bytes for
+every value, so it is compared with kvshm's get_batch (fresh bytes), never with
+get_batch_into; memcpy and the raw socket write into reused buffers, so they are compared
+with get_batch_into. Every value read is checked. Then exists/match_prefix keys per
 second on 10,000-key batches, single-key get latency p50/p99, and the server's CPU time
 while idle. Targets (issue 3): shm >= 0.7x memcpy for 1 MiB values; TCP >= 0.6x the raw
 socket; both >= 3x Redis; exists/match_prefix >= 1 M keys/s; an idle server uses no CPU.
@@ -98,7 +102,7 @@ def bench_raw_socket(n: int, size: int, reps: int) -> float:
 
 
 def bench_kvshm(address: str, transport: str, n: int, size: int, reps: int
-                ) -> tuple[float, float]:
+                ) -> tuple[float, float, float]:
     keys = [f"bench-{size}-{i}" for i in range(n)]
     vals = [np.random.randint(0, 255, size, dtype=np.uint8) for _ in range(n)]
     outs = [np.empty(size, np.uint8) for _ in range(n)]
@@ -109,8 +113,17 @@ def bench_kvshm(address: str, transport: str, n: int, size: int, reps: int
         c.get_batch_into(keys, outs)
         get = median_rate(lambda: c.get_batch_into(keys, outs), n * size, reps)
         assert all(np.array_equal(a, b) for a, b in zip(vals, outs))
+        want = [v.tobytes() for v in vals]
+        got: list = []
+
+        def fresh() -> None:
+            got[:] = c.get_batch(keys)
+
+        fresh()
+        get_fresh = median_rate(fresh, n * size, reps)
+        assert got == want, "get_batch returned other bytes"
         c.purge()
-    return put, get
+    return put, get, get_fresh
 
 
 def start_redis(maxmemory: int):
@@ -153,13 +166,15 @@ def bench_redis(r, n: int, size: int, reps: int) -> tuple[float, float]:
             p.set(k, v)
         p.execute()
 
+    got: list = []
+
     def get() -> None:
-        got = r.mget(keys)
-        assert len(got) == n
+        got[:] = r.mget(keys)
 
     put()
     p = median_rate(put, n * size, reps)
     g = median_rate(get, n * size, reps)
+    assert got == vals, "redis MGET returned other bytes"
     r.flushall()
     return p, g
 
@@ -212,10 +227,11 @@ def main() -> None:
                 label = f"{n} x {size // 1024} KiB"
                 mem = bench_memcpy(n, size, args.reps)
                 raw = bench_raw_socket(n, size, args.reps)
-                shm_put, shm_get = bench_kvshm(srv.address, "shm", n, size, args.reps)
-                tcp_put, tcp_get = bench_kvshm(srv.address, "tcp", n, size, args.reps)
+                shm_put, shm_get, shm_fresh = bench_kvshm(srv.address, "shm", n, size, args.reps)
+                tcp_put, tcp_get, tcp_fresh = bench_kvshm(srv.address, "tcp", n, size, args.reps)
                 rp, rg = bench_redis(r, n, size, args.reps) if r is not None else (float("nan"),) * 2
-                rows.append((label, mem, raw, shm_put, shm_get, tcp_put, tcp_get, rp, rg))
+                rows.append((label, mem, raw, shm_put, shm_get, shm_fresh, tcp_put, tcp_get,
+                             tcp_fresh, rp, rg))
             ex, mp, p50, p99 = bench_queries(srv.address, args.reps)
             t0 = cpu_seconds(srv.pid)
             time.sleep(2.0)
@@ -226,18 +242,22 @@ def main() -> None:
                 redis_proc.wait(10)
 
     print(f"\nkvshm store benchmark (median of {args.reps}; GB/s = 1e9 bytes/s)\n")
-    hdr = ("values", "memcpy", "raw tcp", "shm put", "shm get", "tcp put", "tcp get",
-           "redis set", "redis mget")
-    print("  ".join(f"{h:>12}" for h in hdr))
+    hdr = ("values", "memcpy", "raw tcp", "shm put", "shm into", "shm fresh", "tcp put",
+           "tcp into", "tcp fresh", "redis set", "redis mget")
+    print("  ".join(f"{h:>10}" for h in hdr))
     for row in rows:
-        print(f"{row[0]:>12}  " + "  ".join(f"{v:12.2f}" for v in row[1:]))
-    print("\nratios (target)")
-    for (label, mem, raw, sp, sg, tp, tg, rp, rg) in rows:
-        print(f"  {label}: shm put/memcpy {sp / mem:.2f}  shm get/memcpy {sg / mem:.2f}"
+        print(f"{row[0]:>10}  " + "  ".join(f"{v:10.2f}" for v in row[1:]))
+    print("(into = get_batch_into, caller buffers; fresh = get_batch, new bytes objects;"
+          " redis mget = fresh bytes)")
+    print("\nratios, like with like (target)")
+    for (label, mem, raw, sp, sg, sf, tp, tg, tf, rp, rg) in rows:
+        print(f"  {label}: shm put/memcpy {sp / mem:.2f}  shm get_batch_into/memcpy {sg / mem:.2f}"
               f"   (>= 0.7 for 1 MiB)")
-        print(f"  {label}: tcp put/raw {tp / raw:.2f}  tcp get/raw {tg / raw:.2f}   (>= 0.6)")
-        print(f"  {label}: shm/redis put {sp / rp:.1f}x get {sg / rg:.1f}x   "
-              f"tcp/redis put {tp / rp:.1f}x get {tg / rg:.1f}x   (>= 3)")
+        print(f"  {label}: tcp put/raw {tp / raw:.2f}  tcp get_batch_into/raw {tg / raw:.2f}"
+              "   (>= 0.6)")
+        print(f"  {label}: put vs redis SET: shm {sp / rp:.1f}x tcp {tp / rp:.1f}x;  "
+              f"get_batch (fresh bytes) vs redis MGET (fresh bytes): shm {sf / rg:.1f}x "
+              f"tcp {tf / rg:.1f}x   (>= 3)")
     print(f"\nexists       {ex / 1e6:.2f} M keys/s on 10,000-key batches (>= 1)")
     print(f"match_prefix {mp / 1e6:.2f} M keys/s on 10,000-key batches (>= 1)")
     print(f"single-key get_into (4 KiB, shm): p50 {p50:.0f} us, p99 {p99:.0f} us")

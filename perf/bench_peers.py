@@ -1,0 +1,819 @@
+#!/usr/bin/env python3
+"""kvshm beside the stores a user would use instead: one workload, one run, one table.
+
+    scripts/peers-env.sh                       # once: the peers' venvs (cached)
+    .venv/bin/python perf/bench_peers.py [--quick] [--reps 3] [--count 100]
+        [--peers kvshm-shm,kvshm-tcp,redis,lm-server,mooncake,infinistore]
+        [--peers-cache /root/.cache/kvshm-peers] [--json FILE|-]
+
+Workload, the same for every row, every byte read checked (outside the timed region):
+
+* single put / get of 64 KiB and of 1 MiB values: --count distinct values, one call each
+  (MB/s of the whole pass; the values together exceed the caches at 1 MiB);
+* x100 batches: the same --count values in one batch call (or the peer's closest thing);
+* 4 KiB single get p50 / p99 over --lat-iters calls of one key.
+
+Reads come in two kinds and are only ever compared within a kind (same-work rule):
+``into`` = into a caller's preallocated buffer, ``fresh`` = a new bytes-like object per
+value. Each peer's best path of each kind is used and named in the output.
+
+Rows (each peer in its own venv from scripts/peers-env.sh, its server on a free loopback
+port started here and stopped at the end):
+
+``memcpy``      numpy.copyto between preallocated arrays (the physical reference for shm)
+``raw socket``  a Python TCP socket on loopback to a child that acks each value (put) or
+                echoes 4 KiB (latency): the physical reference for a TCP store
+``kvshm shm``   kvshm.Client(transport="shm") to ``kvshm serve`` (same host)
+``kvshm tcp``   kvshm.Client(transport="tcp") to the same server
+``redis``       redis-server (Debian) + redis-py with hiredis: SET/GET, pipelined SET/MGET
+``lm-server``   LMCache 0.5.6 ``python -m lmcache.v1.server HOST PORT cpu`` with LMCache's
+                own wire messages (lmcache.v1.protocol) on a socket, reads with recv_into
+                as its LMCServerConnector does; it has no batch op, so x100 = 100
+                requests pipelined on one connection
+``mooncake``    Mooncake Store (mooncake-transfer-engine-non-cuda): ``mooncake_master``
+                (with its HTTP metadata server) and a segment-holder process that mounts
+                the memory; the benchmarked client mounts none, so every byte crosses TCP
+``infinistore`` tried; its server needs an RDMA device, so here it is a row that says why
+
+A peer that cannot be installed or started prints its row as unavailable with the reason.
+``--quick`` is a smoke run (tiny sizes) for tests; its figures mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+import _common  # noqa: E402
+from _common import free_port, pct, stop, wait_port  # noqa: E402
+
+SIZES = ((64 << 10, "64K"), (1 << 20, "1M"))
+ALL_PEERS = ("kvshm-shm", "kvshm-tcp", "redis", "lm-server", "mooncake", "infinistore")
+VENV_OF = {"redis": "redis", "lm-server": "lmcache", "mooncake": "mooncake",
+           "infinistore": "infinistore"}
+# rows of the table: (metric key, label, unit, higher is better)
+METRICS = []
+for _size, _tag in SIZES:
+    METRICS += [(f"put1_{_tag}", f"single put {_tag}", "MB/s", True),
+                (f"get1_{_tag}_into", f"single get {_tag} into", "MB/s", True),
+                (f"get1_{_tag}_fresh", f"single get {_tag} fresh", "MB/s", True),
+                (f"putB_{_tag}", f"x100 put {_tag}", "MB/s", True),
+                (f"getB_{_tag}_into", f"x100 get {_tag} into", "MB/s", True),
+                (f"getB_{_tag}_fresh", f"x100 get {_tag} fresh", "MB/s", True)]
+METRICS += [("lat4k_into_p50", "4 KiB get into p50", "us", False),
+            ("lat4k_into_p99", "4 KiB get into p99", "us", False),
+            ("lat4k_fresh_p50", "4 KiB get fresh p50", "us", False),
+            ("lat4k_fresh_p99", "4 KiB get fresh p99", "us", False)]
+
+
+def pattern(seed: int, size: int) -> Any:
+    """A value whose every 8-byte word differs by position and seed (numpy uint8)."""
+    import numpy as np
+
+    words = (np.arange(size // 8 + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+             ^ np.uint64(seed * 0x100000001B3 + 1))
+    return words.view(np.uint8)[:size].copy()
+
+
+# --------------------------------------------------------------------------- adapters
+#
+# Each adapter exposes the operations it has; a missing one (None) is a "-" in the table.
+# put(key, array); put_batch(keys, arrays); get_into(key, array) -> size;
+# get_batch_into(keys, arrays); get(key) -> bytes-like; get_batch(keys) -> list.
+
+
+class Adapter:
+    name = ""
+    paths: dict[str, str] = {}
+    put: Callable[..., Any] | None = None
+    put_batch: Callable[..., Any] | None = None
+    get: Callable[..., Any] | None = None
+    get_into: Callable[..., Any] | None = None
+    get_batch: Callable[..., Any] | None = None
+    get_batch_into: Callable[..., Any] | None = None
+
+    def delete(self, keys: list[str]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class KvshmAdapter(Adapter):
+    def __init__(self, address: str, transport: str) -> None:
+        import kvshm
+
+        self.c = kvshm.Client(address, transport=transport, timeout=120)
+        if self.c.transport != transport:
+            raise RuntimeError(f"asked for {transport}, got {self.c.transport}")
+        c = self.c
+        self.put, self.put_batch = c.put, c.put_batch
+        self.get, self.get_into = c.get, c.get_into
+        self.get_batch, self.get_batch_into = c.get_batch, c.get_batch_into
+        self.paths = {"put": "put / put_batch", "into": "get_into / get_batch_into",
+                      "fresh": "get / get_batch"}
+
+    def delete(self, keys: list[str]) -> None:
+        self.c.delete(keys)
+
+    def close(self) -> None:
+        self.c.close()
+
+
+class RedisAdapter(Adapter):
+    def __init__(self, port: int) -> None:
+        import redis
+
+        self.r = redis.Redis(host="127.0.0.1", port=port)
+        r = self.r
+
+        def put(key: str, a: Any) -> None:
+            r.set(key, memoryview(a))
+
+        def put_batch(keys: list[str], arrays: list[Any]) -> None:
+            p = r.pipeline(transaction=False)
+            for k, a in zip(keys, arrays):
+                p.set(k, memoryview(a))
+            p.execute()
+
+        self.put, self.put_batch = put, put_batch
+        self.get, self.get_batch = r.get, r.mget
+        self.paths = {"put": "SET / pipelined SET", "into": "none (no read into a buffer)",
+                      "fresh": f"GET / MGET ({_common.redis_parser()})"}
+
+    def delete(self, keys: list[str]) -> None:
+        self.r.delete(*keys)
+
+    def close(self) -> None:
+        self.r.close()
+
+
+class LmServerAdapter(Adapter):
+    """LMCache's lm-server through LMCache's own wire messages on one socket."""
+
+    def __init__(self, port: int) -> None:
+        import torch
+        from lmcache.utils import CacheEngineKey
+        from lmcache.v1.memory_management import MemoryFormat
+        from lmcache.v1.protocol import (ClientCommand, ClientMetaMessage, ServerMetaMessage,
+                                         ServerReturnCode)
+
+        self.s = socket.create_connection(("127.0.0.1", port))
+        self.s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s = self.s
+        rlen = ServerMetaMessage.packlength()
+        hdr = bytearray(rlen)
+
+        def key_of(k: str) -> Any:
+            h = int.from_bytes(hashlib.blake2b(k.encode(), digest_size=7).digest(), "little")
+            return CacheEngineKey("bench", 1, 0, h, torch.uint8)
+
+        def put_msg(k: str, n: int) -> bytes:
+            return ClientMetaMessage(ClientCommand.PUT, key_of(k), n, MemoryFormat.KV_2LTD,
+                                     torch.uint8, torch.Size([n])).serialize()
+
+        def get_msg(k: str) -> bytes:
+            return ClientMetaMessage(ClientCommand.GET, key_of(k), 0, MemoryFormat(1),
+                                     torch.float16, torch.Size([0, 0, 0, 0])).serialize()
+
+        def recv_exact(mv: memoryview) -> None:
+            got, n = 0, mv.nbytes
+            while got < n:
+                r = s.recv_into(mv[got:], n - got)
+                if not r:
+                    raise ConnectionError("lm-server closed the connection")
+                got += r
+
+        def read_reply() -> int:
+            recv_exact(memoryview(hdr))
+            meta = ServerMetaMessage.deserialize(bytes(hdr))
+            if meta.code != ServerReturnCode.SUCCESS:
+                raise KeyError("lm-server: miss")
+            return int(meta.length)
+
+        def put(k: str, a: Any) -> None:
+            s.sendall(put_msg(k, a.nbytes))
+            s.sendall(a)                       # PUT has no reply
+
+        def put_batch(keys: list[str], arrays: list[Any]) -> None:
+            for k, a in zip(keys, arrays):
+                put(k, a)
+
+        def get_into(k: str, a: Any) -> int:
+            s.sendall(get_msg(k))
+            n = read_reply()
+            recv_exact(memoryview(a).cast("B")[:n])
+            return n
+
+        def get(k: str) -> bytearray:
+            s.sendall(get_msg(k))
+            buf = bytearray(read_reply())
+            recv_exact(memoryview(buf))
+            return buf
+
+        def get_batch_into(keys: list[str], arrays: list[Any]) -> None:
+            s.sendall(b"".join(get_msg(k) for k in keys))     # pipelined
+            for a in arrays:
+                recv_exact(memoryview(a).cast("B")[:read_reply()])
+
+        def get_batch(keys: list[str]) -> list[bytearray]:
+            s.sendall(b"".join(get_msg(k) for k in keys))
+            out = []
+            for _ in keys:
+                buf = bytearray(read_reply())
+                recv_exact(memoryview(buf))
+                out.append(buf)
+            return out
+
+        self.put, self.put_batch, self.get, self.get_into = put, put_batch, get, get_into
+        self.get_batch, self.get_batch_into = get_batch, get_batch_into
+        self.paths = {"put": "PUT (no reply) / 100 PUTs",
+                      "into": "GET + recv_into (as LMCServerConnector) / 100 pipelined GETs",
+                      "fresh": "GET + recv_into a new bytearray / 100 pipelined GETs"}
+
+    def close(self) -> None:
+        self.s.close()
+
+
+class MooncakeAdapter(Adapter):
+    """Mooncake Store client that mounts no memory: every byte goes to the holder over TCP."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        from mooncake.store import MooncakeDistributedStore
+
+        self.st = MooncakeDistributedStore()
+        rc = self.st.setup("127.0.0.1", spec["metadata"], 0, spec["local_buffer"], "tcp", "",
+                           spec["master"])
+        if rc != 0:
+            raise RuntimeError(f"mooncake setup returned {rc}")
+        st = self.st
+        self._registered: set[int] = set()
+
+        def reg(a: Any) -> int:
+            ptr = a.ctypes.data
+            if ptr not in self._registered:
+                # one registration per arena: the caller passes views of a registered arena
+                self._registered.add(ptr)
+            return int(ptr)
+
+        def put(k: str, a: Any) -> None:
+            rc = st.put_from(k, reg(a), a.nbytes)
+            if rc != 0:
+                raise RuntimeError(f"mooncake put_from {k}: {rc}")
+
+        def put_batch(keys: list[str], arrays: list[Any]) -> None:
+            rcs = st.batch_put_from(keys, [reg(a) for a in arrays], [a.nbytes for a in arrays])
+            if any(rc != 0 for rc in rcs):
+                raise RuntimeError(f"mooncake batch_put_from: {sorted(set(rcs))}")
+
+        def get_into(k: str, a: Any) -> int:
+            n = st.get_into(k, reg(a), a.nbytes)
+            if n < 0:
+                raise KeyError(f"mooncake get_into {k}: {n}")
+            return int(n)
+
+        def get_batch_into(keys: list[str], arrays: list[Any]) -> None:
+            ns = st.batch_get_into(keys, [reg(a) for a in arrays], [a.nbytes for a in arrays])
+            if any(n < 0 for n in ns):
+                raise KeyError(f"mooncake batch_get_into: {sorted(set(ns))}")
+
+        self.put, self.put_batch, self.get_into = put, put_batch, get_into
+        self.get_batch_into = get_batch_into
+        self.get, self.get_batch = st.get, st.get_batch
+        self.paths = {"put": "put_from / batch_put_from (registered buffers)",
+                      "into": "get_into / batch_get_into (registered buffers)",
+                      "fresh": "get / get_batch"}
+
+    def register(self, arena: Any) -> None:
+        rc = self.st.register_buffer(arena.ctypes.data, arena.nbytes)
+        if rc != 0:
+            raise RuntimeError(f"mooncake register_buffer: {rc}")
+
+    def delete(self, keys: list[str]) -> None:
+        for k in keys:
+            self.st.remove(k)
+
+    def close(self) -> None:
+        self.st.close()
+
+
+# --------------------------------------------------------------------------- workload
+
+
+def _views(arena: Any, size: int, n: int) -> list[Any]:
+    return [arena[i * size:(i + 1) * size] for i in range(n)]
+
+
+def run_workload(ad: Adapter, count: int, reps: int, lat_iters: int,
+                 sizes: tuple[tuple[int, str], ...]) -> dict[str, Any]:
+    import numpy as np
+
+    res: dict[str, list[float]] = {}
+    total = sum(s for s, _ in sizes) * count
+    src_arena = np.empty(total + 4096, np.uint8)
+    out_arena = np.zeros(total + 4096, np.uint8)
+    if isinstance(ad, MooncakeAdapter):
+        ad.register(src_arena)
+        ad.register(out_arena)
+    off = 0
+    plan = []
+    for size, tag in sizes:
+        srcs = _views(src_arena[off:], size, count)
+        outs = _views(out_arena[off:], size, count)
+        for i, s in enumerate(srcs):
+            s[:] = pattern(size + i, size)
+        plan.append((size, tag, srcs, outs, [s.tobytes() for s in srcs]))
+        off += size * count
+
+    def timed(metric: str, nbytes: int, fn: Callable[[], Any]) -> Any:
+        t = time.perf_counter()
+        r = fn()
+        res.setdefault(metric, []).append(nbytes / (time.perf_counter() - t) / 1e6)
+        return r
+
+    def check(what: str, got: list[Any], want: list[bytes]) -> None:
+        bad = sum(bytes(g) != w for g, w in zip(got, want)) + abs(len(got) - len(want))
+        if bad:
+            raise RuntimeError(f"{what}: {bad} values came back wrong")
+
+    for rep in range(reps):
+        for size, tag, srcs, outs, want in plan:
+            nb = size * count
+            k1 = [f"s{tag}r{rep}-{i}" for i in range(count)]
+            kb = [f"b{tag}r{rep}-{i}" for i in range(count)]
+            if ad.put is not None:
+                timed(f"put1_{tag}", nb, lambda: [ad.put(k, a) for k, a in zip(k1, srcs)])
+            if ad.put_batch is not None:
+                timed(f"putB_{tag}", nb, lambda: ad.put_batch(kb, srcs))
+            if ad.get_into is not None:
+                for o in outs:
+                    o[:8] = 0
+                timed(f"get1_{tag}_into", nb,
+                      lambda: [ad.get_into(k, o) for k, o in zip(k1, outs)])
+                check(f"single get {tag} into", outs, want)
+            if ad.get_batch_into is not None:
+                for o in outs:
+                    o[:8] = 0
+                timed(f"getB_{tag}_into", nb, lambda: ad.get_batch_into(kb, outs))
+                check(f"x{count} get {tag} into", outs, want)
+            if ad.get is not None:
+                got = timed(f"get1_{tag}_fresh", nb, lambda: [ad.get(k) for k in k1])
+                check(f"single get {tag} fresh", got, want)
+            if ad.get_batch is not None:
+                got = timed(f"getB_{tag}_fresh", nb, lambda: ad.get_batch(kb))
+                check(f"x{count} get {tag} fresh", got, want)
+                del got
+            ad.delete(k1 + kb)
+    out: dict[str, Any] = {k: statistics.median(v) for k, v in res.items()}
+    # 4 KiB latency: one key, lat_iters calls of each read kind
+    small = src_arena[off:off + 4096]
+    small[:] = pattern(4, 4096)
+    want4 = small.tobytes()
+    buf = out_arena[off:off + 4096]
+    put = ad.put or (lambda k, a: ad.put_batch([k], [a]))   # type: ignore[misc]
+    put("lat-4k", small)
+    for kind, fn in (("into", ad.get_into and (lambda: ad.get_into("lat-4k", buf))),
+                     ("fresh", ad.get and (lambda: ad.get("lat-4k")))):
+        if not fn:
+            continue
+        lat, bad = [], 0
+        for i in range(lat_iters + lat_iters // 10):
+            buf[:8] = 0
+            t = time.perf_counter()
+            r = fn()
+            dt = time.perf_counter() - t
+            bad += (bytes(buf) if kind == "into" else bytes(r)) != want4
+            if i >= lat_iters // 10:
+                lat.append(dt)
+        if bad:
+            raise RuntimeError(f"4 KiB get {kind}: {bad} reads came back wrong")
+        lat.sort()
+        out[f"lat4k_{kind}_p50"] = pct(lat, 0.5) * 1e6
+        out[f"lat4k_{kind}_p99"] = pct(lat, 0.99) * 1e6
+    ad.delete(["lat-4k"])
+    out["paths"] = ad.paths
+    return out
+
+
+def worker(peer: str, spec: dict[str, Any]) -> None:
+    """In the peer's venv: run the workload against the server the parent started."""
+    sizes = tuple(tuple(s) for s in spec["sizes"])
+    if peer in ("kvshm-shm", "kvshm-tcp"):
+        ad: Adapter = KvshmAdapter(spec["address"], peer.split("-")[1])
+    elif peer == "redis":
+        ad = RedisAdapter(spec["port"])
+    elif peer == "lm-server":
+        ad = LmServerAdapter(spec["port"])
+    elif peer == "mooncake":
+        ad = MooncakeAdapter(spec)
+    else:
+        raise SystemExit(f"no worker for {peer}")
+    try:
+        res = run_workload(ad, spec["count"], spec["reps"], spec["lat_iters"], sizes)  # type: ignore[arg-type]
+    finally:
+        ad.close()
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+def mooncake_holder(spec: dict[str, Any]) -> None:
+    """In the mooncake venv: mount --segment bytes into the store, then wait for EOF."""
+    from mooncake.store import MooncakeDistributedStore
+
+    st = MooncakeDistributedStore()
+    rc = st.setup("127.0.0.1", spec["metadata"], spec["segment"], 16 << 20, "tcp", "",
+                  spec["master"])
+    if rc != 0:
+        raise SystemExit(f"mooncake holder setup returned {rc}")
+    print("ready", flush=True)
+    sys.stdin.read()
+    st.close()
+
+
+# --------------------------------------------------------------------------- references
+
+
+def ref_memcpy(count: int, reps: int, sizes: tuple[tuple[int, str], ...]) -> dict[str, Any]:
+    import numpy as np
+
+    out: dict[str, Any] = {}
+    for size, tag in sizes:
+        srcs = [pattern(size + i, size) for i in range(count)]
+        dsts = [np.empty(size, np.uint8) for _ in range(count)]
+        rates = []
+        for _ in range(reps + 1):
+            t = time.perf_counter()
+            for s, d in zip(srcs, dsts):
+                np.copyto(d, s)
+            rates.append(size * count / (time.perf_counter() - t) / 1e6)
+        if not all(np.array_equal(s, d) for s, d in zip(srcs, dsts)):
+            raise RuntimeError("memcpy reference copied other bytes")
+        r = statistics.median(rates[1:])
+        for m in (f"put1_{tag}", f"putB_{tag}", f"get1_{tag}_into", f"getB_{tag}_into"):
+            out[m] = r
+        fresh = []
+        for _ in range(reps + 1):
+            t = time.perf_counter()
+            got = [s.tobytes() for s in srcs]
+            fresh.append(size * count / (time.perf_counter() - t) / 1e6)
+        del got
+        out[f"get1_{tag}_fresh"] = out[f"getB_{tag}_fresh"] = statistics.median(fresh[1:])
+    src = pattern(4, 4096)
+    dst = np.empty(4096, np.uint8)
+    lat = []
+    for _ in range(2000):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        lat.append(time.perf_counter() - t)
+    lat.sort()
+    out["lat4k_into_p50"], out["lat4k_into_p99"] = pct(lat, 0.5) * 1e6, pct(lat, 0.99) * 1e6
+    out["paths"] = {"put": "numpy.copyto", "into": "numpy.copyto",
+                    "fresh": "ndarray.tobytes"}
+    return out
+
+
+def ref_socket(count: int, reps: int, lat_iters: int, sizes: tuple[tuple[int, str], ...]
+               ) -> dict[str, Any]:
+    """A raw TCP socket to a child: ack per value (single), acks after all (x100), 4 KiB echo."""
+    import numpy as np
+
+    proc, line = _common.spawn_helper("tcp_echo_server")
+    s = socket.create_connection(("127.0.0.1", int(line)))
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    out: dict[str, Any] = {}
+    ack = bytearray(1)
+    try:
+        for size, tag in sizes:
+            vals = [pattern(size + i, size) for i in range(count)]
+            hdr = (size | (1 << 63)).to_bytes(8, "little")      # top bit: ack, no echo
+            single, batch = [], []
+            for _ in range(reps + 1):
+                t = time.perf_counter()
+                for v in vals:
+                    s.sendall(hdr)
+                    s.sendall(v)
+                    s.recv_into(ack, 1)
+                single.append(size * count / (time.perf_counter() - t) / 1e6)
+                t = time.perf_counter()
+                for v in vals:
+                    s.sendall(hdr)
+                    s.sendall(v)
+                acks = bytearray(count)
+                got = 0
+                while got < count:
+                    got += s.recv_into(memoryview(acks)[got:], count - got)
+                batch.append(size * count / (time.perf_counter() - t) / 1e6)
+            out[f"put1_{tag}"] = statistics.median(single[1:])
+            out[f"putB_{tag}"] = statistics.median(batch[1:])
+        msg = pattern(4, 4096).tobytes()
+        buf = bytearray(4096)
+        mv = memoryview(buf)
+        lat = []
+        hdr = (4096).to_bytes(8, "little")
+        for i in range(lat_iters + lat_iters // 10):
+            t = time.perf_counter()
+            s.sendall(hdr + msg)
+            got = 0
+            while got < 4096:
+                got += s.recv_into(mv[got:], 4096 - got)
+            dt = time.perf_counter() - t
+            if buf != msg:
+                raise RuntimeError("raw socket echo returned other bytes")
+            if i >= lat_iters // 10:
+                lat.append(dt)
+        lat.sort()
+        out["lat4k_into_p50"], out["lat4k_into_p99"] = pct(lat, 0.5) * 1e6, pct(lat, 0.99) * 1e6
+        out["paths"] = {"put": "sendall + 1-byte ack per value / acks after all",
+                        "into": "4 KiB echo, recv_into", "fresh": "-"}
+    finally:
+        s.close()
+        stop(proc)
+    del np
+    return out
+
+
+# --------------------------------------------------------------------------- servers
+
+
+class Unavailable(Exception):
+    pass
+
+
+def peer_python(peer: str, cache: str) -> str:
+    venv = os.path.join(cache, VENV_OF[peer])
+    marker = os.path.join(venv, ".kvshm-peer-env")
+    py = os.path.join(venv, "bin", "python")
+    if not (os.path.exists(marker) and os.path.exists(py)):
+        failed = os.path.join(cache, VENV_OF[peer] + ".failed")
+        why = ""
+        if os.path.exists(failed):
+            with open(failed) as f:
+                why = "; last build: " + f.read().strip()[:300]
+        raise Unavailable(f"no venv at {venv} (run scripts/peers-env.sh {VENV_OF[peer]}){why}")
+    return py
+
+
+def run_worker(py: str, peer: str, spec: dict[str, Any], timeout: float,
+               env: dict[str, str] | None = None) -> dict[str, Any]:
+    p = subprocess.run([py, os.path.abspath(__file__), "--worker", peer, json.dumps(spec)],
+                       capture_output=True, text=True, timeout=timeout,
+                       env={**os.environ, **(env or {})})
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])  # type: ignore[no-any-return]
+    tail = (p.stderr.strip().splitlines() or ["(no output)"])[-1]
+    raise RuntimeError(f"{peer} worker exited {p.returncode}: {tail[:300]}")
+
+
+def bench_kvshm(peers: list[str], spec: dict[str, Any], timeout: float
+                ) -> dict[str, dict[str, Any]]:
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from servers import ServerProcess
+
+    total = sum(s for s, _ in spec["sizes"]) * spec["count"]
+    pool = round(max(0.0625, (2.5 * total + (16 << 20)) / 2**30), 4)
+    out: dict[str, dict[str, Any]] = {}
+    with ServerProcess(prealloc_size=pool) as srv:
+        for peer in peers:
+            try:
+                out[peer] = run_worker(sys.executable, peer, {**spec, "address": srv.address},
+                                       timeout, env={"PYTHONPATH": ROOT})
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                out[peer] = {"unavailable": str(exc)}
+    return out
+
+
+def bench_redis(spec: dict[str, Any], cache: str, timeout: float) -> dict[str, Any]:
+    py = peer_python("redis", cache)
+    try:
+        proc, port, d = _common.start_redis(4 << 30)
+    except (FileNotFoundError, RuntimeError) as exc:
+        raise Unavailable(str(exc)) from None
+    try:
+        return run_worker(py, "redis", {**spec, "port": port}, timeout)
+    finally:
+        stop(proc)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def bench_lm_server(spec: dict[str, Any], cache: str, timeout: float) -> dict[str, Any]:
+    py = peer_python("lm-server", cache)
+    port = free_port()
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen([py, "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"],
+                            stdout=log, stderr=log, env={**os.environ,
+                                                        "LMCACHE_LOG_LEVEL": "WARNING"})
+    try:
+        try:
+            wait_port(port, proc, "lm-server", timeout=120)
+        except RuntimeError as exc:
+            log.seek(0)
+            tail = (log.read().decode(errors="replace").strip().splitlines() or [""])[-1]
+            raise Unavailable(f"{exc}: {tail[:200]}") from None
+        return run_worker(py, "lm-server", {**spec, "port": port}, timeout,
+                          env={"LMCACHE_LOG_LEVEL": "WARNING"})
+    finally:
+        stop(proc)
+        log.close()
+
+
+def bench_mooncake(spec: dict[str, Any], cache: str, timeout: float) -> dict[str, Any]:
+    py = peer_python("mooncake", cache)
+    master_exe = os.path.join(os.path.dirname(py), "mooncake_master")
+    if not os.path.exists(master_exe):
+        raise Unavailable(f"no mooncake_master in {os.path.dirname(py)}")
+    rpc, meta, metrics = free_port(), free_port(), free_port()
+    d = tempfile.mkdtemp(prefix="kvshm-bench-mooncake-")
+    mlog = open(os.path.join(d, "master.log"), "wb")
+    master = subprocess.Popen(
+        [master_exe, f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
+         "--enable_http_metadata_server=true", f"--http_metadata_server_port={meta}",
+         "--http_metadata_server_host=127.0.0.1", f"--metrics_port={metrics}",
+         "--metrics_host=127.0.0.1", "--rpc_thread_num=2", "--default_kv_lease_ttl=50",
+         "--enable_metric_reporting=false"],
+        stdout=mlog, stderr=mlog, cwd=d)
+    holder = None
+    total = sum(s for s, _ in spec["sizes"]) * spec["count"]
+    mspec = {**spec, "master": f"127.0.0.1:{rpc}",
+             "metadata": f"http://127.0.0.1:{meta}/metadata",
+             "segment": int(3 * total + (64 << 20)), "local_buffer": int(total + (32 << 20))}
+    try:
+        try:
+            wait_port(rpc, master, "mooncake_master", timeout=60)
+            wait_port(meta, master, "mooncake metadata server", timeout=60)
+        except RuntimeError as exc:
+            raise Unavailable(str(exc)) from None
+        holder = subprocess.Popen([py, os.path.abspath(__file__), "--mooncake-holder",
+                                   json.dumps(mspec)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                  cwd=d)
+        assert holder.stdout is not None
+        if holder.stdout.readline().strip() != "ready":
+            raise Unavailable(f"mooncake segment holder exited {holder.wait(10)}")
+        return run_worker(py, "mooncake", mspec, timeout)
+    finally:
+        if holder is not None:
+            assert holder.stdin is not None
+            holder.stdin.close()
+            try:
+                holder.wait(20)
+            except subprocess.TimeoutExpired:
+                stop(holder)
+        stop(master)
+        mlog.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def bench_infinistore(cache: str) -> dict[str, Any]:
+    """Start InfiniStore's server as its docs say; it needs an RDMA device (none here)."""
+    py = peer_python("infinistore", cache)
+    port, mport = free_port(), free_port()
+    p = subprocess.Popen([py, "-m", "infinistore.server", "--service-port", str(port),
+                          "--manage-port", str(mport), "--prealloc-size", "1",
+                          "--host", "127.0.0.1"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        try:
+            wait_port(port, p, "infinistore server", timeout=30)
+        except RuntimeError:
+            out = (p.stdout.read() if p.stdout else "").strip().splitlines()
+            why = next((ln for ln in reversed(out) if "rdma" in ln.lower() or "ibv" in ln.lower()
+                        or "device" in ln.lower()), out[-1] if out else "")
+            raise Unavailable(f"its server exited {p.returncode} at start-up "
+                              f"(it needs an RDMA device; none here): {why.strip()[:200]}"
+                              ) from None
+        raise Unavailable("its server listens, but its client needs an RDMA device for "
+                          "data (none here)")
+    finally:
+        stop(p)
+
+
+# --------------------------------------------------------------------------- report
+
+
+ROW_NAMES = {"memcpy": "memcpy", "raw-socket": "raw socket", "kvshm-shm": "kvshm shm",
+             "kvshm-tcp": "kvshm tcp", "redis": "redis", "lm-server": "lm-server",
+             "mooncake": "mooncake", "infinistore": "infinistore"}
+
+
+def report(res: dict[str, Any]) -> None:
+    rows = res["rows"]
+    names = [n for n in ROW_NAMES if n in rows]
+    live = [n for n in names if "unavailable" not in rows[n]]
+    print(f"\nkvshm and its peers, one workload ({res['meta']['mode']}; {res['meta']['count']} "
+          f"values, median of {res['meta']['reps']}; MB/s = 1e6 bytes/s; 'into' = into "
+          "caller buffers, 'fresh' = new bytes objects)\n")
+    w = 12
+    print(f"{'':24}" + "".join(f"{ROW_NAMES[n]:>{w}}" for n in live))
+    for key, label, unit, _ in METRICS:
+        cells = []
+        for n in live:
+            v = rows[n].get(key)
+            cells.append(f"{'-':>{w}}" if v is None else f"{v:{w}.0f}" if v >= 100
+                         else f"{v:{w}.1f}")
+        print(f"{label + ' ' + unit:24}" + "".join(cells))
+    base = "kvshm-shm" if "kvshm-shm" in live else None
+    if base:
+        print(f"\nratios: kvshm shm vs each row (> 1: kvshm shm is better; MB/s kvshm/row, "
+              "latency row/kvshm)\n")
+        print(f"{'':24}" + "".join(f"{ROW_NAMES[n]:>{w}}" for n in live))
+        for key, label, unit, higher in METRICS:
+            b = rows[base].get(key)
+            cells = []
+            for n in live:
+                v = rows[n].get(key)
+                if v is None or b is None or not v or not b:
+                    cells.append(f"{'-':>{w}}")
+                else:
+                    cells.append(f"{(b / v if higher else v / b):{w}.2f}")
+            print(f"{label:24}" + "".join(cells))
+    print("\nread paths used (the best of each kind each peer has):")
+    for n in live:
+        p = rows[n].get("paths", {})
+        print(f"  {ROW_NAMES[n]:12} put: {p.get('put', '-')}; into: {p.get('into', '-')}; "
+              f"fresh: {p.get('fresh', '-')}")
+    for n in names:
+        if "unavailable" in rows[n]:
+            print(f"unavailable: {ROW_NAMES[n]}: {rows[n]['unavailable']}")
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny smoke run (for tests)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--count", type=int, default=100, help="values per size (x100 batches)")
+    ap.add_argument("--lat-iters", type=int, default=2000)
+    ap.add_argument("--peers", default=",".join(ALL_PEERS))
+    ap.add_argument("--peers-cache", default=os.environ.get("KVSHM_PEERS_CACHE",
+                                                           "/root/.cache/kvshm-peers"))
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per peer")
+    ap.add_argument("--json", metavar="FILE")
+    ap.add_argument("--worker", nargs=2, metavar=("PEER", "SPEC"), help=argparse.SUPPRESS)
+    ap.add_argument("--mooncake-holder", metavar="SPEC", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker(args.worker[0], json.loads(args.worker[1]))
+        return 0
+    if args.mooncake_holder:
+        mooncake_holder(json.loads(args.mooncake_holder))
+        return 0
+    sizes: tuple[tuple[int, str], ...] = SIZES
+    if args.quick:
+        args.reps, args.count, args.lat_iters = 1, 4, 50
+        sizes = ((64 << 10, "64K"), (1 << 20, "1M"))
+    peers = [p for p in args.peers.split(",") if p]
+    unknown = set(peers) - set(ALL_PEERS)
+    if unknown:
+        ap.error(f"unknown peers {sorted(unknown)} (known: {', '.join(ALL_PEERS)})")
+    spec = {"count": args.count, "reps": args.reps, "lat_iters": args.lat_iters,
+            "sizes": [list(s) for s in sizes]}
+    rows: dict[str, Any] = {}
+    rows["memcpy"] = ref_memcpy(args.count, args.reps, sizes)
+    rows["raw-socket"] = ref_socket(args.count, args.reps, args.lat_iters, sizes)
+    kv = [p for p in peers if p.startswith("kvshm-")]
+    if kv:
+        rows.update(bench_kvshm(kv, spec, args.timeout))
+    runners: dict[str, Callable[[], dict[str, Any]]] = {
+        "redis": lambda: bench_redis(spec, args.peers_cache, args.timeout),
+        "lm-server": lambda: bench_lm_server(spec, args.peers_cache, args.timeout),
+        "mooncake": lambda: bench_mooncake(spec, args.peers_cache, args.timeout),
+        "infinistore": lambda: bench_infinistore(args.peers_cache)}
+    for peer in peers:
+        if peer in runners:
+            try:
+                rows[peer] = runners[peer]()
+            except (Unavailable, RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+                rows[peer] = {"unavailable": str(exc)}
+    res = {"meta": {"mode": "quick" if args.quick else "full", "count": args.count,
+                    "reps": args.reps, "lat_iters": args.lat_iters,
+                    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+           "rows": rows}
+    report(res)
+    if args.json:
+        text = json.dumps(res, indent=1, sort_keys=True)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

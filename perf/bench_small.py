@@ -1,0 +1,692 @@
+#!/usr/bin/env python3
+"""Small operations of kvshm beside their baselines, all measured in the same run.
+
+    python perf/bench_small.py [--quick] [--json FILE|-] [--reps 3] [--working-set-mib 128]
+                               [--clients 1,2,4,8] [--seconds 2] [--batch 100000]
+                               [--skip-redis] [--only local,remote,batch,bystander]
+
+Issue 13's "Speed and memory" figures. Every figure is printed beside the baseline that
+does the same work in this run, and every byte read is checked (outside the timed region).
+
+local (a shm client of a server on this host, default 64 KiB blocks)
+    single-key 4 KiB ``get_into`` p50/p99 vs a bare pyzmq DEALER/ROUTER echo round trip
+    (over ipc://, the endpoint a local client uses) and vs ``numpy.copyto`` of 4 KiB inside
+    one Python call; ``get`` (fresh bytes) vs ``ndarray.tobytes`` of the same 4 KiB;
+    single ``put`` / ``get_into`` of 64 KiB and 1 MiB over a working set of distinct values
+    larger than the caches (--working-set-mib, in each direction) vs ``numpy.copyto`` of
+    the same sizes over an equally large working set (MB/s of the median op);
+    single-key ``exists`` and ``match_prefix`` of 64 keys (p50) vs the echo round trip;
+    batch ``exists_batch`` / ``match_prefix`` of --batch keys (keys/s) vs a Python dict
+    membership test of the same keys in this process.
+remote (TCP transport, i.e. what a client on another host gets)
+    single-key requests/s with N client processes for N in --clients, 4 KiB values, put
+    then get phases, beside Redis SET/GET (redis-server + redis-py, same N, same values);
+    server CPU per request from /proc of the server (and of redis-server).
+batch (TCP, a server with 4 KiB blocks)
+    ``put_batch`` / ``get_batch`` (fresh bytes) / ``exists_batch`` of --batch keys of
+    64-byte values, keys/s, beside Redis pipelined SET / MGET (fresh bytes) of the same.
+bystander (TCP)
+    p50/p99 of a client doing single 4 KiB ``get_into`` in its own process while idle and
+    while this process sends --batch-key put_batch/get_batch (alternating) to the same server.
+
+Targets (issue 13) are printed beside the ratios; nothing here asserts them.
+``--quick`` is a smoke run (tiny sizes, short phases) for tests; its figures mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+
+import _common  # noqa: E402
+from _common import cpu_seconds, pct, spawn_helper, stop  # noqa: E402
+
+VALUE_4K = 4096
+
+
+def _now() -> float:
+    return time.perf_counter()
+
+
+def lat_stats(samples: list[float]) -> dict[str, float]:
+    """p50/p99/mean in microseconds of samples in seconds."""
+    s = sorted(samples)
+    return {"p50_us": pct(s, 0.5) * 1e6, "p99_us": pct(s, 0.99) * 1e6,
+            "mean_us": statistics.fmean(s) * 1e6, "n": len(s)}
+
+
+def pattern(seed: int, size: int) -> np.ndarray:
+    """Bytes of one value: differ in every 8-byte word by position and by seed."""
+    words = (np.arange(size // 8 + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+             ^ np.uint64(seed * 0x100000001B3 + 1))
+    return words.view(np.uint8)[:size].copy()
+
+
+# --------------------------------------------------------------------------- baselines
+
+
+def bench_zmq_echo(endpoint: str, n: int, payload: int = 64) -> dict[str, float]:
+    """Round trips of a ``payload``-byte message to a bare ROUTER echo in another process."""
+    import zmq
+
+    proc, bound = spawn_helper("zmq_echo_server", endpoint)
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    try:
+        s.connect(bound)
+        msg = b"x" * payload
+        lat = []
+        for i in range(n + n // 10):
+            t = _now()
+            s.send(msg)
+            got = s.recv()
+            dt = _now() - t
+            if got != msg:
+                raise RuntimeError("zmq echo returned other bytes")
+            if i >= n // 10:            # the first tenth warms up
+                lat.append(dt)
+    finally:
+        s.close()
+        ctx.term()
+        stop(proc)
+    return lat_stats(lat)
+
+
+def _one_call_copy(dst: np.ndarray, src: np.ndarray) -> int:
+    np.copyto(dst, src)
+    return src.nbytes
+
+
+def bench_copy_call(n: int, size: int) -> dict[str, float]:
+    """numpy.copyto of ``size`` bytes inside one Python call (the floor of get_into)."""
+    src = pattern(7, size)
+    dst = np.empty(size, np.uint8)
+    lat = []
+    for _ in range(n):
+        t = _now()
+        _one_call_copy(dst, src)
+        lat.append(_now() - t)
+    if not np.array_equal(dst, src):
+        raise RuntimeError("copy baseline copied other bytes")
+    return lat_stats(lat)
+
+
+def bench_tobytes_call(n: int, size: int) -> dict[str, float]:
+    """ndarray.tobytes of ``size`` bytes inside one Python call (the floor of get)."""
+    src = pattern(7, size)
+
+    def call(a: np.ndarray) -> bytes:
+        return a.tobytes()
+
+    lat = []
+    for _ in range(n):
+        t = _now()
+        b = call(src)
+        lat.append(_now() - t)
+    if b != src.tobytes():
+        raise RuntimeError("tobytes baseline produced other bytes")
+    return lat_stats(lat)
+
+
+# --------------------------------------------------------------------------- local
+
+
+def bench_local_4k(c: Any, n: int) -> dict[str, Any]:
+    want = pattern(4, VALUE_4K)
+    wantb = want.tobytes()
+    c.put("small-4k", want)
+    out = np.empty(VALUE_4K, np.uint8)
+    into, fresh = [], []
+    bad = 0
+    for i in range(n + n // 10):
+        out[:] = 0
+        t = _now()
+        c.get_into("small-4k", out)
+        dt = _now() - t
+        if not np.array_equal(out, want):
+            bad += 1
+        t = _now()
+        got = c.get("small-4k")
+        dt2 = _now() - t
+        if got != wantb:
+            bad += 1
+        if i >= n // 10:
+            into.append(dt)
+            fresh.append(dt2)
+    if bad:
+        raise RuntimeError(f"{bad} 4 KiB reads returned wrong bytes")
+    return {"get_into": lat_stats(into), "get": lat_stats(fresh)}
+
+
+def bench_single_sizes(c: Any, size: int, ws_bytes: int, reps: int) -> dict[str, Any]:
+    """Single put / get_into of ``size`` over a working set of distinct values, beside
+    numpy.copyto over an equally large working set (source and destination apart)."""
+    n = max(4, ws_bytes // size)
+    srcs = [pattern(1000 + i, size) for i in range(n)]
+    outs = [np.empty(size, np.uint8) for _ in range(n)]
+    keys = [f"single-{size}-{i}" for i in range(n)]
+    put_t: list[float] = []
+    get_t: list[float] = []
+    cpy_t: list[float] = []
+    c.put_batch(keys, srcs)                      # warm the pool pages and the keys
+    for _ in range(reps):
+        for i in range(n):                       # baseline pass, same order of bytes
+            t = _now()
+            np.copyto(outs[i], srcs[i])
+            cpy_t.append(_now() - t)
+        for o in outs:
+            o[:1] = 0
+        for i in range(n):
+            t = _now()
+            c.put(keys[i], srcs[i])
+            put_t.append(_now() - t)
+        for o in outs:
+            o[:] = 0
+        for i in range(n):
+            t = _now()
+            c.get_into(keys[i], outs[i])
+            get_t.append(_now() - t)
+        bad = sum(not np.array_equal(o, s) for o, s in zip(outs, srcs))
+        if bad:
+            raise RuntimeError(f"{bad} of {n} {size}-byte reads returned wrong bytes")
+    c.delete(keys)
+
+    def mbps(ts: list[float]) -> float:
+        return size / statistics.median(ts) / 1e6
+
+    return {"values": n, "bytes": size, "put_MBps": mbps(put_t), "get_MBps": mbps(get_t),
+            "copy_MBps": mbps(cpy_t), "put_vs_copy": mbps(put_t) / mbps(cpy_t),
+            "get_vs_copy": mbps(get_t) / mbps(cpy_t)}
+
+
+def bench_local_queries(c: Any, n: int) -> dict[str, Any]:
+    keys = [f"prefix-{i:04d}".encode() for i in range(64)]
+    c.put_batch(keys, [b"q" * 16] * 64)
+    ex, mp = [], []
+    bad = 0
+    for i in range(n + n // 10):
+        t = _now()
+        e = c.exists(keys[i % 64])
+        dt = _now() - t
+        t = _now()
+        m = c.match_prefix(keys)
+        dt2 = _now() - t
+        bad += (e is not True) + (m != 64)
+        if i >= n // 10:
+            ex.append(dt)
+            mp.append(dt2)
+    if c.match_prefix(keys[:32] + [b"prefix-missing"] + keys[32:]) != 32:
+        bad += 1
+    if bad:
+        raise RuntimeError(f"{bad} wrong exists/match_prefix answers")
+    c.delete(keys)
+    return {"exists": lat_stats(ex), "match_prefix_64": lat_stats(mp)}
+
+
+def bench_batch_queries(c: Any, keys: list[bytes], reps: int) -> dict[str, float]:
+    """exists_batch / match_prefix keys/s vs a dict membership test (same keys)."""
+    n = len(keys)
+    d = dict.fromkeys(keys, 0)
+    ex, mp, dm = [], [], []
+    for _ in range(reps):
+        t = _now()
+        found = [k in d for k in keys]
+        dm.append(n / (_now() - t))
+        assert all(found)
+        t = _now()
+        r = c.exists_batch(keys)
+        ex.append(n / (_now() - t))
+        if not all(r):
+            raise RuntimeError("exists_batch missed keys that are there")
+        t = _now()
+        m = c.match_prefix(keys)
+        mp.append(n / (_now() - t))
+        if m != n:
+            raise RuntimeError(f"match_prefix said {m} of {n}")
+    return {"keys": n, "exists_keys_per_s": statistics.median(ex),
+            "match_prefix_keys_per_s": statistics.median(mp),
+            "dict_keys_per_s": statistics.median(dm)}
+
+
+# --------------------------------------------------------------------------- workers
+
+
+def worker_main(spec: dict[str, Any]) -> None:
+    """A client process: prints "ready", waits for a line on stdin, runs, prints JSON."""
+    kind = spec["kind"]
+    if kind in ("kvshm-put", "kvshm-get", "bystander"):
+        import kvshm
+
+        c = kvshm.Client(spec["address"], transport=spec["transport"], timeout=60)
+        key = spec["key"]
+        val = pattern(spec["seed"], spec["size"])
+        valb = val.tobytes()
+        c.put(key, val)
+        out = np.empty(spec["size"], np.uint8)
+
+        def put() -> bool:
+            c.put(key, val)
+            return True
+
+        def get() -> bool:
+            c.get_into(key, out)
+            return bool(np.array_equal(out, val))
+
+        op = {"kvshm-put": put, "kvshm-get": get, "bystander": get}[kind]
+        close = c.close
+    else:
+        import redis
+
+        r = redis.Redis(host="127.0.0.1", port=spec["port"])
+        key = spec["key"]
+        valb = pattern(spec["seed"], spec["size"]).tobytes()
+        r.set(key, valb)
+
+        def rput() -> bool:
+            r.set(key, valb)
+            return True
+
+        def rget() -> bool:
+            return r.get(key) == valb
+
+        op = {"redis-set": rput, "redis-get": rget}[kind]
+        close = r.close
+    print("ready", flush=True)
+    sys.stdin.readline()
+    n = bad = 0
+    stamps: list[tuple[float, float]] = []
+    end = time.monotonic() + spec["seconds"]
+    if kind == "bystander":
+        while True:
+            t0 = time.monotonic()
+            if t0 >= end:
+                break
+            ok = op()
+            stamps.append((t0, time.monotonic() - t0))
+            bad += not ok
+            n += 1
+    else:
+        while time.monotonic() < end:
+            bad += not op()
+            n += 1
+    close()
+    print(json.dumps({"n": n, "bad": bad, "stamps": stamps}), flush=True)
+
+
+def run_workers(specs: list[dict[str, Any]], server_pid: int | None
+                ) -> tuple[list[dict[str, Any]], float, float]:
+    """Start one process per spec, release them together; (results, wall s, server CPU s)."""
+    procs = []
+    try:
+        for s in specs:
+            procs.append(subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(s)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+        for p in procs:
+            assert p.stdout is not None
+            if p.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"a {specs[0]['kind']} worker did not start")
+        cpu0 = cpu_seconds(server_pid) if server_pid else 0.0
+        t0 = time.monotonic()
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        outs = []
+        for p in procs:
+            assert p.stdout is not None
+            outs.append(json.loads(p.stdout.readline()))
+        wall = time.monotonic() - t0
+        cpu = (cpu_seconds(server_pid) - cpu0) if server_pid else 0.0
+        for p in procs:
+            p.wait(30)
+    finally:
+        for p in procs:
+            stop(p)
+    bad = sum(o["bad"] for o in outs)
+    if bad:
+        raise RuntimeError(f"{bad} reads of {specs[0]['kind']} workers returned wrong bytes")
+    return outs, wall, cpu
+
+
+def bench_remote_single(address: str, server_pid: int, redis_port: int | None,
+                        redis_pid: int | None, counts: list[int], seconds: float
+                        ) -> list[dict[str, Any]]:
+    rows = []
+    for n in counts:
+        row: dict[str, Any] = {"clients": n}
+        for label, kinds, pid in (("kvshm", ("kvshm-put", "kvshm-get"), server_pid),
+                                  ("redis", ("redis-set", "redis-get"), redis_pid)):
+            if label == "redis" and redis_port is None:
+                continue
+            for kind in kinds:
+                specs = [{"kind": kind, "address": address, "transport": "tcp",
+                          "port": redis_port, "key": f"remote-{i}", "seed": 50 + i,
+                          "size": VALUE_4K, "seconds": seconds} for i in range(n)]
+                outs, wall, cpu = run_workers(specs, pid)
+                total = sum(o["n"] for o in outs)
+                op = "put" if kind.endswith(("put", "set")) else "get"
+                row[f"{label}_{op}_rps"] = total / seconds
+                row[f"{label}_{op}_cpu_us"] = cpu / max(total, 1) * 1e6
+        for op in ("put", "get"):
+            if f"redis_{op}_rps" in row:
+                row[f"{op}_vs_redis"] = row[f"kvshm_{op}_rps"] / row[f"redis_{op}_rps"]
+        rows.append(row)
+    return rows
+
+
+# --------------------------------------------------------------------------- batches
+
+
+def bench_batches(address: str, server_pid: int, r: Any, redis_pid: int | None,
+                  keys: list[bytes], vals: list[bytes], reps: int) -> dict[str, Any]:
+    import kvshm
+
+    n = len(keys)
+    res: dict[str, list[float]] = {k: [] for k in (
+        "put", "get", "exists", "rset", "rmget", "put_cpu", "get_cpu")}
+    with kvshm.Client(address, transport="tcp", timeout=120) as c:
+        if c.transport != "tcp":
+            raise RuntimeError(f"asked for tcp, got {c.transport}")
+        c.put_batch(keys, vals)
+        for _ in range(reps):
+            cpu0, t = cpu_seconds(server_pid), _now()
+            c.put_batch(keys, vals)
+            dt, cpu = _now() - t, cpu_seconds(server_pid) - cpu0
+            res["put"].append(n / dt)
+            res["put_cpu"].append(cpu / n)
+            cpu0, t = cpu_seconds(server_pid), _now()
+            got = c.get_batch(keys)
+            dt, cpu = _now() - t, cpu_seconds(server_pid) - cpu0
+            res["get"].append(n / dt)
+            res["get_cpu"].append(cpu / n)
+            if got != vals:
+                raise RuntimeError("get_batch returned other bytes")
+            t = _now()
+            e = c.exists_batch(keys)
+            res["exists"].append(n / (_now() - t))
+            if not all(e):
+                raise RuntimeError("exists_batch missed keys")
+            if r is not None:
+                t = _now()
+                p = r.pipeline(transaction=False)
+                for k, v in zip(keys, vals):
+                    p.set(k, v)
+                p.execute()
+                res["rset"].append(n / (_now() - t))
+                t = _now()
+                rg = r.mget(keys)
+                res["rmget"].append(n / (_now() - t))
+                if rg != vals:
+                    raise RuntimeError("redis MGET returned other bytes")
+    out: dict[str, Any] = {"keys": n, "value_bytes": len(vals[0])}
+    for k, v in res.items():
+        if v:
+            out[k] = statistics.median(v)
+    if r is not None:
+        out["put_vs_redis"] = out["put"] / out["rset"]
+        out["get_vs_redis"] = out["get"] / out["rmget"]
+        r.flushall()
+    return out
+
+
+def bench_bystander(address: str, keys: list[bytes], vals: list[bytes], seconds: float
+                    ) -> dict[str, Any]:
+    """A 4 KiB single-get client (own process, TCP) while idle and while this process
+    sends whole batches of ``keys`` (put_batch, then get_batch) to the same server."""
+    import kvshm
+
+    spec = {"kind": "bystander", "address": address, "transport": "tcp", "key": "bystander",
+            "seed": 99, "size": VALUE_4K, "seconds": 3 * seconds}
+    p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker",
+                          json.dumps(spec)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True)
+    batches = 0
+    try:
+        assert p.stdin is not None and p.stdout is not None
+        with kvshm.Client(address, transport="tcp", timeout=120) as c:
+            if p.stdout.readline().strip() != "ready":
+                raise RuntimeError("bystander did not start")
+            t0 = time.monotonic()
+            p.stdin.write("go\n")
+            p.stdin.flush()
+            time.sleep(seconds)        # idle window: the bystander alone
+            busy0 = time.monotonic()
+            while time.monotonic() < busy0 + seconds:
+                c.put_batch(keys, vals)
+                if c.get_batch(keys) != vals:
+                    raise RuntimeError("get_batch returned other bytes")
+                batches += 2
+            busy1 = time.monotonic()
+            out = json.loads(p.stdout.readline())
+            p.wait(30)
+    finally:
+        stop(p)
+    if out["bad"]:
+        raise RuntimeError(f"{out['bad']} bystander reads returned wrong bytes")
+    idle = [lat for ts, lat in out["stamps"] if t0 <= ts and ts + lat < busy0]
+    busy = [lat for ts, lat in out["stamps"] if busy0 <= ts and ts + lat <= busy1]
+    return {"batch_keys": len(keys), "batches": batches, "busy_s": busy1 - busy0,
+            "idle": lat_stats(idle) if idle else {}, "busy": lat_stats(busy) if busy else {}}
+
+
+# --------------------------------------------------------------------------- report
+
+
+def fmt_lat(d: dict[str, float]) -> str:
+    return f"p50 {d['p50_us']:8.1f} us  p99 {d['p99_us']:8.1f} us"
+
+
+def report(res: dict[str, Any]) -> None:
+    print(f"\nkvshm small-operation benchmark  ({res['meta']['mode']}; ratios are against "
+          "baselines measured in this run)\n")
+    loc = res.get("local")
+    if loc:
+        b = loc["baselines"]
+        print("LOCAL (shm client)")
+        print(f"  baseline zmq DEALER/ROUTER echo, ipc  {fmt_lat(b['zmq_echo_ipc'])}")
+        print(f"  baseline numpy copyto 4 KiB + 1 call  {fmt_lat(b['copy_4k_call'])}")
+        print(f"  baseline tobytes 4 KiB + 1 call       {fmt_lat(b['tobytes_4k_call'])}")
+        g = loc["get_4k"]
+        print(f"  kvshm get_into 4 KiB                  {fmt_lat(g['get_into'])}")
+        print(f"  kvshm get 4 KiB (fresh bytes)         {fmt_lat(g['get'])}")
+        r = loc["ratios"]
+        print(f"    get_into p50 / echo p50   {r['get_into_vs_echo']:6.2f}   (target <= 0.25)")
+        print(f"    get_into p50 / copy p50   {r['get_into_vs_copy']:6.2f}   (target <= 3)")
+        print(f"    get p50 / tobytes p50     {r['get_vs_tobytes']:6.2f}")
+        print("  single put / get_into, values beyond the caches (MB/s of the median op)")
+        for s in loc["single"]:
+            tgt = ">= 0.8" if s["bytes"] >= 1 << 20 else ">= 0.4"
+            print(f"    {s['bytes'] // 1024:5d} KiB x {s['values']:5d}: put {s['put_MBps']:8.0f}"
+                  f"  get {s['get_MBps']:8.0f}  numpy copy {s['copy_MBps']:8.0f}   "
+                  f"put/copy {s['put_vs_copy']:.2f}  get/copy {s['get_vs_copy']:.2f}  "
+                  f"(target {tgt})")
+        q = loc["queries"]
+        print(f"  kvshm exists, 1 key                   {fmt_lat(q['exists'])}")
+        print(f"  kvshm match_prefix, 64 keys           {fmt_lat(q['match_prefix_64'])}")
+        print(f"    echo p50 / exists p50     {r['echo_vs_exists']:6.2f}x   "
+              f"echo p50 / match_prefix p50 {r['echo_vs_match_prefix']:6.2f}x   "
+              "(target: 10x faster than the 'before' round trip)")
+        bq = loc.get("batch_queries")
+        if bq:
+            print(f"  batch of {bq['keys']} keys: exists_batch {bq['exists_keys_per_s'] / 1e6:.2f}"
+                  f" M keys/s, match_prefix {bq['match_prefix_keys_per_s'] / 1e6:.2f} M keys/s;"
+                  f" dict membership {bq['dict_keys_per_s'] / 1e6:.2f} M keys/s  (target >= 20 M)")
+    rem = res.get("remote")
+    if rem:
+        print(f"\nREMOTE (TCP transport), single-key 4 KiB, requests/s per phase of "
+              f"{res['meta']['seconds']} s; redis-py parser: {rem['redis_parser']}")
+        print(f"  baseline zmq DEALER/ROUTER echo, tcp  {fmt_lat(rem['zmq_echo_tcp'])}")
+        hdr = ("clients", "kvshm put", "redis set", "put/redis", "kvshm get", "redis get",
+               "get/redis", "srv us/put", "srv us/get", "redis us/set", "redis us/get")
+        print("  " + " ".join(f"{h:>12}" for h in hdr))
+        for row in rem["rows"]:
+            vals = [row["clients"], row.get("kvshm_put_rps"), row.get("redis_put_rps"),
+                    row.get("put_vs_redis"), row.get("kvshm_get_rps"), row.get("redis_get_rps"),
+                    row.get("get_vs_redis"), row.get("kvshm_put_cpu_us"),
+                    row.get("kvshm_get_cpu_us"), row.get("redis_put_cpu_us"),
+                    row.get("redis_get_cpu_us")]
+            print("  " + " ".join(f"{'-':>12}" if v is None else
+                                  (f"{v:12.2f}" if isinstance(v, float) and v < 100 else
+                                   f"{v:12.0f}") for v in vals))
+        print("  (target: kvshm >= 1.0x Redis at every N; server CPU per request)")
+    bat = res.get("batch")
+    if bat:
+        print(f"\nBATCH (TCP, 4 KiB blocks), {bat['keys']} keys of {bat['value_bytes']} bytes, "
+              "keys/s")
+        print(f"  kvshm put_batch {bat['put'] / 1e6:.2f} M/s (server {bat['put_cpu'] * 1e6:.2f}"
+              f" us CPU/key)   get_batch (fresh bytes) {bat['get'] / 1e6:.2f} M/s (server "
+              f"{bat['get_cpu'] * 1e6:.2f} us CPU/key)   exists_batch {bat['exists'] / 1e6:.2f} M/s")
+        if "rset" in bat:
+            print(f"  redis pipelined SET {bat['rset'] / 1e6:.2f} M/s   MGET (fresh bytes) "
+                  f"{bat['rmget'] / 1e6:.2f} M/s   put/redis {bat['put_vs_redis']:.2f}  "
+                  f"get_batch/MGET {bat['get_vs_redis']:.2f}")
+        print("  (target: put >= 2 M keys/s, lookup >= 5 M keys/s)")
+    by = res.get("bystander")
+    if by:
+        print(f"\nBYSTANDER (TCP, 4 KiB get_into in its own process), while another client "
+              f"sends {by['batch_keys']}-key batches ({by['batches']} in {by['busy_s']:.1f} s)")
+        if by["idle"]:
+            print(f"  idle                                  {fmt_lat(by['idle'])}")
+        if by["busy"]:
+            print(f"  during batches                        {fmt_lat(by['busy'])}"
+                  f"   (target p99 <= 5 ms)")
+        else:
+            print("  during batches: no request finished inside the busy window")
+    for line in res.get("unavailable", []):
+        print(f"\nunavailable: {line}")
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny smoke run (for tests)")
+    ap.add_argument("--json", metavar="FILE", help="also write the figures as JSON ('-': stdout)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=3000, help="timed calls per latency figure")
+    ap.add_argument("--working-set-mib", type=int, default=128)
+    ap.add_argument("--clients", default="1,2,4,8")
+    ap.add_argument("--seconds", type=float, default=2.0, help="seconds per request-rate phase")
+    ap.add_argument("--batch", type=int, default=100_000, help="keys in a batch")
+    ap.add_argument("--skip-redis", action="store_true")
+    ap.add_argument("--only", default="local,remote,batch,bystander")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker_main(json.loads(args.worker))
+        return 0
+    if args.quick:
+        args.reps, args.iters, args.working_set_mib = 1, 100, 2
+        args.clients, args.seconds, args.batch = "1,2", 0.3, 2000
+    only = set(args.only.split(","))
+    counts = [int(x) for x in args.clients.split(",")]
+
+    import kvshm
+    from servers import ServerProcess
+
+    res: dict[str, Any] = {"meta": {"mode": "quick" if args.quick else "full",
+                                    "reps": args.reps, "iters": args.iters,
+                                    "seconds": args.seconds, "batch": args.batch,
+                                    "cpus": os.cpu_count(),
+                                    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+                           "unavailable": []}
+    redis_proc = rport = r = rdir = None
+    if not args.skip_redis and only & {"remote", "batch"}:
+        try:
+            import redis
+
+            redis_proc, rport, rdir = _common.start_redis(2 << 30)
+            r = redis.Redis(host="127.0.0.1", port=rport)
+        except (ImportError, FileNotFoundError, RuntimeError) as exc:
+            res["unavailable"].append(f"redis: {exc}")
+    ws = args.working_set_mib << 20
+    try:
+        pool_gib = max(0.0625, (2.2 * ws + (16 << 20)) / 2**30)
+        if only & {"local", "remote"}:
+            with ServerProcess(prealloc_size=round(pool_gib, 4)) as srv:
+                if "local" in only:
+                    loc: dict[str, Any] = {}
+                    ipc_dir = tempfile.mkdtemp(prefix="kvshm-bench-echo-")
+                    try:
+                        b = {"zmq_echo_ipc": bench_zmq_echo(f"ipc://{ipc_dir}/echo.sock",
+                                                            args.iters),
+                             "copy_4k_call": bench_copy_call(args.iters, VALUE_4K),
+                             "tobytes_4k_call": bench_tobytes_call(args.iters, VALUE_4K)}
+                    finally:
+                        shutil.rmtree(ipc_dir, ignore_errors=True)
+                    loc["baselines"] = b
+                    with kvshm.Client(srv.address, transport="shm", timeout=60) as c:
+                        loc["get_4k"] = bench_local_4k(c, args.iters)
+                        loc["single"] = [bench_single_sizes(c, size, ws, args.reps)
+                                         for size in (64 << 10, 1 << 20)]
+                        loc["queries"] = bench_local_queries(c, args.iters)
+                        c.purge()
+                    g, q = loc["get_4k"], loc["queries"]
+                    echo = b["zmq_echo_ipc"]["p50_us"]
+                    loc["ratios"] = {
+                        "get_into_vs_echo": g["get_into"]["p50_us"] / echo,
+                        "get_into_vs_copy": g["get_into"]["p50_us"] / b["copy_4k_call"]["p50_us"],
+                        "get_vs_tobytes": g["get"]["p50_us"] / b["tobytes_4k_call"]["p50_us"],
+                        "echo_vs_exists": echo / q["exists"]["p50_us"],
+                        "echo_vs_match_prefix": echo / q["match_prefix_64"]["p50_us"]}
+                    res["local"] = loc
+                if "remote" in only:
+                    res["remote"] = {
+                        "redis_parser": _common.redis_parser() if r is not None else "-",
+                        "zmq_echo_tcp": bench_zmq_echo("tcp://127.0.0.1:0", args.iters),
+                        "rows": bench_remote_single(
+                            srv.address, srv.pid, rport,
+                            redis_proc.pid if redis_proc is not None else None,
+                            counts, args.seconds)}
+        if only & {"batch", "bystander", "local"}:
+            n = args.batch
+            keys = [f"batch-{i:012d}".encode() for i in range(n)]
+            vals = [pattern(i, 64).tobytes() for i in range(n)]
+            # 4 KiB blocks; room for the batch twice (an overwrite holds old and new) + slack
+            pool = max(0.0625, round((2.5 * n * 4096 + (32 << 20)) / 2**30, 4))
+            with ServerProcess("--block-size", "4", prealloc_size=pool) as srv4:
+                if "local" in only:
+                    with kvshm.Client(srv4.address, transport="shm", timeout=120) as c:
+                        c.put_batch(keys, vals)
+                        res["local"]["batch_queries"] = bench_batch_queries(c, keys, args.reps)
+                if "batch" in only:
+                    res["batch"] = bench_batches(
+                        srv4.address, srv4.pid, r,
+                        redis_proc.pid if redis_proc is not None else None,
+                        keys, vals, args.reps)
+                if "bystander" in only:
+                    res["bystander"] = bench_bystander(srv4.address, keys, vals, args.seconds)
+    finally:
+        stop(redis_proc)
+        if rdir:
+            shutil.rmtree(rdir, ignore_errors=True)
+    report(res)
+    if args.json:
+        text = json.dumps(res, indent=1, sort_keys=True)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
