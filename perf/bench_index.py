@@ -43,7 +43,7 @@ BLOCK = 4096
 
 def key_of(i: int) -> bytes:
     """A 40-byte key that looks like a chunk hash (hex), distinct per i."""
-    return (b"%040x" % (i * 0x9E3779B97F4A7C15 % (1 << 160)))
+    return b"%040x" % (int(i) * 0x9E3779B97F4A7C15 % (1 << 160))
 
 
 def dict_baseline(n: int) -> dict[str, float]:

@@ -27,7 +27,7 @@ declare -A REQS=(
     [redis]="redis==7.1.0 hiredis numpy"
     [lmcache]="torch==2.13.0 lmcache==0.5.6 numpy"
     [mooncake]="mooncake-transfer-engine-non-cuda==0.3.13.post1 numpy"
-    [infinistore]="infinistore numpy"
+    [infinistore]="torch==2.13.0 infinistore numpy"
 )
 # what `python -c` must import for the venv to count as built
 declare -A CHECK=(
