@@ -310,17 +310,21 @@ def worker_main(spec: dict[str, Any]) -> None:
     sys.stdin.readline()
     n = bad = 0
     stamps: list[tuple[float, float]] = []
-    end = time.monotonic() + spec["seconds"]
     if kind == "bystander":
-        while True:
+        # runs until the parent writes a second line (it decides the windows)
+        import threading
+
+        done = threading.Event()
+        threading.Thread(target=lambda: (sys.stdin.readline(), done.set()),
+                         daemon=True).start()
+        while not done.is_set():
             t0 = time.monotonic()
-            if t0 >= end:
-                break
             ok = op()
             stamps.append((t0, time.monotonic() - t0))
             bad += not ok
             n += 1
     else:
+        end = time.monotonic() + spec["seconds"]
         while time.monotonic() < end:
             bad += not op()
             n += 1
@@ -452,7 +456,7 @@ def bench_bystander(address: str, keys: list[bytes], vals: list[bytes], seconds:
     import kvshm
 
     spec = {"kind": "bystander", "address": address, "transport": "tcp", "key": "bystander",
-            "seed": 99, "size": VALUE_4K, "seconds": 3 * seconds}
+            "seed": 99, "size": VALUE_4K, "seconds": 0}
     p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker",
                           json.dumps(spec)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          text=True)
@@ -462,9 +466,9 @@ def bench_bystander(address: str, keys: list[bytes], vals: list[bytes], seconds:
         with kvshm.Client(address, transport="tcp", timeout=120) as c:
             if p.stdout.readline().strip() != "ready":
                 raise RuntimeError("bystander did not start")
-            t0 = time.monotonic()
             p.stdin.write("go\n")
             p.stdin.flush()
+            t0 = time.monotonic()
             time.sleep(seconds)        # idle window: the bystander alone
             busy0 = time.monotonic()
             while time.monotonic() < busy0 + seconds:
@@ -473,14 +477,19 @@ def bench_bystander(address: str, keys: list[bytes], vals: list[bytes], seconds:
                     raise RuntimeError("get_batch returned other bytes")
                 batches += 2
             busy1 = time.monotonic()
+            time.sleep(0.2)            # the requests the last batch held up finish
+            p.stdin.write("stop\n")
+            p.stdin.flush()
             out = json.loads(p.stdout.readline())
             p.wait(30)
     finally:
         stop(p)
     if out["bad"]:
         raise RuntimeError(f"{out['bad']} bystander reads returned wrong bytes")
+    # by start time: a request that began while a batch ran counts as "busy" however long
+    # it then waited
     idle = [lat for ts, lat in out["stamps"] if t0 <= ts and ts + lat < busy0]
-    busy = [lat for ts, lat in out["stamps"] if busy0 <= ts and ts + lat <= busy1]
+    busy = [lat for ts, lat in out["stamps"] if busy0 <= ts < busy1]
     return {"batch_keys": len(keys), "batches": batches, "busy_s": busy1 - busy0,
             "idle": lat_stats(idle) if idle else {}, "busy": lat_stats(busy) if busy else {}}
 
@@ -493,8 +502,10 @@ def fmt_lat(d: dict[str, float]) -> str:
 
 
 def report(res: dict[str, Any]) -> None:
-    print(f"\nkvshm small-operation benchmark  ({res['meta']['mode']}; ratios are against "
-          "baselines measured in this run)\n")
+    m = res["meta"]
+    print(f"\nkvshm small-operation benchmark  ({m['mode']}; ratios are against baselines "
+          f"measured in this run; {m['cpus']} CPUs, load average {m['loadavg_start']:.1f} at "
+          f"start, {m['loadavg_end']:.1f} at end)\n")
     loc = res.get("local")
     if loc:
         b = loc["baselines"]
@@ -551,7 +562,8 @@ def report(res: dict[str, Any]) -> None:
               "keys/s")
         print(f"  kvshm put_batch {bat['put'] / 1e6:.2f} M/s (server {bat['put_cpu'] * 1e6:.2f}"
               f" us CPU/key)   get_batch (fresh bytes) {bat['get'] / 1e6:.2f} M/s (server "
-              f"{bat['get_cpu'] * 1e6:.2f} us CPU/key)   exists_batch {bat['exists'] / 1e6:.2f} M/s")
+              f"{bat['get_cpu'] * 1e6:.2f} us CPU/key)   exists_batch "
+              f"{bat['exists'] / 1e6:.2f} M/s")
         if "rset" in bat:
             print(f"  redis pipelined SET {bat['rset'] / 1e6:.2f} M/s   MGET (fresh bytes) "
                   f"{bat['rmget'] / 1e6:.2f} M/s   put/redis {bat['put_vs_redis']:.2f}  "
@@ -604,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {"meta": {"mode": "quick" if args.quick else "full",
                                     "reps": args.reps, "iters": args.iters,
                                     "seconds": args.seconds, "batch": args.batch,
-                                    "cpus": os.cpu_count(),
+                                    "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()[0],
                                     "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
                            "unavailable": []}
     redis_proc = rport = r = rdir = None
@@ -677,6 +689,7 @@ def main(argv: list[str] | None = None) -> int:
         stop(redis_proc)
         if rdir:
             shutil.rmtree(rdir, ignore_errors=True)
+    res["meta"]["loadavg_end"] = os.getloadavg()[0]
     report(res)
     if args.json:
         text = json.dumps(res, indent=1, sort_keys=True)

@@ -229,7 +229,8 @@ def main() -> None:
                 raw = bench_raw_socket(n, size, args.reps)
                 shm_put, shm_get, shm_fresh = bench_kvshm(srv.address, "shm", n, size, args.reps)
                 tcp_put, tcp_get, tcp_fresh = bench_kvshm(srv.address, "tcp", n, size, args.reps)
-                rp, rg = bench_redis(r, n, size, args.reps) if r is not None else (float("nan"),) * 2
+                rp, rg = (bench_redis(r, n, size, args.reps) if r is not None
+                          else (float("nan"),) * 2)
                 rows.append((label, mem, raw, shm_put, shm_get, shm_fresh, tcp_put, tcp_get,
                              tcp_fresh, rp, rg))
             ex, mp, p50, p99 = bench_queries(srv.address, args.reps)
