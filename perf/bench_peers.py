@@ -244,7 +244,9 @@ class LmServerAdapter(Adapter):
         self.get_batch, self.get_batch_into = get_batch, get_batch_into
         self.paths = {"note": "the server writes a reply's header and value in two sends "
                       "without TCP_NODELAY, so a value shorter than a segment waits for the "
-                      "client's delayed ACK (~40 ms); LMCache's own connector sees the same",
+                      "client's delayed ACK (~40 ms); LMCache's own connector sees the same. "
+                      "A PUT has no reply: it is done when the socket took the bytes (no "
+                      "acknowledged write)",
                       "put": "PUT (no reply) / 100 PUTs",
                       "into": "GET + recv_into (as LMCServerConnector) / 100 pipelined GETs",
                       "fresh": "GET + recv_into a new bytearray / 100 pipelined GETs"}

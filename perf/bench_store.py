@@ -245,9 +245,9 @@ def main() -> None:
     print(f"\nkvshm store benchmark (median of {args.reps}; GB/s = 1e9 bytes/s)\n")
     hdr = ("values", "memcpy", "raw tcp", "shm put", "shm into", "shm fresh", "tcp put",
            "tcp into", "tcp fresh", "redis set", "redis mget")
-    print("  ".join(f"{h:>10}" for h in hdr))
+    print(f"{hdr[0]:>14}  " + "  ".join(f"{h:>10}" for h in hdr[1:]))
     for row in rows:
-        print(f"{row[0]:>10}  " + "  ".join(f"{v:10.2f}" for v in row[1:]))
+        print(f"{row[0]:>14}  " + "  ".join(f"{v:10.2f}" for v in row[1:]))
     print("(into = get_batch_into, caller buffers; fresh = get_batch, new bytes objects;"
           " redis mget = fresh bytes)")
     print("\nratios, like with like (target)")
