@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -80,6 +81,22 @@ def pct(sorted_values: Sequence[float], q: float) -> float:
         return float("nan")
     i = min(len(sorted_values) - 1, max(0, int(round(q * (len(sorted_values) - 1)))))
     return sorted_values[i]
+
+
+def lat_stats(samples: list[float]) -> dict[str, float]:
+    """p50/p99/mean in microseconds of samples in seconds."""
+    s = sorted(samples)
+    return {"p50_us": pct(s, 0.5) * 1e6, "p99_us": pct(s, 0.99) * 1e6,
+            "mean_us": statistics.fmean(s) * 1e6, "n": len(s)}
+
+
+def pattern(seed: int, size: int) -> Any:
+    """A value (numpy uint8) whose every 8-byte word differs by position and by seed."""
+    import numpy as np
+
+    words = (np.arange(size // 8 + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+             ^ np.uint64(seed * 0x100000001B3 + 1))
+    return words.view(np.uint8)[:size].copy()
 
 
 # --------------------------------------------------------------------------- Redis

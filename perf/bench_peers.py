@@ -42,7 +42,6 @@ A peer that cannot be installed or started prints its row as unavailable with th
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -60,10 +59,12 @@ sys.path.insert(0, HERE)
 
 import _common  # noqa: E402
 from _common import free_port, pct, stop, wait_port  # noqa: E402
+from peer_clients import LAT_CAP_S, pattern  # noqa: E402
+
+CLIENTS = os.path.join(HERE, "peer_clients.py")
 
 SIZES = ((64 << 10, "64K"), (1 << 20, "1M"))
 ALL_PEERS = ("kvshm-shm", "kvshm-tcp", "redis", "lm-server", "mooncake", "infinistore")
-LAT_CAP_S = 20.0     # seconds a peer's 4 KiB latency loop may take (then fewer samples)
 VENV_OF = {"redis": "redis", "lm-server": "lmcache", "mooncake": "mooncake",
            "infinistore": "infinistore"}
 # rows of the table: (metric key, label, unit, higher is better)
@@ -79,381 +80,6 @@ METRICS += [("lat4k_into_p50", "4 KiB get into p50", "us", False),
             ("lat4k_into_p99", "4 KiB get into p99", "us", False),
             ("lat4k_fresh_p50", "4 KiB get fresh p50", "us", False),
             ("lat4k_fresh_p99", "4 KiB get fresh p99", "us", False)]
-
-
-def pattern(seed: int, size: int) -> Any:
-    """A value whose every 8-byte word differs by position and seed (numpy uint8)."""
-    import numpy as np
-
-    words = (np.arange(size // 8 + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-             ^ np.uint64(seed * 0x100000001B3 + 1))
-    return words.view(np.uint8)[:size].copy()
-
-
-# --------------------------------------------------------------------------- adapters
-#
-# Each adapter exposes the operations it has; a missing one (None) is a "-" in the table.
-# put(key, array); put_batch(keys, arrays); get_into(key, array) -> size;
-# get_batch_into(keys, arrays); get(key) -> bytes-like; get_batch(keys) -> list.
-
-
-class Adapter:
-    name = ""
-    paths: dict[str, str] = {}
-    put: Callable[..., Any] | None = None
-    put_batch: Callable[..., Any] | None = None
-    get: Callable[..., Any] | None = None
-    get_into: Callable[..., Any] | None = None
-    get_batch: Callable[..., Any] | None = None
-    get_batch_into: Callable[..., Any] | None = None
-
-    def delete(self, keys: list[str]) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class KvshmAdapter(Adapter):
-    def __init__(self, address: str, transport: str) -> None:
-        import kvshm
-
-        self.c = kvshm.Client(address, transport=transport, timeout=120)
-        if self.c.transport != transport:
-            raise RuntimeError(f"asked for {transport}, got {self.c.transport}")
-        c = self.c
-        self.put, self.put_batch = c.put, c.put_batch
-        self.get, self.get_into = c.get, c.get_into
-        self.get_batch, self.get_batch_into = c.get_batch, c.get_batch_into
-        self.paths = {"put": "put / put_batch", "into": "get_into / get_batch_into",
-                      "fresh": "get / get_batch"}
-
-    def delete(self, keys: list[str]) -> None:
-        self.c.delete(keys)
-
-    def close(self) -> None:
-        self.c.close()
-
-
-class RedisAdapter(Adapter):
-    def __init__(self, port: int) -> None:
-        import redis
-
-        self.r = redis.Redis(host="127.0.0.1", port=port)
-        r = self.r
-
-        def put(key: str, a: Any) -> None:
-            r.set(key, memoryview(a))
-
-        def put_batch(keys: list[str], arrays: list[Any]) -> None:
-            p = r.pipeline(transaction=False)
-            for k, a in zip(keys, arrays):
-                p.set(k, memoryview(a))
-            p.execute()
-
-        self.put, self.put_batch = put, put_batch
-        self.get, self.get_batch = r.get, r.mget
-        self.paths = {"put": "SET / pipelined SET", "into": "none (no read into a buffer)",
-                      "fresh": f"GET / MGET ({_common.redis_parser()})"}
-
-    def delete(self, keys: list[str]) -> None:
-        self.r.delete(*keys)
-
-    def close(self) -> None:
-        self.r.close()
-
-
-class LmServerAdapter(Adapter):
-    """LMCache's lm-server through LMCache's own wire messages on one socket."""
-
-    def __init__(self, port: int) -> None:
-        import torch
-        from lmcache.utils import CacheEngineKey
-        from lmcache.v1.memory_management import MemoryFormat
-        from lmcache.v1.protocol import (ClientCommand, ClientMetaMessage, ServerMetaMessage,
-                                         ServerReturnCode)
-
-        self.s = socket.create_connection(("127.0.0.1", port))
-        self.s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        s = self.s
-        rlen = ServerMetaMessage.packlength()
-        hdr = bytearray(rlen)
-
-        def key_of(k: str) -> Any:
-            h = int.from_bytes(hashlib.blake2b(k.encode(), digest_size=7).digest(), "little")
-            return CacheEngineKey("bench", 1, 0, h, torch.uint8)
-
-        def put_msg(k: str, n: int) -> bytes:
-            return ClientMetaMessage(ClientCommand.PUT, key_of(k), n, MemoryFormat.KV_2LTD,
-                                     torch.uint8, torch.Size([n])).serialize()
-
-        def get_msg(k: str) -> bytes:
-            return ClientMetaMessage(ClientCommand.GET, key_of(k), 0, MemoryFormat(1),
-                                     torch.float16, torch.Size([0, 0, 0, 0])).serialize()
-
-        def recv_exact(mv: memoryview) -> None:
-            got, n = 0, mv.nbytes
-            while got < n:
-                r = s.recv_into(mv[got:], n - got)
-                if not r:
-                    raise ConnectionError("lm-server closed the connection")
-                got += r
-
-        def read_reply() -> int:
-            recv_exact(memoryview(hdr))
-            meta = ServerMetaMessage.deserialize(bytes(hdr))
-            if meta.code != ServerReturnCode.SUCCESS:
-                raise KeyError("lm-server: miss")
-            return int(meta.length)
-
-        def put(k: str, a: Any) -> None:
-            s.sendall(put_msg(k, a.nbytes))
-            s.sendall(a)                       # PUT has no reply
-
-        def put_batch(keys: list[str], arrays: list[Any]) -> None:
-            for k, a in zip(keys, arrays):
-                put(k, a)
-
-        def get_into(k: str, a: Any) -> int:
-            s.sendall(get_msg(k))
-            n = read_reply()
-            recv_exact(memoryview(a).cast("B")[:n])
-            return n
-
-        def get(k: str) -> bytearray:
-            s.sendall(get_msg(k))
-            buf = bytearray(read_reply())
-            recv_exact(memoryview(buf))
-            return buf
-
-        def get_batch_into(keys: list[str], arrays: list[Any]) -> None:
-            s.sendall(b"".join(get_msg(k) for k in keys))     # pipelined
-            for a in arrays:
-                recv_exact(memoryview(a).cast("B")[:read_reply()])
-
-        def get_batch(keys: list[str]) -> list[bytearray]:
-            s.sendall(b"".join(get_msg(k) for k in keys))
-            out = []
-            for _ in keys:
-                buf = bytearray(read_reply())
-                recv_exact(memoryview(buf))
-                out.append(buf)
-            return out
-
-        self.put, self.put_batch, self.get, self.get_into = put, put_batch, get, get_into
-        self.get_batch, self.get_batch_into = get_batch, get_batch_into
-        self.paths = {"note": "the server writes a reply's header and value in two sends "
-                      "without TCP_NODELAY, so a value shorter than a segment waits for the "
-                      "client's delayed ACK (~40 ms); LMCache's own connector sees the same. "
-                      "A PUT has no reply: it is done when the socket took the bytes (no "
-                      "acknowledged write)",
-                      "put": "PUT (no reply) / 100 PUTs",
-                      "into": "GET + recv_into (as LMCServerConnector) / 100 pipelined GETs",
-                      "fresh": "GET + recv_into a new bytearray / 100 pipelined GETs"}
-
-    def close(self) -> None:
-        self.s.close()
-
-
-class MooncakeAdapter(Adapter):
-    """Mooncake Store client that mounts no memory: every byte goes to the holder over TCP."""
-
-    def __init__(self, spec: dict[str, Any]) -> None:
-        from mooncake.store import MooncakeDistributedStore
-
-        self.st = MooncakeDistributedStore()
-        rc = self.st.setup("127.0.0.1", spec["metadata"], 0, spec["local_buffer"], "tcp", "",
-                           spec["master"])
-        if rc != 0:
-            raise RuntimeError(f"mooncake setup returned {rc}")
-        st = self.st
-        self._registered: set[int] = set()
-
-        def reg(a: Any) -> int:
-            ptr = a.ctypes.data
-            if ptr not in self._registered:
-                # one registration per arena: the caller passes views of a registered arena
-                self._registered.add(ptr)
-            return int(ptr)
-
-        def put(k: str, a: Any) -> None:
-            rc = st.put_from(k, reg(a), a.nbytes)
-            if rc != 0:
-                raise RuntimeError(f"mooncake put_from {k}: {rc}")
-
-        def put_batch(keys: list[str], arrays: list[Any]) -> None:
-            rcs = st.batch_put_from(keys, [reg(a) for a in arrays], [a.nbytes for a in arrays])
-            if any(rc != 0 for rc in rcs):
-                raise RuntimeError(f"mooncake batch_put_from: {sorted(set(rcs))}")
-
-        def get_into(k: str, a: Any) -> int:
-            n = st.get_into(k, reg(a), a.nbytes)
-            if n < 0:
-                raise KeyError(f"mooncake get_into {k}: {n}")
-            return int(n)
-
-        def get_batch_into(keys: list[str], arrays: list[Any]) -> None:
-            ns = st.batch_get_into(keys, [reg(a) for a in arrays], [a.nbytes for a in arrays])
-            if any(n < 0 for n in ns):
-                raise KeyError(f"mooncake batch_get_into: {sorted(set(ns))}")
-
-        self.put, self.put_batch, self.get_into = put, put_batch, get_into
-        self.get_batch_into = get_batch_into
-        self.get, self.get_batch = st.get, st.get_batch
-        self.paths = {"put": "put_from / batch_put_from (registered buffers)",
-                      "into": "get_into / batch_get_into (registered buffers)",
-                      "fresh": "get / get_batch"}
-
-    def register(self, arena: Any) -> None:
-        rc = self.st.register_buffer(arena.ctypes.data, arena.nbytes)
-        if rc != 0:
-            raise RuntimeError(f"mooncake register_buffer: {rc}")
-
-    def delete(self, keys: list[str]) -> None:
-        # Nothing: a read takes a lease (the master's default 10 s) that a remove must wait
-        # out, and a shorter lease fails reads that outlast it (-707); every rep uses fresh
-        # keys and the holder's segment is sized for all of them.
-        pass
-
-    def close(self) -> None:
-        self.st.close()
-
-
-# --------------------------------------------------------------------------- workload
-
-
-def _views(arena: Any, size: int, n: int) -> list[Any]:
-    return [arena[i * size:(i + 1) * size] for i in range(n)]
-
-
-def run_workload(ad: Adapter, count: int, reps: int, lat_iters: int,
-                 sizes: tuple[tuple[int, str], ...]) -> dict[str, Any]:
-    import numpy as np
-
-    res: dict[str, list[float]] = {}
-    total = sum(s for s, _ in sizes) * count
-    src_arena = np.empty(total + 4096, np.uint8)
-    out_arena = np.zeros(total + 4096, np.uint8)
-    if isinstance(ad, MooncakeAdapter):
-        ad.register(src_arena)
-        ad.register(out_arena)
-    off = 0
-    plan = []
-    for size, tag in sizes:
-        srcs = _views(src_arena[off:], size, count)
-        outs = _views(out_arena[off:], size, count)
-        for i, s in enumerate(srcs):
-            s[:] = pattern(size + i, size)
-        plan.append((size, tag, srcs, outs, [s.tobytes() for s in srcs]))
-        off += size * count
-
-    def timed(metric: str, nbytes: int, fn: Callable[[], Any]) -> Any:
-        t = time.perf_counter()
-        r = fn()
-        res.setdefault(metric, []).append(nbytes / (time.perf_counter() - t) / 1e6)
-        return r
-
-    def check(what: str, got: list[Any], want: list[bytes]) -> None:
-        bad = sum(bytes(g) != w for g, w in zip(got, want)) + abs(len(got) - len(want))
-        if bad:
-            raise RuntimeError(f"{what}: {bad} values came back wrong")
-
-    for rep in range(reps):
-        for size, tag, srcs, outs, want in plan:
-            nb = size * count
-            k1 = [f"s{tag}r{rep}-{i}" for i in range(count)]
-            kb = [f"b{tag}r{rep}-{i}" for i in range(count)]
-            if ad.put is not None:
-                timed(f"put1_{tag}", nb, lambda: [ad.put(k, a) for k, a in zip(k1, srcs)])
-            if ad.put_batch is not None:
-                timed(f"putB_{tag}", nb, lambda: ad.put_batch(kb, srcs))
-            if ad.get_into is not None:
-                for o in outs:
-                    o[:8] = 0
-                timed(f"get1_{tag}_into", nb,
-                      lambda: [ad.get_into(k, o) for k, o in zip(k1, outs)])
-                check(f"single get {tag} into", outs, want)
-            if ad.get_batch_into is not None:
-                for o in outs:
-                    o[:8] = 0
-                timed(f"getB_{tag}_into", nb, lambda: ad.get_batch_into(kb, outs))
-                check(f"x{count} get {tag} into", outs, want)
-            if ad.get is not None:
-                got = timed(f"get1_{tag}_fresh", nb, lambda: [ad.get(k) for k in k1])
-                check(f"single get {tag} fresh", got, want)
-            if ad.get_batch is not None:
-                got = timed(f"getB_{tag}_fresh", nb, lambda: ad.get_batch(kb))
-                check(f"x{count} get {tag} fresh", got, want)
-                del got
-            ad.delete(k1 + kb)
-    out: dict[str, Any] = {k: statistics.median(v) for k, v in res.items()}
-    # 4 KiB latency: one key, lat_iters calls of each read kind
-    small = src_arena[off:off + 4096]
-    small[:] = pattern(4, 4096)
-    want4 = small.tobytes()
-    buf = out_arena[off:off + 4096]
-    put = ad.put or (lambda k, a: ad.put_batch([k], [a]))   # type: ignore[misc]
-    put("lat-4k", small)
-    for kind, fn in (("into", ad.get_into and (lambda: ad.get_into("lat-4k", buf))),
-                     ("fresh", ad.get and (lambda: ad.get("lat-4k")))):
-        if not fn:
-            continue
-        lat, bad = [], 0
-        cap = time.monotonic() + LAT_CAP_S
-        for i in range(lat_iters + lat_iters // 10):
-            if time.monotonic() > cap and len(lat) >= 20:
-                break                          # a slow peer: fewer samples, said below
-            buf[:8] = 0
-            t = time.perf_counter()
-            r = fn()
-            dt = time.perf_counter() - t
-            bad += (bytes(buf) if kind == "into" else bytes(r)) != want4
-            if i >= lat_iters // 10:
-                lat.append(dt)
-        if bad:
-            raise RuntimeError(f"4 KiB get {kind}: {bad} reads came back wrong")
-        lat.sort()
-        out[f"lat4k_{kind}_p50"] = pct(lat, 0.5) * 1e6
-        out[f"lat4k_{kind}_p99"] = pct(lat, 0.99) * 1e6
-        out[f"lat4k_{kind}_n"] = len(lat)
-    ad.delete(["lat-4k"])
-    out["paths"] = ad.paths
-    return out
-
-
-def worker(peer: str, spec: dict[str, Any]) -> None:
-    """In the peer's venv: run the workload against the server the parent started."""
-    sizes = tuple(tuple(s) for s in spec["sizes"])
-    if peer in ("kvshm-shm", "kvshm-tcp"):
-        ad: Adapter = KvshmAdapter(spec["address"], peer.split("-")[1])
-    elif peer == "redis":
-        ad = RedisAdapter(spec["port"])
-    elif peer == "lm-server":
-        ad = LmServerAdapter(spec["port"])
-    elif peer == "mooncake":
-        ad = MooncakeAdapter(spec)
-    else:
-        raise SystemExit(f"no worker for {peer}")
-    try:
-        res = run_workload(ad, spec["count"], spec["reps"], spec["lat_iters"],
-                           sizes)  # type: ignore[arg-type]
-    finally:
-        ad.close()
-    print("RESULT " + json.dumps(res), flush=True)
-
-
-def mooncake_holder(spec: dict[str, Any]) -> None:
-    """In the mooncake venv: mount --segment bytes into the store, then wait for EOF."""
-    from mooncake.store import MooncakeDistributedStore
-
-    st = MooncakeDistributedStore()
-    rc = st.setup("127.0.0.1", spec["metadata"], spec["segment"], 16 << 20, "tcp", "",
-                  spec["master"])
-    if rc != 0:
-        raise SystemExit(f"mooncake holder setup returned {rc}")
-    print("ready", flush=True)
-    sys.stdin.read()
-    st.close()
 
 
 # --------------------------------------------------------------------------- references
@@ -581,7 +207,7 @@ def peer_python(peer: str, cache: str) -> str:
 
 def run_worker(py: str, peer: str, spec: dict[str, Any], timeout: float,
                env: dict[str, str] | None = None) -> dict[str, Any]:
-    p = subprocess.run([py, os.path.abspath(__file__), "--worker", peer, json.dumps(spec)],
+    p = subprocess.run([py, CLIENTS, "worker", peer, json.dumps(spec)],
                        capture_output=True, text=True, timeout=timeout,
                        env={**os.environ, **(env or {})})
     for line in p.stdout.splitlines():
@@ -669,8 +295,8 @@ def bench_mooncake(spec: dict[str, Any], cache: str, timeout: float) -> dict[str
             wait_port(meta, master, "mooncake metadata server", timeout=60)
         except RuntimeError as exc:
             raise Unavailable(str(exc)) from None
-        holder = subprocess.Popen([py, os.path.abspath(__file__), "--mooncake-holder",
-                                   json.dumps(mspec)], stdin=subprocess.PIPE,
+        holder = subprocess.Popen([py, CLIENTS, "mooncake-holder", json.dumps(mspec)],
+                                  stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                   cwd=d)
         assert holder.stdout is not None
@@ -744,7 +370,7 @@ def report(res: dict[str, Any]) -> None:
         print(f"{label + ' ' + unit:24}" + "".join(cells))
     base = "kvshm-shm" if "kvshm-shm" in live else None
     if base:
-        print(f"\nratios: kvshm shm vs each row (> 1: kvshm shm is better; MB/s kvshm/row, "
+        print("\nratios: kvshm shm vs each row (> 1: kvshm shm is better; MB/s kvshm/row, "
               "latency row/kvshm)\n")
         print(f"{'':24}" + "".join(f"{ROW_NAMES[n]:>{w}}" for n in live))
         for key, label, unit, higher in METRICS:
@@ -788,15 +414,7 @@ def main(argv: list[str] | None = None) -> int:
                                                            "/root/.cache/kvshm-peers"))
     ap.add_argument("--timeout", type=float, default=600, help="seconds per peer")
     ap.add_argument("--json", metavar="FILE")
-    ap.add_argument("--worker", nargs=2, metavar=("PEER", "SPEC"), help=argparse.SUPPRESS)
-    ap.add_argument("--mooncake-holder", metavar="SPEC", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.worker:
-        worker(args.worker[0], json.loads(args.worker[1]))
-        return 0
-    if args.mooncake_holder:
-        mooncake_holder(json.loads(args.mooncake_holder))
-        return 0
     sizes: tuple[tuple[int, str], ...] = SIZES
     if args.quick:
         args.reps, args.count, args.lat_iters = 1, 4, 50

@@ -40,11 +40,10 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -53,27 +52,14 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 import _common  # noqa: E402
-from _common import cpu_seconds, pct, spawn_helper, stop  # noqa: E402
+import small_remote  # noqa: E402
+from _common import lat_stats, pattern, spawn_helper, stop  # noqa: E402
 
 VALUE_4K = 4096
 
 
 def _now() -> float:
     return time.perf_counter()
-
-
-def lat_stats(samples: list[float]) -> dict[str, float]:
-    """p50/p99/mean in microseconds of samples in seconds."""
-    s = sorted(samples)
-    return {"p50_us": pct(s, 0.5) * 1e6, "p99_us": pct(s, 0.99) * 1e6,
-            "mean_us": statistics.fmean(s) * 1e6, "n": len(s)}
-
-
-def pattern(seed: int, size: int) -> np.ndarray:
-    """Bytes of one value: differ in every 8-byte word by position and by seed."""
-    words = (np.arange(size // 8 + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-             ^ np.uint64(seed * 0x100000001B3 + 1))
-    return words.view(np.uint8)[:size].copy()
 
 
 # --------------------------------------------------------------------------- baselines
@@ -263,237 +249,6 @@ def bench_batch_queries(c: Any, keys: list[bytes], reps: int) -> dict[str, float
             "dict_keys_per_s": statistics.median(dm)}
 
 
-# --------------------------------------------------------------------------- workers
-
-
-def worker_main(spec: dict[str, Any]) -> None:
-    """A client process: prints "ready", waits for a line on stdin, runs, prints JSON."""
-    kind = spec["kind"]
-    if kind in ("kvshm-put", "kvshm-get", "bystander"):
-        import kvshm
-
-        c = kvshm.Client(spec["address"], transport=spec["transport"], timeout=60)
-        key = spec["key"]
-        val = pattern(spec["seed"], spec["size"])
-        valb = val.tobytes()
-        c.put(key, val)
-        out = np.empty(spec["size"], np.uint8)
-
-        def put() -> bool:
-            c.put(key, val)
-            return True
-
-        def get() -> bool:
-            c.get_into(key, out)
-            return bool(np.array_equal(out, val))
-
-        op = {"kvshm-put": put, "kvshm-get": get, "bystander": get}[kind]
-        close = c.close
-    else:
-        import redis
-
-        r = redis.Redis(host="127.0.0.1", port=spec["port"])
-        key = spec["key"]
-        valb = pattern(spec["seed"], spec["size"]).tobytes()
-        r.set(key, valb)
-
-        def rput() -> bool:
-            r.set(key, valb)
-            return True
-
-        def rget() -> bool:
-            return r.get(key) == valb
-
-        op = {"redis-set": rput, "redis-get": rget}[kind]
-        close = r.close
-    print("ready", flush=True)
-    sys.stdin.readline()
-    n = bad = 0
-    stamps: list[tuple[float, float]] = []
-    if kind == "bystander":
-        # runs until the parent writes a second line (it decides the windows)
-        import threading
-
-        done = threading.Event()
-        threading.Thread(target=lambda: (sys.stdin.readline(), done.set()),
-                         daemon=True).start()
-        while not done.is_set():
-            t0 = time.monotonic()
-            ok = op()
-            stamps.append((t0, time.monotonic() - t0))
-            bad += not ok
-            n += 1
-    else:
-        end = time.monotonic() + spec["seconds"]
-        while time.monotonic() < end:
-            bad += not op()
-            n += 1
-    close()
-    print(json.dumps({"n": n, "bad": bad, "stamps": stamps}), flush=True)
-
-
-def run_workers(specs: list[dict[str, Any]], server_pid: int | None
-                ) -> tuple[list[dict[str, Any]], float, float]:
-    """Start one process per spec, release them together; (results, wall s, server CPU s)."""
-    procs = []
-    try:
-        for s in specs:
-            procs.append(subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(s)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
-        for p in procs:
-            assert p.stdout is not None
-            if p.stdout.readline().strip() != "ready":
-                raise RuntimeError(f"a {specs[0]['kind']} worker did not start")
-        cpu0 = cpu_seconds(server_pid) if server_pid else 0.0
-        t0 = time.monotonic()
-        for p in procs:
-            assert p.stdin is not None
-            p.stdin.write("go\n")
-            p.stdin.flush()
-        outs = []
-        for p in procs:
-            assert p.stdout is not None
-            outs.append(json.loads(p.stdout.readline()))
-        wall = time.monotonic() - t0
-        cpu = (cpu_seconds(server_pid) - cpu0) if server_pid else 0.0
-        for p in procs:
-            p.wait(30)
-    finally:
-        for p in procs:
-            stop(p)
-    bad = sum(o["bad"] for o in outs)
-    if bad:
-        raise RuntimeError(f"{bad} reads of {specs[0]['kind']} workers returned wrong bytes")
-    return outs, wall, cpu
-
-
-def bench_remote_single(address: str, server_pid: int, redis_port: int | None,
-                        redis_pid: int | None, counts: list[int], seconds: float
-                        ) -> list[dict[str, Any]]:
-    rows = []
-    for n in counts:
-        row: dict[str, Any] = {"clients": n}
-        for label, kinds, pid in (("kvshm", ("kvshm-put", "kvshm-get"), server_pid),
-                                  ("redis", ("redis-set", "redis-get"), redis_pid)):
-            if label == "redis" and redis_port is None:
-                continue
-            for kind in kinds:
-                specs = [{"kind": kind, "address": address, "transport": "tcp",
-                          "port": redis_port, "key": f"remote-{i}", "seed": 50 + i,
-                          "size": VALUE_4K, "seconds": seconds} for i in range(n)]
-                outs, wall, cpu = run_workers(specs, pid)
-                total = sum(o["n"] for o in outs)
-                op = "put" if kind.endswith(("put", "set")) else "get"
-                row[f"{label}_{op}_rps"] = total / seconds
-                row[f"{label}_{op}_cpu_us"] = cpu / max(total, 1) * 1e6
-        for op in ("put", "get"):
-            if f"redis_{op}_rps" in row:
-                row[f"{op}_vs_redis"] = row[f"kvshm_{op}_rps"] / row[f"redis_{op}_rps"]
-        rows.append(row)
-    return rows
-
-
-# --------------------------------------------------------------------------- batches
-
-
-def bench_batches(address: str, server_pid: int, r: Any, redis_pid: int | None,
-                  keys: list[bytes], vals: list[bytes], reps: int) -> dict[str, Any]:
-    import kvshm
-
-    n = len(keys)
-    res: dict[str, list[float]] = {k: [] for k in (
-        "put", "get", "exists", "rset", "rmget", "put_cpu", "get_cpu")}
-    with kvshm.Client(address, transport="tcp", timeout=120) as c:
-        if c.transport != "tcp":
-            raise RuntimeError(f"asked for tcp, got {c.transport}")
-        c.put_batch(keys, vals)
-        for _ in range(reps):
-            cpu0, t = cpu_seconds(server_pid), _now()
-            c.put_batch(keys, vals)
-            dt, cpu = _now() - t, cpu_seconds(server_pid) - cpu0
-            res["put"].append(n / dt)
-            res["put_cpu"].append(cpu / n)
-            cpu0, t = cpu_seconds(server_pid), _now()
-            got = c.get_batch(keys)
-            dt, cpu = _now() - t, cpu_seconds(server_pid) - cpu0
-            res["get"].append(n / dt)
-            res["get_cpu"].append(cpu / n)
-            if got != vals:
-                raise RuntimeError("get_batch returned other bytes")
-            t = _now()
-            e = c.exists_batch(keys)
-            res["exists"].append(n / (_now() - t))
-            if not all(e):
-                raise RuntimeError("exists_batch missed keys")
-            if r is not None:
-                t = _now()
-                p = r.pipeline(transaction=False)
-                for k, v in zip(keys, vals):
-                    p.set(k, v)
-                p.execute()
-                res["rset"].append(n / (_now() - t))
-                t = _now()
-                rg = r.mget(keys)
-                res["rmget"].append(n / (_now() - t))
-                if rg != vals:
-                    raise RuntimeError("redis MGET returned other bytes")
-    out: dict[str, Any] = {"keys": n, "value_bytes": len(vals[0])}
-    for k, v in res.items():
-        if v:
-            out[k] = statistics.median(v)
-    if r is not None:
-        out["put_vs_redis"] = out["put"] / out["rset"]
-        out["get_vs_redis"] = out["get"] / out["rmget"]
-        r.flushall()
-    return out
-
-
-def bench_bystander(address: str, keys: list[bytes], vals: list[bytes], seconds: float
-                    ) -> dict[str, Any]:
-    """A 4 KiB single-get client (own process, TCP) while idle and while this process
-    sends whole batches of ``keys`` (put_batch, then get_batch) to the same server."""
-    import kvshm
-
-    spec = {"kind": "bystander", "address": address, "transport": "tcp", "key": "bystander",
-            "seed": 99, "size": VALUE_4K, "seconds": 0}
-    p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker",
-                          json.dumps(spec)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         text=True)
-    batches = 0
-    try:
-        assert p.stdin is not None and p.stdout is not None
-        with kvshm.Client(address, transport="tcp", timeout=120) as c:
-            if p.stdout.readline().strip() != "ready":
-                raise RuntimeError("bystander did not start")
-            p.stdin.write("go\n")
-            p.stdin.flush()
-            t0 = time.monotonic()
-            time.sleep(seconds)        # idle window: the bystander alone
-            busy0 = time.monotonic()
-            while time.monotonic() < busy0 + seconds:
-                c.put_batch(keys, vals)
-                if c.get_batch(keys) != vals:
-                    raise RuntimeError("get_batch returned other bytes")
-                batches += 2
-            busy1 = time.monotonic()
-            time.sleep(0.2)            # the requests the last batch held up finish
-            p.stdin.write("stop\n")
-            p.stdin.flush()
-            out = json.loads(p.stdout.readline())
-            p.wait(30)
-    finally:
-        stop(p)
-    if out["bad"]:
-        raise RuntimeError(f"{out['bad']} bystander reads returned wrong bytes")
-    # by start time: a request that began while a batch ran counts as "busy" however long
-    # it then waited
-    idle = [lat for ts, lat in out["stamps"] if t0 <= ts and ts + lat < busy0]
-    busy = [lat for ts, lat in out["stamps"] if busy0 <= ts < busy1]
-    return {"batch_keys": len(keys), "batches": batches, "busy_s": busy1 - busy0,
-            "idle": lat_stats(idle) if idle else {}, "busy": lat_stats(busy) if busy else {}}
-
-
 # --------------------------------------------------------------------------- report
 
 
@@ -599,11 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=100_000, help="keys in a batch")
     ap.add_argument("--skip-redis", action="store_true")
     ap.add_argument("--only", default="local,remote,batch,bystander")
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.worker:
-        worker_main(json.loads(args.worker))
-        return 0
     if args.quick:
         args.reps, args.iters, args.working_set_mib = 1, 100, 2
         args.clients, args.seconds, args.batch = "1,2", 0.3, 2000
@@ -663,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
                     res["remote"] = {
                         "redis_parser": _common.redis_parser() if r is not None else "-",
                         "zmq_echo_tcp": bench_zmq_echo("tcp://127.0.0.1:0", args.iters),
-                        "rows": bench_remote_single(
+                        "rows": small_remote.bench_remote_single(
                             srv.address, srv.pid, rport,
                             redis_proc.pid if redis_proc is not None else None,
                             counts, args.seconds)}
@@ -679,12 +430,13 @@ def main(argv: list[str] | None = None) -> int:
                         c.put_batch(keys, vals)
                         res["local"]["batch_queries"] = bench_batch_queries(c, keys, args.reps)
                 if "batch" in only:
-                    res["batch"] = bench_batches(
+                    res["batch"] = small_remote.bench_batches(
                         srv4.address, srv4.pid, r,
                         redis_proc.pid if redis_proc is not None else None,
                         keys, vals, args.reps)
                 if "bystander" in only:
-                    res["bystander"] = bench_bystander(srv4.address, keys, vals, args.seconds)
+                    res["bystander"] = small_remote.bench_bystander(srv4.address, keys, vals,
+                                                                    args.seconds)
     finally:
         stop(redis_proc)
         if rdir:
