@@ -295,13 +295,17 @@ def bench_mooncake(spec: dict[str, Any], cache: str, timeout: float) -> dict[str
             wait_port(meta, master, "mooncake metadata server", timeout=60)
         except RuntimeError as exc:
             raise Unavailable(str(exc)) from None
+        hlog = open(os.path.join(d, "holder.log"), "wb")
         holder = subprocess.Popen([py, CLIENTS, "mooncake-holder", json.dumps(mspec)],
-                                  stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                  cwd=d)
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=hlog,
+                                  text=True, cwd=d)
+        hlog.close()
         assert holder.stdout is not None
         if holder.stdout.readline().strip() != "ready":
-            raise Unavailable(f"mooncake segment holder exited {holder.wait(10)}")
+            with open(os.path.join(d, "holder.log"), "rb") as f:
+                tail = (f.read().decode(errors="replace").strip().splitlines() or [""])[-1]
+            raise Unavailable(f"mooncake segment holder exited {holder.wait(10)}: "
+                              f"{tail[:200]}")
         return run_worker(py, "mooncake", mspec, timeout)
     finally:
         if holder is not None:
