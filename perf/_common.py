@@ -75,6 +75,21 @@ def proc_status(pid: int) -> dict[str, int]:
     return out
 
 
+def rss_by_mapping(pid: int) -> dict[str, int]:
+    """Resident bytes of a process per mapped path (/proc/PID/smaps; "" = anonymous)."""
+    out: dict[str, int] = {}
+    path = ""
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            first = line.split(None, 1)[0]
+            if "-" in first and not first.endswith(":"):
+                parts = line.split(None, 5)
+                path = parts[5].strip() if len(parts) > 5 else ""
+            elif first == "Rss:":
+                out[path] = out.get(path, 0) + int(line.split()[1]) * 1024
+    return out
+
+
 def pct(sorted_values: Sequence[float], q: float) -> float:
     """The q-quantile (0..1) of already sorted values (nearest rank)."""
     if not sorted_values:

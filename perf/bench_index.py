@@ -11,7 +11,9 @@ checks every key is there and a sample of values reads back byte for byte, and r
 /proc again. Reported: server memory beyond the pool per key, as
 
 * ``RssAnon`` delta / keys (private memory: the index, grants, Python objects), and
-* (``VmRSS`` - ``RssShmem``) delta / keys (the same seen as "RSS minus the pool"),
+* (``VmRSS`` - the pool mapping's resident bytes) delta / keys ("RSS minus the pool",
+  from /proc/PID/smaps: counts other shared segments the server maps, such as the shared
+  index table same-host clients read, which ``RssAnon`` misses),
 
 beside the same figure for a Python ``dict`` of the same keys mapping to a small tuple of
 ints (offset, size) built in a child process in this run (what a naive Python index
@@ -35,7 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
-from _common import proc_status  # noqa: E402
+from _common import proc_status, rss_by_mapping  # noqa: E402
 
 KEY_BYTES = 40
 BLOCK = 4096
@@ -108,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         with kvshm.Client(srv.address, transport="shm", timeout=300) as c:
             c.exists(b"warm-up")              # HELLO and one request: the loop's steady state
             before = proc_status(srv.pid)
+            before_map = rss_by_mapping(srv.pid)
             val = bytes(range(args.value_bytes))
             t = time.perf_counter()
             for lo in range(0, n, args.batch):
@@ -116,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             put_s = time.perf_counter() - t
             time.sleep(0.5)                   # let lazy frees and the idle flush settle
             after = proc_status(srv.pid)
+            after_map = rss_by_mapping(srv.pid)
             st_ = c.stats()
             missing = 0
             for lo in range(0, n, args.batch):
@@ -129,8 +133,17 @@ def main(argv: list[str] | None = None) -> int:
     res["entries"] = st_.get("entries", st_.get("keys"))
     res["put_keys_per_s"] = n / put_s
     res["anon_bytes_per_key"] = (after["RssAnon"] - before["RssAnon"]) / n
-    res["rss_minus_pool_bytes_per_key"] = ((after["VmRSS"] - after.get("RssShmem", 0))
-                                           - (before["VmRSS"] - before.get("RssShmem", 0))) / n
+    def minus_pool(st: dict[str, int], maps: dict[str, int]) -> int:
+        pool = sum(v for k, v in maps.items() if k.endswith("/" + srv.shm_name.lstrip("/")))
+        return st["VmRSS"] - pool
+
+    res["rss_minus_pool_bytes_per_key"] = (minus_pool(after, after_map)
+                                           - minus_pool(before, before_map)) / n
+    res["other_shared_bytes_per_key"] = (
+        sum(v for k, v in after_map.items() if k.startswith("/dev/shm/")
+            and not k.endswith("/" + srv.shm_name.lstrip("/")))
+        - sum(v for k, v in before_map.items() if k.startswith("/dev/shm/")
+              and not k.endswith("/" + srv.shm_name.lstrip("/")))) / n
     res["server_anon_before"] = before["RssAnon"]
     res["server_anon_after"] = after["RssAnon"]
     res.update(dict_baseline(n))
@@ -139,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
           f"4 KiB blocks (pool {pool_bytes / 2**30:.2f} GiB, not counted)")
     print(f"  server RssAnon        {res['anon_bytes_per_key']:8.1f} bytes/key "
           f"({before['RssAnon'] / 2**20:.0f} -> {after['RssAnon'] / 2**20:.0f} MiB)")
-    print(f"  server RSS minus pool {res['rss_minus_pool_bytes_per_key']:8.1f} bytes/key")
+    print(f"  server RSS minus pool {res['rss_minus_pool_bytes_per_key']:8.1f} bytes/key "
+          f"(of which other shared segments, e.g. the shared index: "
+          f"{res['other_shared_bytes_per_key']:.1f})")
     print(f"  baseline Python dict {{key: (offset, size)}} {res['dict_bytes_per_key']:8.1f} "
           f"bytes/key   server/dict {res['vs_dict']:.2f}")
     print(f"  put rate while filling {res['put_keys_per_s'] / 1e6:.2f} M keys/s "
