@@ -8,6 +8,7 @@ extensions = [
     Extension("kvshm._bitmap", ["kvshm/_bitmap.pyx"], extra_compile_args=["-O3"]),
     Extension("kvshm._pool", ["kvshm/_pool.pyx"], extra_compile_args=["-O3"]),
     Extension("kvshm._shmindex", ["kvshm/_shmindex.pyx"], extra_compile_args=["-O3"]),
+    Extension("kvshm.cluster._hrw", ["kvshm/cluster/_hrw.pyx"], extra_compile_args=["-O3"]),
 ]
 
 setup(ext_modules=cythonize(extensions, compiler_directives={"language_level": "3"}))

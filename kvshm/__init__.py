@@ -47,7 +47,10 @@ __version__ = "0.1.0"
 #: imports the server, the store, the management port or prometheus_client (nor asyncio,
 #: unless it uses AsyncClient).
 _LAZY = {"Server": "kvshm.server", "ServerConfig": "kvshm.server",
-         "AsyncClient": "kvshm.aio"}
+         "AsyncClient": "kvshm.aio",
+         # the cluster client pulls numpy and the placement core
+         "ClusterClient": "kvshm.cluster.client",
+         "AsyncClusterClient": "kvshm.cluster.client"}
 
 
 def __getattr__(name: str) -> Any:
@@ -67,6 +70,8 @@ def __dir__() -> list[str]:
 __all__ = [
     "Client",
     "AsyncClient",
+    "ClusterClient",
+    "AsyncClusterClient",
     "Server",
     "ServerConfig",
     "BitmapAllocator",

@@ -631,10 +631,44 @@ class AsyncClient:
         await self._run(self._session.op_put_batch([key], [value], checksum))
 
     async def put_batch(self, keys: Sequence[Key], values: Sequence[Any], *,
-                        checksum: bool = False) -> None:
+                        checksum: bool = False, pin_ttl: float | None = None) -> Any:
         """Store many values with one ALLOC and one COMMIT (see
-        :meth:`kvshm.Client.put_batch`). Do not modify the buffers until it returns."""
+        :meth:`kvshm.Client.put_batch`, also for ``pin_ttl``). Do not modify the buffers
+        until it returns."""
+        if pin_ttl is not None:
+            from kvshm import handoff
+
+            return await self._run(handoff.op_put_pinned(self._session, keys, values,
+                                                         checksum, pin_ttl, self.address))
         await self._run(self._session.op_put_batch(keys, values, checksum))
+        return None
+
+    async def pin(self, keys: Sequence[Key], ttl: float) -> Any:
+        """See :meth:`kvshm.Client.pin`."""
+        from kvshm import handoff
+
+        return await self._run(handoff.op_pin(self._session, keys, ttl, self.address))
+
+    async def renew(self, handoff: Any, ttl: float) -> float | None:
+        """See :meth:`kvshm.Client.renew`."""
+        from kvshm import handoff as h
+
+        return await self._run(h.op_renew(self._session, handoff, ttl))  # type: ignore[no-any-return]
+
+    async def unpin(self, handoff: Any) -> bool:
+        """See :meth:`kvshm.Client.unpin`."""
+        from kvshm import handoff as h
+
+        return await self._run(h.op_unpin(self._session, handoff))  # type: ignore[no-any-return]
+
+    async def run_op(self, gen: OpGen) -> Any:
+        """Drive an operation generator on this connection (see kvshm.client)."""
+        return await self._run(gen)
+
+    @property
+    def session(self) -> Any:
+        """Protocol state of this connection (see :attr:`kvshm.Client.session`)."""
+        return self._session
 
     # ---------------------------------------------------------------- reads
 

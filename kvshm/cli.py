@@ -118,15 +118,20 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
                         "anyway (default 1)")
     p.add_argument("--ssd-manifest-interval", type=pos_float, default=5.0, metavar="S",
                    help="seconds between manifest writes with --ssd-persist (default 5)")
+    from kvshm.cluster.config import add_cli_flags
+
+    add_cli_flags(p)
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "debug", "info", "warning",
                             "error"], help="log level (default INFO)")
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
+    from kvshm.cluster.config import cli_options
     from kvshm.server import ServerConfig
 
     return ServerConfig(
+        **cli_options(args),
         host=args.host,
         service_port=args.service_port,
         manage_port=None if args.no_manage else args.manage_port,
@@ -252,6 +257,10 @@ def cmd_ctl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             elif args.action == "keys":
                 for k in c.list_keys(args.prefix.encode(), limit=args.limit):
                     print(k.decode(errors="backslashreplace"))
+            elif args.action in ("cluster", "drain"):
+                from kvshm.cluster.cli import ctl
+
+                return ctl(c, args)
             elif args.action == "ping":
                 info = c.ping()
                 print(json.dumps({"epoch": info["epoch"], "pool": info["pool"]["name"],
@@ -308,6 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
     ks.add_argument("--prefix", default="", help="only keys starting with this")
     ks.add_argument("--limit", type=pos_int, default=None, help="at most this many")
     csub.add_parser("ping", help="HELLO: print the server's pool and identity")
+    from kvshm.cluster.cli import add_ctl_parsers
+
+    add_ctl_parsers(csub)
     cl = csub.add_parser("cleanup", help="remove segments, ipc directories and SSD scratch "
                                          "files left by dead servers")
     cl.add_argument("--prefix", default="kvshm-", help="segment name prefix (default kvshm-)")

@@ -712,14 +712,54 @@ class Client:
         self._run(self._session.op_put_batch([key], [value], checksum))
 
     def put_batch(self, keys: Sequence[Key], values: Sequence[Any], *,
-                  checksum: bool = False) -> None:
+                  checksum: bool = False, pin_ttl: float | None = None) -> Any:
         """Store many values with one ALLOC and one COMMIT (or one PUT over TCP).
 
         Keys that could be placed are stored even when others fail; the first failure
         is then raised, its ``failed`` attribute mapping each failed key to its Status.
         ``checksum=True`` stores an xxh64 of each value for ``get(..., verify=True)``.
+        ``pin_ttl`` (seconds): also hold a handoff pin on the keys and return a
+        :class:`kvshm.handoff.Handoff` for the reader (prefill/decode); else None.
         """
+        if pin_ttl is not None:
+            from kvshm import handoff
+
+            return self._run(handoff.op_put_pinned(self._session, keys, values, checksum,
+                                                   pin_ttl, self.address))
         self._run(self._session.op_put_batch(keys, values, checksum))
+        return None
+
+    # ---------------------------------------------------------------- handoff pins
+
+    def pin(self, keys: Sequence[Key], ttl: float) -> Any:
+        """Hold a handoff pin on stored keys for ``ttl`` s; returns a
+        :class:`kvshm.handoff.Handoff`. Raises KeyNotFound when a key is missing."""
+        from kvshm import handoff
+
+        return self._run(handoff.op_pin(self._session, keys, ttl, self.address))
+
+    def renew(self, handoff: Any, ttl: float) -> float | None:
+        """Extend a handoff pin (a Handoff or pin id) to ``ttl`` s from now; returns the
+        new deadline (``time.time()`` s), or None when it is gone (expired, unpinned,
+        server restarted)."""
+        from kvshm import handoff as h
+
+        return self._run(h.op_renew(self._session, handoff, ttl))  # type: ignore[no-any-return]
+
+    def unpin(self, handoff: Any) -> bool:
+        """Drop a handoff pin; returns whether it was still held."""
+        from kvshm import handoff as h
+
+        return self._run(h.op_unpin(self._session, handoff))  # type: ignore[no-any-return]
+
+    def run_op(self, gen: OpGen) -> Any:
+        """Drive an operation generator (see the module docstring) on this connection."""
+        return self._run(gen)
+
+    @property
+    def session(self) -> _Session:
+        """Protocol state of this connection (limits, epoch, the server's HELLO)."""
+        return self._session
 
     # ---------------------------------------------------------------- reads
 

@@ -127,6 +127,12 @@ class ServerConfig:
         clients read without a round trip (docs/DESIGN.md). Default True.
     shared_index_slots : int
         Slots of that table (0: twice the pool's blocks, a power of two; 256 bytes each).
+    cluster : str, optional
+        ``etcd://H:P[,H:P...]``: join a cluster (docs/CLUSTER.md); needs the ``cluster``
+        extra. None (default): a lone server.
+    cluster_name, node_id, advertise, cluster_ttl
+        Cluster name; this node's id (default the host name); ``host:port`` other hosts
+        reach the service port at (default ``host:service_port``); etcd lease seconds.
     """
 
     host: str = "127.0.0.1"
@@ -163,6 +169,11 @@ class ServerConfig:
     ssd_manifest_interval: float = 5.0
     shared_index: bool = True
     shared_index_slots: int = 0
+    cluster: str | None = None
+    cluster_name: str = "kvshm"
+    node_id: str | None = None
+    advertise: str | None = None
+    cluster_ttl: float = 5.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -261,6 +272,10 @@ class ServerConfig:
                                            or self.gid_index < 0):
             raise ConfigError("gid_index", f"must be an integer >= 0, got {self.gid_index!r}")
         self._validate_ssd()
+        if self.cluster is not None:
+            from kvshm.cluster.config import validate
+
+            validate(self)
 
     def _validate_ssd(self) -> None:
         import math
@@ -345,6 +360,8 @@ class Server:
         self._stopped = False
         self._clean_stop = False    # the loop returned (not a failed start-up)
         self.epoch = int.from_bytes(os.urandom(6), "little") | 1
+        self.cluster_ops: Any = None   # kvshm.zmq_ctrl.ops_cluster.ClusterOps
+        self.membership: Any = None    # kvshm.cluster.membership.Membership (--cluster)
 
     # ------------------------------------------------------------------ set-up
 
@@ -441,6 +458,9 @@ class Server:
                 self.tier.notify = self.loop.wake
             if cfg.ipc:
                 self.loop.hello["ipc"] = self.loop.endpoints[1]
+            from kvshm.cluster.config import attach
+
+            attach(self)        # handoff pins, CLUSTER_VIEW; etcd membership with --cluster
             if cfg.manage_port is not None:
                 from kvshm.manage import ManageServer
                 from kvshm.security import is_loopback
@@ -557,6 +577,11 @@ class Server:
             except Exception:
                 log.exception("stopping the management port failed")
             self.manage = None
+        if self.membership is not None:   # leave the cluster before the store goes
+            self.membership.stop(leave=True)
+            self.membership = None
+        if self.cluster_ops is not None:
+            self.cluster_ops.close()
         if self.loop is not None:
             self.loop.close()
         if self._router is not None:      # set-up failed before the loop took it

@@ -853,6 +853,12 @@ class Store:
         self.counters["bytes_out"] += nbytes
         return out, sums
 
+    def pin_entries(self, entries: Sequence[Entry]) -> None:
+        """Pin live entries (a handoff pin, kvshm.zmq_ctrl.ops_cluster); undo with
+        :meth:`unpin`. Counts no read."""
+        for e in entries:
+            self._pin(e)
+
     def unpin(self, entries: Sequence[Entry]) -> None:
         for e in entries:
             self._unpin(e)

@@ -77,6 +77,12 @@ class Op(enum.IntEnum):
     STATS = 12
     PURGE = 13
     LIST = 14
+    # cluster and handoff ops (kvshm.zmq_ctrl.ops_cluster); numbered apart
+    CLUSTER_VIEW = 40
+    PIN = 41
+    RENEW = 42
+    UNPIN = 43
+    DRAIN = 44
 
 
 class Status(enum.IntEnum):

@@ -211,6 +211,16 @@ class ServiceLoop:
             Op.LIST: self._on_list,
         }
         self._stateful = {Op.ALLOC, Op.LOOKUP, Op.COMMIT}
+        self._ticks: list[Callable[[float], float | None]] = []
+        self._tick_deadline: float | None = None
+
+    def add_ops(self, handlers: dict[int, Callable[..., Any]],
+                tick: Callable[[float], float | None] | None = None) -> None:
+        """Serve more ops (``op -> handler``, as the built-in ones) and call ``tick(now)``
+        each turn of the loop (it returns its next deadline, or None)."""
+        self._handlers.update(handlers)
+        if tick is not None:
+            self._ticks.append(tick)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -285,6 +295,9 @@ class ServiceLoop:
             now = time.monotonic()
             self.store.expire(now)
             self._tier_deadline = self.store.service(now)
+            if self._ticks:
+                self._tick_deadline = min((d for d in (t(now) for t in self._ticks)
+                                           if d is not None), default=None)
             if self._parked:
                 self._retry_parked(now)
             if self._sending:
@@ -305,6 +318,8 @@ class ServiceLoop:
             deadlines.append(next_evict)
         if self._tier_deadline is not None:
             deadlines.append(self._tier_deadline)
+        if self._tick_deadline is not None:
+            deadlines.append(self._tick_deadline)
         if self._parked:
             deadlines.append(min(p.deadline for p in self._parked))
         now = time.monotonic()

@@ -1,0 +1,221 @@
+"""Router handlers of the cluster ops: CLUSTER_VIEW, PIN, RENEW, UNPIN, DRAIN.
+
+They run on the server's loop thread like every handler (they own no other thread);
+:class:`ClusterOps` is registered with :meth:`ServiceLoop.add_ops`, which also calls its
+:meth:`tick` so that handoff pins expire on time even on an idle server.
+
+CLUSTER_VIEW ``{since: revision}`` answers ``{revision, node_id, epoch, fresh}`` and,
+when the server's view is newer than ``since``, ``view`` (:meth:`View.to_dict`); a
+client polls it cheaply and takes the member list only when it changed. Engine
+processes learn the cluster this way and need no etcd client.
+
+Handoff pins (:mod:`kvshm.handoff`) are pins the server itself holds for a TTL: they do
+not belong to the writer's session, survive its disconnect, keep their entries from
+eviction and end at UNPIN or at their deadline (counted as ``expired``). Their bytes are
+capped (``max_pinned_bytes``, default half the pool) so that unread handoffs cannot
+take the whole pool hostage; a PIN over the cap is refused with QUOTA_EXCEEDED.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from kvshm.handoff import check_ttl
+from kvshm.zmq_ctrl.protocol import Op, Status
+
+__all__ = ["ClusterOps"]
+
+log = logging.getLogger(__name__)
+
+Reply = tuple[int, dict[str, Any], list[Any]]
+
+
+class _Pin:
+    __slots__ = ("entries", "deadline", "nbytes")
+
+    def __init__(self, entries: list[Any], deadline: float) -> None:
+        self.entries = entries
+        self.deadline = deadline
+        self.nbytes = sum(e.size for e in entries)
+
+
+class ClusterOps:
+    """Cluster and handoff handlers for one server.
+
+    Parameters
+    ----------
+    store : kvshm.store.Store
+    epoch : int
+        The server instance's epoch (handoffs name it).
+    node_id : str
+        Cluster node id ("" outside a cluster).
+    view : callable, optional
+        Returns the current :class:`kvshm.cluster.view.View` (thread-safe: the
+        membership agent replaces it whole). None: a server outside a cluster, whose
+        CLUSTER_VIEW answers an empty view.
+    drain : callable, optional
+        Called by DRAIN: mark this member draining in etcd.
+    max_pinned_bytes : int, optional
+        Cap on the bytes held by handoff pins (default half the pool).
+    clock : callable
+        Monotonic seconds.
+    """
+
+    def __init__(self, store: Any, epoch: int, node_id: str = "",
+                 view: Callable[[], Any] | None = None,
+                 drain: Callable[[], None] | None = None,
+                 max_pinned_bytes: int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.store = store
+        self.epoch = epoch
+        self.node_id = node_id
+        self._view = view
+        self._drain = drain
+        self.max_pinned_bytes = (store.pool.size // 2 if max_pinned_bytes is None
+                                 else max_pinned_bytes)
+        self._clock = clock
+        self._pins: dict[int, _Pin] = {}
+        self._heap: list[tuple[float, int]] = []
+        self._ids = itertools.count(1)
+        self.pinned_bytes = 0
+        self.counters = dict.fromkeys(("pins", "renewed", "unpinned", "expired",
+                                       "refused", "view_requests"), 0)
+        self.lock = threading.Lock()   # stats() may be read from another thread
+
+    # ------------------------------------------------------------------ wiring
+
+    def handlers(self) -> dict[int, Callable[..., Reply]]:
+        return {Op.CLUSTER_VIEW: self._on_view, Op.PIN: self._on_pin,
+                Op.RENEW: self._on_renew, Op.UNPIN: self._on_unpin,
+                Op.DRAIN: self._on_drain}
+
+    def tick(self, now: float) -> float | None:
+        """Expire handoff pins past their deadline; returns the next deadline."""
+        heap = self._heap
+        while heap:
+            deadline, pid = heap[0]
+            p = self._pins.get(pid)
+            if p is None or p.deadline != deadline:
+                heapq.heappop(heap)        # unpinned, or renewed (a later entry exists)
+                continue
+            if deadline > now:
+                return deadline
+            heapq.heappop(heap)
+            self._drop(pid)
+            self.counters["expired"] += 1
+            log.info("handoff pin %d of %d entries expired unread", pid, len(p.entries))
+        return None
+
+    def close(self) -> None:
+        """Drop every handoff pin (the server stops)."""
+        for pid in list(self._pins):
+            self._drop(pid)
+
+    def _drop(self, pid: int) -> None:
+        p = self._pins.pop(pid, None)
+        if p is not None:
+            self.store.unpin(p.entries)
+            self.pinned_bytes -= p.nbytes
+
+    def stats(self) -> dict[str, Any]:
+        """Handoff pins held (count, bytes) and the counters."""
+        return {"handoff_pins_held": len(self._pins),
+                "handoff_pinned_bytes": self.pinned_bytes,
+                **{f"handoff_{k}": v for k, v in self.counters.items() if k != "view_requests"},
+                "view_requests": self.counters["view_requests"]}
+
+    # ------------------------------------------------------------------ handlers
+
+    def _on_view(self, client: Any, req_id: int, body: dict[str, Any], frames: list[Any],
+                 on_sent: list[Any]) -> Reply:
+        self.counters["view_requests"] += 1
+        since = body.get("since", -1)
+        if type(since) is not int:
+            return Status.INVALID_REQUEST, {"error": "since must be an int revision"}, []
+        v = self._view() if self._view is not None else None
+        rev = v.revision if v is not None else 0
+        out: dict[str, Any] = {"revision": rev, "node_id": self.node_id,
+                               "epoch": self.epoch, "clustered": v is not None,
+                               "fresh": v.fresh if v is not None else True}
+        if v is not None and rev != since:
+            out["view"] = v.to_dict()
+        if body.get("stats"):
+            out["stats"] = self.stats()
+        return Status.OK, out, []
+
+    def _ttl(self, body: dict[str, Any]) -> float:
+        return check_ttl(body.get("ttl"))
+
+    def _on_pin(self, client, req_id, body, frames, on_sent) -> Reply:
+        keys = body.get("keys")
+        if not isinstance(keys, list) or not keys:
+            return Status.INVALID_REQUEST, {"error": "PIN takes a non-empty list keys"}, []
+        if len(keys) > self.store.config.limits.max_batch:
+            return Status.INVALID_REQUEST, {"error": "batch too large"}, []
+        try:
+            ttl = self._ttl(body)
+        except ValueError as exc:
+            return Status.INVALID_REQUEST, {"error": str(exc)}, []
+        d = self.store.index.mapping
+        found = [d.get(k) if type(k) is bytes else None for k in keys]
+        entries = [e for e in found if e is not None]
+        nbytes = sum(e.size for e in entries)
+        if self.pinned_bytes + nbytes > self.max_pinned_bytes:
+            self.counters["refused"] += 1
+            return Status.QUOTA_EXCEEDED, {
+                "error": f"handoff pins would hold {self.pinned_bytes + nbytes} bytes, over "
+                         f"this server's cap of {self.max_pinned_bytes}"}, []
+        self.store.pin_entries(entries)
+        pid = next(self._ids)
+        p = _Pin(entries, self._clock() + ttl)
+        self._pins[pid] = p
+        self.pinned_bytes += p.nbytes
+        heapq.heappush(self._heap, (p.deadline, pid))
+        self.counters["pins"] += 1
+        return Status.OK, {"pin": pid, "ttl": ttl, "found": [e is not None for e in found],
+                           "epoch": self.epoch}, []
+
+    def _pin_of(self, body: dict[str, Any]) -> tuple[int, _Pin | None, str | None]:
+        pid = body.get("pin")
+        epoch = body.get("epoch", self.epoch)
+        if type(pid) is not int:
+            return 0, None, "pin must be an int"
+        if epoch != self.epoch:
+            return pid, None, None       # another server instance: a clean miss
+        return pid, self._pins.get(pid), None
+
+    def _on_renew(self, client, req_id, body, frames, on_sent) -> Reply:
+        pid, p, err = self._pin_of(body)
+        if err:
+            return Status.INVALID_REQUEST, {"error": err}, []
+        try:
+            ttl = self._ttl(body)
+        except ValueError as exc:
+            return Status.INVALID_REQUEST, {"error": str(exc)}, []
+        if p is None:
+            return Status.OK, {"ok": False, "epoch": self.epoch}, []
+        p.deadline = self._clock() + ttl
+        heapq.heappush(self._heap, (p.deadline, pid))
+        self.counters["renewed"] += 1
+        return Status.OK, {"ok": True, "ttl": ttl, "epoch": self.epoch}, []
+
+    def _on_unpin(self, client, req_id, body, frames, on_sent) -> Reply:
+        pid, p, err = self._pin_of(body)
+        if err:
+            return Status.INVALID_REQUEST, {"error": err}, []
+        if p is None:
+            return Status.OK, {"ok": False, "epoch": self.epoch}, []
+        self._drop(pid)
+        self.counters["unpinned"] += 1
+        return Status.OK, {"ok": True, "epoch": self.epoch}, []
+
+    def _on_drain(self, client, req_id, body, frames, on_sent) -> Reply:
+        if self._drain is None:
+            return Status.UNSUPPORTED, {"error": "this server is not in a cluster"}, []
+        self._drain()
+        return Status.OK, {"draining": True}, []

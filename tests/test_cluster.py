@@ -1,0 +1,466 @@
+"""Cluster on loopback: placement, membership in etcd, fan-out, handoff, failure, change.
+
+The many-host versions (separate network and /dev/shm per host) are in
+test_cluster_bed.py; these run the same logic with every server in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import kvshm
+from kvshm.cluster.placement import Placement
+from kvshm.cluster.view import Member, View
+from kvshm.handoff import Handoff
+
+from bed import ETCD, Etcd, wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+needs_etcd = pytest.mark.skipif(ETCD is None, reason="etcd is not installed "
+                                "(apt-get install etcd-server; .ci/run installs it)")
+try:
+    import pyetcd  # noqa: F401
+    HAVE_PYETCD = True
+except ImportError:
+    HAVE_PYETCD = False
+needs_client = pytest.mark.skipif(not HAVE_PYETCD, reason="the cluster extra is not "
+                                  "installed (pip install -e '.[cluster]')")
+
+
+def members(n: int, sizes: list[int] | None = None) -> View:
+    sizes = sizes or [1 << 30] * n
+    return View.of([Member(id=f"n{i}", service=f"127.0.0.1:{1000 + i}", epoch=i + 1,
+                           pool_size=sizes[i], block_size=65536) for i in range(n)],
+                   revision=1)
+
+
+def keys_of(n: int, seed: int = 0) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    return [rng.bytes(20) for _ in range(n)]
+
+
+# ---------------------------------------------------------------------- placement
+
+def chi2(counts: np.ndarray, expected: np.ndarray) -> float:
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_owner_shares_within_chi_square_bound() -> None:
+    n, keys = 8, keys_of(80_000)
+    o = Placement(members(n)).owners(keys)[:, 0]
+    counts = np.bincount(o, minlength=n)
+    # 7 degrees of freedom: P(chi2 > 24.32) = 0.001
+    assert chi2(counts, np.full(n, len(keys) / n)) < 24.32, counts
+
+
+def test_owner_weights_follow_pool_size() -> None:
+    sizes = [1 << 30, 2 << 30, 3 << 30, 4 << 30]
+    keys = keys_of(100_000, seed=1)
+    o = Placement(members(4, sizes)).owners(keys)[:, 0]
+    counts = np.bincount(o, minlength=4)
+    expected = np.array(sizes, dtype=float) / sum(sizes) * len(keys)
+    assert chi2(counts, expected) < 16.27, counts      # 3 dof, p = 0.001
+
+
+def test_stripes_share_owner_and_replicas_differ() -> None:
+    keys = keys_of(1000, seed=2)
+    o = Placement(members(5)).owners(keys, stripe=16, replicas=2)
+    for s in range(0, 1000, 16):
+        assert (o[s:s + 16] == o[s]).all()
+    assert (o[:, 0] != o[:, 1]).all()
+    # the stripe follows its first key: same first key, same owners
+    o2 = Placement(members(5)).owners(keys[:16] + keys_of(16, seed=9), stripe=16)
+    assert (o2[:16, 0] == o[0, 0]).all() and (o2[16:, 0] == o2[16, 0]).all()
+
+
+def test_join_moves_only_to_the_new_node_and_previous_owner_is_second_choice() -> None:
+    keys = keys_of(20_000, seed=3)
+    old = Placement(members(4))
+    v5 = View.of(list(members(4).members) + [Member("n9", "x:1", 9, 1 << 30, 65536)], 2)
+    new = Placement(v5)
+    o_old = [old.ids[j] for j in old.owners(keys)[:, 0]]
+    o_new2 = new.owners(keys, replicas=2)
+    first = [new.ids[j] for j in o_new2[:, 0]]
+    second = [new.ids[j] for j in o_new2[:, 1]]
+    moved = [i for i in range(len(keys)) if first[i] != o_old[i]]
+    assert all(first[i] == "n9" for i in moved)
+    assert all(second[i] == o_old[i] for i in moved)
+    assert 0.1 < len(moved) / len(keys) < 0.3        # about 1/5 moves
+    # a node leaving moves only its own keys
+    gone = Placement(members(4), exclude=["n2"])
+    o_gone = [gone.ids[j] for j in gone.owners(keys)[:, 0]]
+    assert all(o_gone[i] == o_old[i] for i in range(len(keys)) if o_old[i] != "n2")
+
+
+def test_identical_owner_maps_from_the_same_view() -> None:
+    keys = keys_of(5000, seed=4)
+    v = members(7)
+    shuffled = View.of(reversed(v.members), revision=5)
+    assert (Placement(v).owners(keys, 4, 2) == Placement(shuffled).owners(keys, 4, 2)).all()
+
+
+def test_handoff_record_round_trips_through_json_and_msgpack() -> None:
+    import msgpack
+
+    h = Handoff("n1", "10.0.0.1:5000", 77, (b"k\x00\xff", b"k2"), time.time() + 5, pin=3)
+    assert Handoff.from_dict(json.loads(json.dumps(h.to_dict()))) == h
+    assert Handoff.from_dict(msgpack.unpackb(msgpack.packb(h.to_dict()))) == h
+    with pytest.raises(ValueError):
+        Handoff.from_dict({"node_id": "x"})
+
+
+# ---------------------------------------------------------------------- with etcd
+
+@pytest.fixture(scope="module")
+def etcd() -> Iterator[Etcd]:
+    if ETCD is None or not HAVE_PYETCD:
+        pytest.skip("etcd or its Python client is not installed")
+    with Etcd(1).start() as e:
+        yield e
+
+
+class Cluster:
+    def __init__(self, etcd: Etcd, shm_name: str, ttl: float = 2.0) -> None:
+        self.etcd = etcd
+        self.name = "t" + uuid.uuid4().hex[:8]
+        self.shm = shm_name
+        self.ttl = ttl
+        self.servers: dict[str, kvshm.Server] = {}
+        self.clients: list[kvshm.ClusterClient] = []
+
+    def add(self, node: str, size: float = 0.03, **kw: object) -> kvshm.Server:
+        srv = kvshm.Server(service_port=0, manage_port=None, prealloc_size=size,
+                           shm_name=f"{self.shm}-{node}", cluster=self.etcd.url,
+                           cluster_name=self.name, node_id=node, cluster_ttl=self.ttl,
+                           **kw).start()
+        self.servers[node] = srv
+        assert srv.membership is not None
+        wait_for(srv.membership.registered.is_set, 10, f"{node} to register")
+        return srv
+
+    def client(self, node: str, **kw: object) -> kvshm.ClusterClient:
+        kw.setdefault("timeout", 1.0)
+        c = kvshm.ClusterClient(self.servers[node].address, **kw)   # type: ignore[arg-type]
+        self.clients.append(c)
+        return c
+
+    def see(self, c: kvshm.ClusterClient, ids: set[str], status: str | None = None) -> None:
+        def ok() -> bool:
+            v = c.refresh()
+            got = {m.id for m in v.members}
+            return got == ids and (status is None or all(m.status == status
+                                                         for m in v.members))
+        wait_for(ok, 15, f"the view to be {sorted(ids)}")
+
+    def crash(self, node: str) -> None:
+        """Stop a server without leaving: its record stays until the lease expires."""
+        srv = self.servers.pop(node)
+        assert srv.membership is not None
+        srv.membership.stop(leave=False)
+        srv.membership = None
+        srv.stop()
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+        for s in self.servers.values():
+            s.stop()
+
+
+@pytest.fixture
+def cluster(etcd: Etcd, shm_name: str) -> Iterator[Cluster]:
+    c = Cluster(etcd, shm_name)
+    yield c
+    c.close()
+
+
+def test_servers_register_and_two_clients_see_identical_owner_maps(cluster: Cluster) -> None:
+    for n in ("a", "b", "c"):
+        cluster.add(n)
+    c1, c2 = cluster.client("a"), cluster.client("c")
+    cluster.see(c1, {"a", "b", "c"})
+    cluster.see(c2, {"a", "b", "c"})
+    keys = [f"key-{i}" for i in range(2000)]
+    o1, o2 = c1.owners(keys), c2.owners(keys)
+    assert o1 == o2
+    assert set(o1) == {"a", "b", "c"}
+    m = {x.id: x for x in c1.view.members}
+    assert m["b"].service == cluster.servers["b"].address
+    assert m["b"].epoch == cluster.servers["b"].epoch
+    assert m["b"].pool_size == cluster.servers["b"].pool.size
+    assert all(x.status == "up" for x in m.values())
+
+
+def test_ctl_cluster_prints_the_view(cluster: Cluster) -> None:
+    cluster.add("a")
+    cluster.add("b")
+    c = cluster.client("a")
+    cluster.see(c, {"a", "b"})
+    out = subprocess.run([sys.executable, "-m", "kvshm", "ctl", "--address",
+                          cluster.servers["a"].address, "cluster", "--json"],
+                         capture_output=True, text=True, timeout=60, check=True)
+    d = json.loads(out.stdout)
+    assert sorted(n["id"] for n in d["nodes"]) == ["a", "b"]
+    assert {n["service"] for n in d["nodes"]} == {cluster.servers[x].address for x in "ab"}
+    assert all(n["status"] == "up" for n in d["nodes"])
+    out = subprocess.run([sys.executable, "-m", "kvshm", "ctl", "--address",
+                          cluster.servers["a"].address, "cluster"],
+                         capture_output=True, text=True, timeout=60, check=True)
+    assert "\tup\t" in out.stdout and "this node a" in out.stdout
+
+
+def test_fan_out_places_each_key_at_its_owner(cluster: Cluster) -> None:
+    for n in ("a", "b", "c"):
+        cluster.add(n)
+    cc = cluster.client("a", stripe=4)
+    cluster.see(cc, {"a", "b", "c"})
+    keys = [f"k{i}".encode() for i in range(240)]
+    vals = [bytes([i % 251]) * (100 + i) for i in range(240)]
+    cc.put_batch(keys, vals)
+    owners = cc.owners(keys)
+    for node, srv in cluster.servers.items():
+        with kvshm.Client(srv.address, transport="tcp") as d:
+            found = d.exists_batch(keys)
+        assert found == [o == node for o in owners], node
+    assert cc.get_batch(keys) == vals
+    assert cc.match_prefix(keys) == 240
+    cc.delete(keys[100:101])
+    assert cc.match_prefix(keys) == 100
+    peers = cc.metrics()["peers"]
+    assert set(peers) == {"a", "b", "c"}
+    assert sum(p["bytes_in"] for p in peers.values()) == sum(map(len, vals))
+
+
+def test_handoff_pin_read_unpin_and_expiry(cluster: Cluster) -> None:
+    pre, dec = cluster.add("p"), cluster.add("d")
+    prefill = cluster.client("p")
+    decode = cluster.client("d")
+    cluster.see(decode, {"p", "d"})
+    keys = [f"req1/{i}" for i in range(8)]
+    vals = [bytes([i]) * 70_000 for i in range(8)]
+    h = prefill.put_batch(keys, vals, pin_ttl=30)
+    assert isinstance(h, Handoff)
+    assert (h.node_id, h.address, h.epoch) == ("p", pre.address, pre.epoch)
+    assert h.keys == tuple(k.encode() for k in keys) and h.deadline > time.time() + 20
+    wire = json.loads(json.dumps(h.to_dict()))
+    # pinned: an eviction of everything leaves them
+    with kvshm.Client(pre.address, transport="tcp") as admin:
+        admin.evict(0.0)
+        assert all(admin.exists_batch(keys))
+        assert admin.stats()["pins"] == len(keys)
+        assert decode.get_handoff(wire) == vals
+        assert admin.stats()["pins"] == 0             # unpinned after the read
+        assert prefill.local.renew(h, 5) is None      # gone
+        # an unread handoff expires (the entries stay cached, unpinned)
+        h2 = prefill.put_batch(["req2/0"], [b"x" * 1000], pin_ttl=0.3)
+        assert admin.stats()["pins"] == 1
+        wait_for(lambda: admin.stats()["pins"] == 0, 10, "the pin to expire")
+        assert prefill.local.renew(h2, 5) is None
+        admin.evict(0.0)
+        assert not admin.exists("req2/0")
+    view = decode.local.run_op(_view_op(decode.local))
+    assert view["stats"]["handoff_expired"] == 0     # on d: none; p counted its own
+    with kvshm.Client(pre.address, transport="tcp") as c:
+        st = c.run_op(_view_op(c))["stats"]
+    assert st["handoff_expired"] == 1 and st["handoff_unpinned"] == 1
+    # a handoff naming another epoch (the node restarted) reads as misses
+    stale = Handoff.from_dict({**h.to_dict(), "epoch": h.epoch + 2})
+    assert decode.get_handoff(stale) == [None] * len(keys)
+    assert decode.metrics()["misses"]["epoch"] == len(keys)
+    del dec
+
+
+def _view_op(c: kvshm.Client):  # type: ignore[no-untyped-def]
+    from kvshm.cluster.cli import op_view
+
+    return op_view(c.session, stats=True)
+
+
+def test_pin_of_missing_key_is_refused(cluster: Cluster) -> None:
+    srv = cluster.add("a")
+    with kvshm.Client(srv.address) as c:
+        c.put("x", b"1")
+        with pytest.raises(kvshm.KeyNotFound):
+            c.pin(["x", "nope"], 5)
+        assert c.stats()["pins"] == 0
+        h = c.pin(["x"], 5)
+        assert c.renew(h, 10) is not None and c.unpin(h) and not c.unpin(h)
+        with pytest.raises(ValueError):
+            c.pin(["x"], 0)
+
+
+def test_lease_expiry_drops_a_node_and_suspect_marks_turn_timeouts_into_misses(
+        cluster: Cluster) -> None:
+    for n in ("a", "b", "c"):
+        cluster.add(n)
+    cc = cluster.client("a", timeout=0.5)
+    cluster.see(cc, {"a", "b", "c"})
+    keys = [f"k{i}" for i in range(300)]
+    vals = [f"v{i}".encode() * 10 for i in range(300)]
+    cc.put_batch(keys, vals)
+    owners = cc.owners(keys)
+    cluster.crash("b")                 # its record stays until the lease runs out
+    t0 = time.monotonic()
+    got = cc.get_batch(keys)           # the batch that waits for b's timeout
+    got2 = cc.get_batch(keys)          # b suspect: immediate misses
+    assert cc.metrics()["suspect_marks"] == 1
+    for g in (got, got2):
+        assert [v is not None for v in g] == [o != "b" for o in owners]
+        assert all(v == vals[i] for i, v in enumerate(g) if v is not None)
+    assert cc.metrics()["misses"]["suspect"] >= owners.count("b")
+    # writes while b is suspect go to the next choice, and read back
+    cc.put_batch(["new1", "new2", "new3", "new4"], [b"1", b"2", b"3", b"4"])
+    assert cc.get_batch(["new1", "new2", "new3", "new4"]) == [b"1", b"2", b"3", b"4"]
+    cluster.see(cc, {"a", "c"})        # the lease expired
+    left_after = time.monotonic() - t0
+    assert left_after < 2.0 + 5.0      # TTL 2 s (+ etcd's minimum and the poll)
+    got3 = cc.get_batch(keys)
+    assert [v is not None for v in got3] == [o != "b" for o in owners]
+
+
+def test_join_fallback_restores_every_key_and_copies_it_home(cluster: Cluster) -> None:
+    cluster.add("a")
+    cluster.add("b")
+    cc = cluster.client("a")
+    cluster.see(cc, {"a", "b"})
+    keys = [f"j{i}" for i in range(400)]
+    vals = [f"val{i}".encode() for i in range(400)]
+    cc.put_batch(keys, vals)
+    cluster.add("c")
+    cluster.see(cc, {"a", "b", "c"})
+    moved = cc.owners(keys).count("c")
+    assert moved > 0
+    assert cc.get_batch(keys) == vals
+    m = cc.metrics()
+    assert m["fallback_hits"] == moved and m["fallback_copies"] == moved
+    with kvshm.Client(cluster.servers["c"].address, transport="tcp") as d:
+        assert sum(d.exists_batch(keys)) == moved          # copied home
+    assert cc.get_batch(keys) == vals
+    assert cc.metrics()["fallback_hits"] == moved          # no second fallback
+
+
+def test_lost_lease_registers_again(cluster: Cluster, etcd: Etcd) -> None:
+    srv = cluster.add("a")
+    cc = cluster.client("a")
+    cluster.see(cc, {"a"})
+    ms = srv.membership
+    assert ms is not None
+    client = etcd._client()
+    try:
+        client.revoke_lease(ms._lease)   # what a partition longer than the TTL does
+    finally:
+        client.close()
+    wait_for(lambda: ms.counters["lease_lost"] >= 1 and ms.counters["registrations"] >= 2,
+             15, "a new registration")
+    cluster.see(cc, {"a"})
+
+
+def test_drain_marks_the_node_and_writes_avoid_it(cluster: Cluster) -> None:
+    cluster.add("a")
+    cluster.add("b")
+    cc = cluster.client("a")
+    cluster.see(cc, {"a", "b"})
+    out = subprocess.run([sys.executable, "-m", "kvshm", "ctl", "--address",
+                          cluster.servers["b"].address, "drain"],
+                         capture_output=True, text=True, timeout=60, check=True)
+    assert json.loads(out.stdout)["nodes"]
+    wait_for(lambda: {m.id: m.status for m in cc.refresh().members}
+             == {"a": "up", "b": "draining"}, 15, "b to be draining")
+    keys = [f"d{i}" for i in range(100)]
+    assert set(cc.owners(keys)) == {"a"}
+    cc.put_batch(keys, [b"x"] * 100)
+    with kvshm.Client(cluster.servers["b"].address, transport="tcp") as d:
+        assert not any(d.exists_batch(keys))
+
+
+def test_etcd_unreachable_keeps_the_view_and_the_data_plane(etcd: Etcd,
+                                                           shm_name: str) -> None:
+    e = Etcd(1).start()
+    cl = Cluster(e, shm_name)
+    try:
+        cl.add("a")
+        cl.add("b")
+        cc = cl.client("a")
+        cl.see(cc, {"a", "b"})
+        cc.put_batch([f"e{i}" for i in range(50)], [b"v"] * 50)
+        e.stop()
+        wait_for(lambda: not cc.refresh().fresh, 15, "the view to turn stale")
+        assert {m.id for m in cc.view.members} == {"a", "b"}
+        assert cc.get_batch([f"e{i}" for i in range(50)]) == [b"v"] * 50
+        e.start()
+        wait_for(lambda: cc.refresh().fresh, 20, "the view to be fresh again")
+        cl.see(cc, {"a", "b"})
+    finally:
+        cl.close()
+        e.close()
+
+
+def test_etcd_leader_kill_and_full_restart_drop_no_member(shm_name: str) -> None:
+    if ETCD is None or not HAVE_PYETCD:
+        pytest.skip("etcd or its Python client is not installed")
+    e = Etcd(3).start()
+    cl = Cluster(e, shm_name, ttl=3.0)
+    try:
+        for n in ("a", "b", "c"):
+            cl.add(n)
+        cc = cl.client("a")
+        cl.see(cc, {"a", "b", "c"})
+        changes = cc.metrics()["view_changes"]
+        lead = e.leader()
+        e.kill(lead)
+        t_end = time.monotonic() + 3 * 3.0
+        while time.monotonic() < t_end:     # three TTLs with one member fewer
+            cc.refresh()
+            assert {m.id for m in cc.view.members} == {"a", "b", "c"}
+            time.sleep(0.1)
+        e.start(lead)
+        e.stop()                            # full stop ...
+        time.sleep(1.0)
+        e.start()                           # ... and restart with the same data
+        t_end = time.monotonic() + 3 * 3.0
+        while time.monotonic() < t_end:
+            cc.refresh()
+            assert {m.id for m in cc.view.members} == {"a", "b", "c"}
+            time.sleep(0.1)
+        wait_for(lambda: cc.refresh().fresh, 20, "a fresh view")
+        assert cc.metrics()["view_changes"] == changes
+        for s in cl.servers.values():    # a lease lost meanwhile was registered again
+            assert s.membership is not None and s.membership.registered.is_set()
+    finally:
+        cl.close()
+        e.close()
+
+
+def test_async_cluster_client(cluster: Cluster) -> None:
+    import asyncio
+
+    cluster.add("a")
+    cluster.add("b")
+    cc = cluster.client("a")
+    cluster.see(cc, {"a", "b"})
+
+    async def main() -> None:
+        async with kvshm.AsyncClusterClient(cluster.servers["b"].address) as ac:
+            await ac.put_batch(["x1", "x2", "x3"], [b"1", b"2", b"3"])
+            assert await ac.get_batch(["x1", "x2", "x3"]) == [b"1", b"2", b"3"]
+            assert await ac.match_prefix(["x1", "x2", "nope"]) == 2
+
+    asyncio.run(main())
+    assert cc.get_batch(["x1", "x2", "x3"]) == [b"1", b"2", b"3"]
+
+
+def test_owner_counter_sanity() -> None:
+    # owners over a view with no member up: None, and a write fails clearly
+    v = View.of([Member("z", "x:1", 1, 1 << 20, 4096, status="draining")], 1)
+    assert Placement(v).owner_ids([b"a"]) == [None]
+    assert Counter(Placement(members(3)).owner_ids([b"a"] * 10)).most_common(1)[0][1] == 10
