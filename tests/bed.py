@@ -90,53 +90,45 @@ class Etcd:
         return self
 
     def _client(self) -> Any:
+        """A pyetcd client of the running members (loopback members only)."""
         import pyetcd
 
         eps = [pyetcd.Endpoint(self.host, p, secure=False, time_retry=0.2)
                for j, p in enumerate(self.client_ports) if self.procs[j] is not None]
         return pyetcd.MultiEndpointEtcd3Client(endpoints=eps, timeout=1.0, failover=True)
 
-    def _status(self) -> list[Any]:
-        """(member index, status) of each running member that answers."""
-        import pyetcd
-
-        out = []
-        for j, p in enumerate(self.client_ports):
-            if self.procs[j] is None:
-                continue
-            c = pyetcd.Etcd3Client(self.host, p, timeout=0.5)
-            try:
-                out.append((j, c.status()))
-            except Exception:
-                pass
-            finally:
-                c.close()
-        return out
+    def _status(self) -> list[tuple[int, int, int]]:
+        """(member index, its member id, the leader's id) of each member that answers;
+        asked from inside the members' namespace when they run in one."""
+        code = ("import json,sys,pyetcd\n"
+                "out=[]\n"
+                "for j,p in json.loads(sys.argv[1]):\n"
+                "    c=pyetcd.Etcd3Client(sys.argv[2],p,timeout=0.5)\n"
+                "    try:\n"
+                "        r=c.maintenancestub.Status(pyetcd.etcdrpc.StatusRequest(),0.5)\n"
+                "        out.append([j,int(r.header.member_id),int(r.leader)])\n"
+                "    except Exception: pass\n"
+                "    finally: c.close()\n"
+                "print(json.dumps(out))\n")
+        live = [[j, p] for j, p in enumerate(self.client_ports) if self.procs[j] is not None]
+        r = subprocess.run([*self.prefix, sys.executable, "-c", code, json.dumps(live),
+                            self.host], capture_output=True, text=True, timeout=30)
+        return [tuple(x) for x in json.loads(r.stdout or "[]")]  # type: ignore[misc]
 
     def wait_healthy(self, timeout: float = 20.0) -> None:
         def ok() -> bool:
             st = self._status()
             live = sum(p is not None for p in self.procs)
-            return len(st) == live and all(s.leader is not None and s.leader.id for _, s in st)
+            return len(st) == live and all(leader for _, _, leader in st)
 
         wait_for(ok, timeout, "etcd members to elect a leader", 0.1)
 
     def leader(self) -> int:
         """Index of the member that is the raft leader."""
-        for j, s in self._status():
-            if s.leader is not None and self._member_id(j) == s.leader.id:
+        for j, mid, leader in self._status():
+            if mid == leader:
                 return j
         raise AssertionError("no etcd leader")
-
-    def _member_id(self, j: int) -> int:
-        import pyetcd
-
-        c = pyetcd.Etcd3Client(self.host, self.client_ports[j], timeout=0.5)
-        try:
-            resp = c.maintenancestub.Status(pyetcd.etcdrpc.StatusRequest(), 0.5)
-            return int(resp.header.member_id)
-        finally:
-            c.close()
 
     def kill(self, i: int) -> None:
         p = self.procs[i]
@@ -302,6 +294,9 @@ class Bed:
                     p.wait(10)
                 except subprocess.TimeoutExpired:
                     pass
+            for f in (p.stdin, p.stdout, p.stderr):
+                if f is not None:
+                    f.close()
         for i in range(self.n):
             r = _run(["ip", "netns", "pids", self.ns(i)], check=False)
             for pid in r.stdout.split():
