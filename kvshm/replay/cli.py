@@ -84,6 +84,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="segment name of the kvshm server started here (default: unique)")
     p.add_argument("--redis-server", default=None, metavar="PATH",
                    help="redis-server executable (default: the one on PATH)")
+    from kvshm.cluster.replay import add_flags
+
+    add_flags(p)      # --hosts N: the multi-host replay (kvshm.cluster.replay)
     p.set_defaults(func=cmd_replay, parser=p)
     return p
 
@@ -96,6 +99,10 @@ def cmd_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
+    if getattr(args, "hosts", 1) > 1:
+        from kvshm.cluster.replay import cmd
+
+        return cmd(args)
     if args.plot is not None:
         if importlib.util.find_spec("matplotlib") is None:
             parser.error("argument --plot: needs matplotlib, which is not installed "
