@@ -39,6 +39,7 @@ from kvshm.client import Client
 
 if TYPE_CHECKING:
     from kvshm.aio import AsyncClient
+    from kvshm.cluster.client import AsyncClusterClient, ClusterClient
     from kvshm.server import Server, ServerConfig
 
 __version__ = "0.1.0"

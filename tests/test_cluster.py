@@ -464,3 +464,17 @@ def test_owner_counter_sanity() -> None:
     v = View.of([Member("z", "x:1", 1, 1 << 20, 4096, status="draining")], 1)
     assert Placement(v).owner_ids([b"a"]) == [None]
     assert Counter(Placement(members(3)).owner_ids([b"a"] * 10)).most_common(1)[0][1] == 10
+
+
+@needs_etcd
+@needs_client
+def test_replay_across_three_hosts() -> None:
+    out = subprocess.run([sys.executable, "-m", "kvshm", "replay", "--hosts", "3",
+                          "--requests", "3000", "--pool-gib", "0.01", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    s = json.loads(out.stdout)
+    assert s["mismatches"] == 0
+    assert s["cluster_hit_rate"] >= 0.98 * s["summed_lru_hit_rate"]
+    assert s["cluster_hit_rate"] > s["isolated_hit_rate"]
+    assert s["remote_bytes"] > 0 and s["local_bytes"] > 0

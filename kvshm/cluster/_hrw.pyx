@@ -35,6 +35,13 @@ cdef inline uint64_t _mix(uint64_t z) noexcept nogil:
     return z ^ (z >> 31)
 
 
+cdef inline uint64_t _score(uint64_t h, uint64_t seed) noexcept nogil:
+    # one multiply: the high bits of the product depend on every bit of h ^ seed (both
+    # already full-avalanche hashes), and the shift folds them down
+    cdef uint64_t z = (h ^ seed) * _C3
+    return z ^ (z >> 29)
+
+
 cdef inline uint64_t _hash(const uint8_t* p, Py_ssize_t n) noexcept nogil:
     cdef uint64_t h = _C1 ^ (<uint64_t>n * _C3)
     cdef uint64_t w
@@ -140,7 +147,7 @@ def owners(list keys, object seeds, object weights, int stripe=1, int replicas=1
                 zbest = 0
                 jbest = 0
                 for j in range(m):
-                    z = _mix(h ^ sp[j])
+                    z = _score(h, sp[j])
                     if z > zbest:
                         zbest = z
                         jbest = <int32_t>j
@@ -154,7 +161,7 @@ def owners(list keys, object seeds, object weights, int stripe=1, int replicas=1
                     zbest = 0
                     jbest = <int32_t>lo
                     for j in range(lo, hi):
-                        z = _mix(h ^ ssp[j])
+                        z = _score(h, ssp[j])
                         if z > zbest:
                             zbest = z
                             jbest = <int32_t>j
@@ -170,7 +177,7 @@ def owners(list keys, object seeds, object weights, int stripe=1, int replicas=1
                         bz[c, r] = 0
                         bj[c, r] = -1
                 for j in range(m):
-                    z = _mix(h ^ sp[j])
+                    z = _score(h, sp[j])
                     c = cp[j]
                     if bj[c, nrep - 1] < 0 or z > bz[c, nrep - 1]:
                         r = nrep - 1

@@ -61,7 +61,8 @@ def attach(server: Any) -> None:
                                         "advertise": service}
     ops = ClusterOps(server.store, server.epoch, node_id if membership else "",
                      view=(lambda: membership.view) if membership else None,
-                     drain=membership.drain if membership else None)
+                     drain=membership.drain if membership else None,
+                     membership_stats=membership.stats if membership else None)
     server.cluster_ops = ops
     server.loop.add_ops(ops.handlers(), ops.tick)
     if membership is not None:

@@ -46,7 +46,7 @@ class ClusterReplayOptions:
     requests: int | None = None
     block_bytes: int = 4 * KiB
     pool_gib: float = 0.08
-    stripe: int = 16
+    stripe: int = 1
     assign: str = "round-robin"
     timeout: float = 30.0
 
@@ -93,6 +93,7 @@ def _host_of(req: Sequence[int], i: int, n: int, assign: str) -> int:
 def run_cluster_replay(opts: ClusterReplayOptions) -> dict[str, Any]:
     """Run the replay; returns the summary (see the module docstring)."""
     import kvshm
+    from kvshm.cluster.client import ClusterClient
     from kvshm.trace import block_key, check_blocks, fill_blocks, load_trace, simulate_lru
 
     if opts.hosts < 1 or opts.stripe < 1 or opts.block_bytes % 8 or opts.block_bytes < 16:
@@ -130,7 +131,7 @@ def run_cluster_replay(opts: ClusterReplayOptions) -> dict[str, Any]:
             if not s.membership.registered.wait(30):
                 raise RuntimeError("a replay server did not register in etcd")
         for s in servers:
-            c = kvshm.ClusterClient(s.address, stripe=1, timeout=opts.timeout)
+            c = ClusterClient(s.address, stripe=1, timeout=opts.timeout)
             deadline = time.monotonic() + 30
             while len(c.refresh().members) < n:
                 if time.monotonic() > deadline:
@@ -194,8 +195,10 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                         "started here; see docs/CLUSTER.md); 1: the single-store replay")
     p.add_argument("--assign", choices=("round-robin", "session"), default="round-robin",
                    help="with --hosts: which host takes a request (default round-robin)")
-    p.add_argument("--stripe", type=int, default=16, metavar="G",
-                   help="with --hosts: blocks per placement stripe (default 16)")
+    p.add_argument("--stripe", type=int, default=1, metavar="G",
+                   help="with --hosts: blocks per placement stripe (default 1: per block; "
+                        "stripes trade hit rate for fewer holes when a host is lost, see "
+                        "docs/CLUSTER.md)")
 
 
 def cmd(args: argparse.Namespace) -> int:

@@ -62,6 +62,8 @@ class ClusterOps:
         Called by DRAIN: mark this member draining in etcd.
     max_pinned_bytes : int, optional
         Cap on the bytes held by handoff pins (default half the pool).
+    membership_stats : callable, optional
+        The membership agent's counters, added to :meth:`stats`.
     clock : callable
         Monotonic seconds.
     """
@@ -70,12 +72,14 @@ class ClusterOps:
                  view: Callable[[], Any] | None = None,
                  drain: Callable[[], None] | None = None,
                  max_pinned_bytes: int | None = None,
+                 membership_stats: Callable[[], dict[str, Any]] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
         self.epoch = epoch
         self.node_id = node_id
         self._view = view
         self._drain = drain
+        self._membership_stats = membership_stats
         self.max_pinned_bytes = (store.pool.size // 2 if max_pinned_bytes is None
                                  else max_pinned_bytes)
         self._clock = clock
@@ -123,11 +127,15 @@ class ClusterOps:
             self.pinned_bytes -= p.nbytes
 
     def stats(self) -> dict[str, Any]:
-        """Handoff pins held (count, bytes) and the counters."""
-        return {"handoff_pins_held": len(self._pins),
-                "handoff_pinned_bytes": self.pinned_bytes,
-                **{f"handoff_{k}": v for k, v in self.counters.items() if k != "view_requests"},
-                "view_requests": self.counters["view_requests"]}
+        """Handoff pins held (count, bytes) and the counters; with a cluster, the
+        membership agent's (view revision, changes, registrations, lease_lost, ...)."""
+        out: dict[str, Any] = {
+            "handoff_pins_held": len(self._pins), "handoff_pinned_bytes": self.pinned_bytes,
+            **{f"handoff_{k}": v for k, v in self.counters.items() if k != "view_requests"},
+            "view_requests": self.counters["view_requests"]}
+        if self._membership_stats is not None:
+            out["membership"] = self._membership_stats()
+        return out
 
     # ------------------------------------------------------------------ handlers
 
