@@ -478,3 +478,28 @@ def test_replay_across_three_hosts() -> None:
     assert s["cluster_hit_rate"] >= 0.98 * s["summed_lru_hit_rate"]
     assert s["cluster_hit_rate"] > s["isolated_hit_rate"]
     assert s["remote_bytes"] > 0 and s["local_bytes"] > 0
+
+
+def test_restart_with_the_same_node_id_takes_its_place_back(cluster: Cluster,
+                                                            tmp_path: object) -> None:
+    import os
+
+    ssd = os.path.join(str(tmp_path), "ssd")
+    opts = {"ssd_path": ssd, "ssd_size": 0.05, "ssd_persist": True}
+    cluster.add("a")
+    old = cluster.add("b", **opts)
+    cc = cluster.client("a")
+    cluster.see(cc, {"a", "b"})
+    keys = [f"r{i}" for i in range(200)]
+    vals = [f"v{i}".encode() * 50 for i in range(200)]
+    cc.put_batch(keys, vals)
+    owners = cc.owners(keys)
+    old_epoch = old.epoch
+    cluster.servers.pop("b").stop()          # a clean stop: leaves, manifest written
+    cluster.see(cc, {"a"})
+    new = cluster.add("b", **opts)
+    cluster.see(cc, {"a", "b"})
+    m = cc.view.get("b")
+    assert m is not None and m.epoch == new.epoch != old_epoch
+    assert cc.owners(keys) == owners         # the same place
+    assert cc.get_batch(keys) == vals        # its keys hit again (SSD persisted)
