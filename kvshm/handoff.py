@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-__all__ = ["Handoff", "MAX_PIN_TTL", "check_ttl"]
+__all__ = ["Handoff", "MAX_PIN_TTL", "check_ttl", "fetch"]
 
 #: Longest handoff pin a server grants in one PIN or RENEW (seconds).
 MAX_PIN_TTL = 600.0
@@ -185,3 +185,27 @@ def op_unpin(session: Any, h: "Handoff | int") -> Any:
 
     body = yield from session.op_simple(Op.UNPIN, _pin_of(h), "unpin")
     return bool(body.get("ok"))
+
+
+def fetch(client: Any, h: "Handoff | dict[str, Any]", outs: Sequence[Any] | None = None, *,
+          unpin: bool = True) -> list[Any]:
+    """Read a handoff with a plain :class:`kvshm.Client` connected to ``h.address``.
+
+    Returns the values (bytes, None per miss), or with ``outs`` the sizes copied into
+    them (-1 per miss). When the server there is another instance than the handoff's
+    (``epoch``), every key is a miss and nothing is read. ``unpin`` drops the pin after
+    the read.
+    """
+    h = h if isinstance(h, Handoff) else Handoff.from_dict(h)
+    keys = list(h.keys)
+    if not client.server_info:
+        client.ping()
+    if int(client.server_info.get("epoch", 0)) != h.epoch:
+        return [-1 if outs is not None else None] * len(keys)
+    if outs is not None:
+        res: list[Any] = client.get_batch_into(keys, outs)
+    else:
+        res = client.get_batch(keys)
+    if unpin:
+        client.unpin(h)
+    return res

@@ -503,3 +503,32 @@ def test_restart_with_the_same_node_id_takes_its_place_back(cluster: Cluster,
     assert m is not None and m.epoch == new.epoch != old_epoch
     assert cc.owners(keys) == owners         # the same place
     assert cc.get_batch(keys) == vals        # its keys hit again (SSD persisted)
+
+
+def test_handoff_without_a_cluster_sync_and_async(shm_name: str) -> None:
+    import asyncio
+
+    from kvshm.handoff import fetch
+
+    with kvshm.Server(service_port=0, manage_port=None, prealloc_size=0.02,
+                      shm_name=shm_name) as srv:
+        with kvshm.Client(srv.address) as w, kvshm.Client(srv.address,
+                                                           transport="tcp") as r:
+            h = w.put_batch(["a", "b"], [b"1" * 5000, b"2" * 7000], pin_ttl=10)
+            assert h.node_id == "" and h.address == srv.address and h.epoch == srv.epoch
+            outs = [bytearray(8000), bytearray(8000)]
+            assert fetch(r, h.to_dict(), outs) == [5000, 7000]
+            assert bytes(outs[1][:7000]) == b"2" * 7000
+            assert r.stats()["pins"] == 0
+            other = Handoff.from_dict({**h.to_dict(), "epoch": h.epoch + 2})
+            assert fetch(r, other) == [None, None]
+
+        async def main() -> None:
+            async with kvshm.AsyncClient(srv.address) as ac:
+                h2 = await ac.put_batch(["c"], [b"3" * 100], pin_ttl=5)
+                assert isinstance(h2, Handoff) and h2.keys == (b"c",)
+                assert await ac.renew(h2, 5) is not None
+                assert await ac.unpin(h2)
+                assert (await ac.stats())["pins"] == 0
+
+        asyncio.run(main())

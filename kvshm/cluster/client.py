@@ -37,6 +37,7 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
+from kvshm._buffers import byte_view
 from kvshm.client import Client, Key
 from kvshm.cluster.placement import Placement
 from kvshm.cluster.view import View
@@ -205,8 +206,11 @@ class ClusterClient:
             cur = self._clients.get(node_id)
             if cur is not None and cur[0] == m.epoch:
                 return cur[1]
+        opts = dict(self._opts)
+        if m.curve_public_key and "curve_server_key" not in self._opts:
+            opts["curve_server_key"] = m.curve_public_key    # from its member record
         c = Client(m.service, transport=self.transport, timeout=self.timeout,
-                   connect=False, **self._opts)
+                   connect=False, **opts)
         with self._lock:
             old = self._clients.get(node_id)
             self._clients[node_id] = (m.epoch, c)
@@ -320,7 +324,7 @@ class ClusterClient:
 
         def write(node: str, idx: list[int]) -> None:
             vals = [values[i] for i in idx]
-            nbytes = sum(memoryview(v).nbytes for v in vals)
+            nbytes = sum(byte_view(v).nbytes for v in vals)
             self._call(node, lambda c: c.put_batch([keys[i] for i in idx], vals,
                                                    checksum=checksum), nbytes)
 
