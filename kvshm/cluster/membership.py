@@ -60,7 +60,13 @@ class _Etcd:
             raise ImportError("kvshm --cluster needs the etcd client: pip install "
                               "'kvshm[cluster]' (etcd-sdk-python, protobuf, grpcio)") from exc
         self._mod = pyetcd
-        eps = [pyetcd.Endpoint(h, p, secure=False, time_retry=0.5) for h, p in endpoints]
+        # gRPC backs off reconnecting up to 120 s by default: after etcd was down for a
+        # few seconds the channel would stay idle longer than a lease lives
+        opts = [("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 500)]
+        eps = [pyetcd.Endpoint(h, p, secure=False, time_retry=0.5, opts=opts)
+               for h, p in endpoints]
         self.client = pyetcd.MultiEndpointEtcd3Client(endpoints=eps, timeout=timeout,
                                                       failover=True)
 
