@@ -275,7 +275,9 @@ class ServerConfig:
         if self.cluster is not None:
             from kvshm.cluster.config import validate
 
-            validate(self)
+            problem = validate(self)
+            if problem is not None:
+                raise ConfigError(*problem)
 
     def _validate_ssd(self) -> None:
         import math

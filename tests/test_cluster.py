@@ -532,3 +532,15 @@ def test_handoff_without_a_cluster_sync_and_async(shm_name: str) -> None:
                 assert (await ac.stats())["pins"] == 0
 
         asyncio.run(main())
+
+
+@pytest.mark.parametrize("opt, value", [("cluster", "http://x:1"), ("cluster", "etcd://x"),
+                                        ("cluster_name", "a/b"), ("node_id", ""),
+                                        ("advertise", "nohost"), ("cluster_ttl", 0)])
+def test_bad_cluster_options_name_the_flag(opt: str, value: object) -> None:
+    from kvshm.server import ConfigError
+
+    kw: dict[str, object] = {"cluster": "etcd://127.0.0.1:2379", opt: value}
+    with pytest.raises(ConfigError) as ei:
+        kvshm.Server(service_port=0, manage_port=None, **kw)
+    assert ei.value.option == opt

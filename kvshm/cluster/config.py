@@ -14,27 +14,27 @@ __all__ = ["validate", "attach", "add_cli_flags", "cli_options"]
 log = logging.getLogger(__name__)
 
 
-def validate(cfg: Any) -> None:
-    """Check the cluster options of a ServerConfig; raises its ConfigError."""
+def validate(cfg: Any) -> tuple[str, str] | None:
+    """Check the cluster options of a ServerConfig: None, or (option, message) of the
+    first bad one (the server raises its ConfigError with them)."""
     from kvshm.cluster.membership import parse_etcd_url
-    from kvshm.server import ConfigError
 
     try:
         parse_etcd_url(cfg.cluster)
     except ValueError as exc:
-        raise ConfigError("cluster", str(exc)) from None
+        return "cluster", str(exc)
     if not cfg.cluster_name or "/" in cfg.cluster_name:
-        raise ConfigError("cluster_name", f"must be non-empty without '/', got "
-                                          f"{cfg.cluster_name!r}")
+        return "cluster_name", f"must be non-empty without '/', got {cfg.cluster_name!r}"
     if cfg.node_id is not None and (not cfg.node_id or "/" in cfg.node_id):
-        raise ConfigError("node_id", f"must be non-empty without '/', got {cfg.node_id!r}")
+        return "node_id", f"must be non-empty without '/', got {cfg.node_id!r}"
     if cfg.advertise is not None:
         host, sep, port = cfg.advertise.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError("advertise", f"must be HOST:PORT, got {cfg.advertise!r}")
+            return "advertise", f"must be HOST:PORT, got {cfg.advertise!r}"
     if isinstance(cfg.cluster_ttl, bool) or not isinstance(cfg.cluster_ttl, (int, float)) \
             or not 1 <= cfg.cluster_ttl <= 3600:
-        raise ConfigError("cluster_ttl", f"must be 1 to 3600 s, got {cfg.cluster_ttl!r}")
+        return "cluster_ttl", f"must be 1 to 3600 s, got {cfg.cluster_ttl!r}"
+    return None
 
 
 def attach(server: Any) -> None:
