@@ -544,3 +544,21 @@ def test_bad_cluster_options_name_the_flag(opt: str, value: object) -> None:
     with pytest.raises(ConfigError) as ei:
         kvshm.Server(service_port=0, manage_port=None, **kw)
     assert ei.value.option == opt
+
+
+def test_two_replicas_survive_a_crash(cluster: Cluster) -> None:
+    for n in ("a", "b", "c"):
+        cluster.add(n)
+    cc = cluster.client("a", replicas=2, timeout=0.5)
+    cluster.see(cc, {"a", "b", "c"})
+    keys = [f"r2-{i}" for i in range(120)]
+    vals = [f"v{i}".encode() for i in range(120)]
+    cc.put_batch(keys, vals)
+    held = {}
+    for node, srv in cluster.servers.items():
+        with kvshm.Client(srv.address, transport="tcp") as d:
+            held[node] = d.exists_batch(keys)
+    assert all(sum(held[n][i] for n in held) == 2 for i in range(len(keys)))
+    cluster.crash("b")
+    assert cc.get_batch(keys) == vals        # the batch that meets b's timeout
+    assert cc.get_batch(keys) == vals        # b suspect: straight to the other replica
