@@ -381,6 +381,14 @@ def test_drain_marks_the_node_and_writes_avoid_it(cluster: Cluster) -> None:
     cc.put_batch(keys, [b"x"] * 100)
     with kvshm.Client(cluster.servers["b"].address, transport="tcp") as d:
         assert not any(d.exists_batch(keys))
+    out = subprocess.run([sys.executable, "-m", "kvshm", "ctl", "--address",
+                          cluster.servers["b"].address, "drain", "--leave-after", "0.2"],
+                         capture_output=True, text=True, timeout=60, check=True)
+    cluster.see(cc, {"a"})                  # b left; it still answers its own clients
+    with kvshm.Client(cluster.servers["b"].address, transport="tcp") as d:
+        assert d.ping()["epoch"] == cluster.servers["b"].epoch
+    ms = cluster.servers["b"].membership
+    assert ms is not None and ms.left
 
 
 def test_etcd_unreachable_keeps_the_view_and_the_data_plane(etcd: Etcd,

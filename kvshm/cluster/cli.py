@@ -11,8 +11,12 @@ __all__ = ["add_ctl_parsers", "ctl", "op_view"]
 def add_ctl_parsers(csub: Any) -> None:
     cl = csub.add_parser("cluster", help="print the cluster view the server holds")
     cl.add_argument("--json", action="store_true", help="JSON: {revision, nodes: [...]}")
-    csub.add_parser("drain", help="mark this server draining in the cluster (it takes no "
-                                  "new keys; stop it to leave)")
+    dr = csub.add_parser("drain", help="mark this server draining in the cluster (it takes "
+                                       "no new keys), then leave it")
+    dr.add_argument("--leave-after", type=float, default=None, metavar="S",
+                    help="leave the cluster S seconds after draining starts (its record is "
+                         "deleted; the server serves on until stopped); default: stay "
+                         "draining until the server stops")
 
 
 def op_view(session: Any, since: int = -1, stats: bool = False) -> Any:
@@ -29,7 +33,8 @@ def ctl(client: Any, args: Any) -> int:
     from kvshm.zmq_ctrl.protocol import Op
 
     if args.action == "drain":
-        client.run_op(client.session.op_simple(Op.DRAIN, {}, "drain"))
+        body = {} if args.leave_after is None else {"leave_after": args.leave_after}
+        client.run_op(client.session.op_simple(Op.DRAIN, body, "drain"))
     body = client.run_op(op_view(client.session, stats=True))
     view = body.get("view") or {"revision": body["revision"], "nodes": []}
     out = {"revision": view["revision"], "node_id": body["node_id"],

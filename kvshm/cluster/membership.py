@@ -173,6 +173,8 @@ class Membership:
         self._watch_id: int | None = None
         self._watch_broken = True
         self._republish = False
+        self._leave_at: float | None = None
+        self._left = False
         self.counters = dict.fromkeys(("registrations", "lease_lost", "etcd_errors",
                                        "watch_errors", "relists", "view_changes"), 0)
         self.registered = threading.Event()
@@ -191,11 +193,20 @@ class Membership:
         self._thread.start()
         return self
 
-    def drain(self) -> None:
-        """Mark this member draining (takes no new keys); returns at once."""
+    def drain(self, leave_after: float | None = None) -> None:
+        """Mark this member draining (takes no new keys); with ``leave_after`` seconds,
+        then delete its record (it leaves the view; the server goes on serving whoever
+        still reads from it until it is stopped). Returns at once."""
         self.member = Member.from_dict({**self.member.to_dict(), "status": DRAINING})
         self._republish = True
+        if leave_after is not None:
+            self._leave_at = time.monotonic() + max(0.0, leave_after)
         self._wake.set()
+
+    @property
+    def left(self) -> bool:
+        """Whether this member left the cluster (drain with ``leave_after``)."""
+        return self._left
 
     def stop(self, leave: bool = True) -> None:
         """Stop the agent; ``leave``: delete the record and revoke the lease first."""
@@ -209,7 +220,7 @@ class Membership:
             return
         if self._watch_id is not None:
             etcd.cancel(self._watch_id)
-        if leave and self._lease is not None:
+        if leave and self._lease is not None and not self._left:
             try:
                 etcd.delete(node_key(self.cluster, self.member.id))
                 etcd.revoke(self._lease)
@@ -222,6 +233,7 @@ class Membership:
         v = self._view
         return {"revision": v.revision, "members": len(v.members), "up": len(v.up),
                 "fresh": v.fresh, "registered": self.registered.is_set(),
+                "left": self._left,
                 **self.counters}
 
     # ------------------------------------------------------------------ agent
@@ -233,7 +245,11 @@ class Membership:
         while not self._stop.is_set():
             now = time.monotonic()
             try:
-                if self._lease is None or self._republish:
+                if self._leave_at is not None and now >= self._leave_at and not self._left:
+                    self._leave()
+                if self._left:
+                    pass
+                elif self._lease is None or self._republish:
                     self._register()
                     next_keepalive = time.monotonic() + self.ttl / 3
                 elif now >= next_keepalive:
@@ -245,6 +261,8 @@ class Membership:
                         self._lease = None
                         continue
                     next_keepalive = now + self.ttl / 3
+                if self._left:
+                    next_keepalive = now + self.relist_interval
                 if self._watch_broken or now >= next_list:
                     self._relist()
                     next_list = time.monotonic() + self.relist_interval
@@ -257,6 +275,15 @@ class Membership:
                 wait = retry
             self._wake.wait(wait)
             self._wake.clear()
+
+    def _leave(self) -> None:
+        etcd = self._require()
+        etcd.delete(node_key(self.cluster, self.member.id))
+        if self._lease is not None:
+            etcd.revoke(self._lease)
+            self._lease = None
+        self._left = True
+        log.info("node %s left cluster %s (drained)", self.member.id, self.cluster)
 
     def _require(self) -> _Etcd:
         if self._etcd is None:

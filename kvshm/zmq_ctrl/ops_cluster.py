@@ -59,7 +59,8 @@ class ClusterOps:
         membership agent replaces it whole). None: a server outside a cluster, whose
         CLUSTER_VIEW answers an empty view.
     drain : callable, optional
-        Called by DRAIN: mark this member draining in etcd.
+        Called by DRAIN with ``leave_after`` (seconds or None): mark this member
+        draining in etcd, and leave after that long.
     max_pinned_bytes : int, optional
         Cap on the bytes held by handoff pins (default half the pool).
     membership_stats : callable, optional
@@ -70,7 +71,7 @@ class ClusterOps:
 
     def __init__(self, store: Any, epoch: int, node_id: str = "",
                  view: Callable[[], Any] | None = None,
-                 drain: Callable[[], None] | None = None,
+                 drain: Callable[[float | None], None] | None = None,
                  max_pinned_bytes: int | None = None,
                  membership_stats: Callable[[], dict[str, Any]] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -225,5 +226,9 @@ class ClusterOps:
     def _on_drain(self, client, req_id, body, frames, on_sent) -> Reply:
         if self._drain is None:
             return Status.UNSUPPORTED, {"error": "this server is not in a cluster"}, []
-        self._drain()
-        return Status.OK, {"draining": True}, []
+        after = body.get("leave_after")
+        if after is not None and (isinstance(after, bool) or not isinstance(after, (int, float))
+                                  or not 0 <= after <= 86400):
+            return Status.INVALID_REQUEST, {"error": "leave_after must be 0-86400 s"}, []
+        self._drain(after)
+        return Status.OK, {"draining": True, "leave_after": after}, []
