@@ -42,6 +42,19 @@ cdef inline uint64_t _score(uint64_t h, uint64_t seed) noexcept nogil:
     return z ^ (z >> 29)
 
 
+#: The low 16 bits of a score carry the node's index, so the best node of a key is a
+#: plain max (no branch on which index won); ties in the high 48 bits go to the higher
+#: index, on every client alike.
+cdef enum:
+    _IDX_BITS = 16
+cdef uint64_t _IDX_MASK = (1ULL << _IDX_BITS) - 1
+MAX_NODES = 1 << _IDX_BITS
+
+
+cdef inline uint64_t _scored(uint64_t h, uint64_t seed, Py_ssize_t j) noexcept nogil:
+    return (_score(h, seed) & ~_IDX_MASK) | <uint64_t>j
+
+
 cdef inline uint64_t _hash(const uint8_t* p, Py_ssize_t n) noexcept nogil:
     cdef uint64_t h = _C1 ^ (<uint64_t>n * _C3)
     cdef uint64_t w
@@ -91,6 +104,8 @@ def owners(list keys, object seeds, object weights, int stripe=1, int replicas=1
         raise ValueError("replicas must be >= 1")
     if len(weights) != m:
         raise ValueError("one weight per seed")
+    if m > MAX_NODES:
+        raise ValueError(f"at most {MAX_NODES} nodes")
     out_arr = np.full((n, replicas), -1, dtype=np.int32)
     if n == 0 or m == 0:
         return out_arr
@@ -136,7 +151,7 @@ def owners(list keys, object seeds, object weights, int stripe=1, int replicas=1
     cdef Py_ssize_t lo, hi
     cdef const int32_t* cp = &cof[0]
     cdef double u, sc
-    cdef uint64_t h, z, zbest
+    cdef uint64_t h, z, zbest, a0, a1, a2, a3
     cdef int32_t jbest
     cdef int ntop
     with nogil:
@@ -144,32 +159,42 @@ def owners(list keys, object seeds, object weights, int stripe=1, int replicas=1
         while i < n:
             h = hashes[i]
             if nrep == 1 and ncls == 1:        # the common case: one weight, one owner
-                zbest = 0
-                jbest = 0
-                for j in range(m):
-                    z = _score(h, sp[j])
-                    if z > zbest:
-                        zbest = z
-                        jbest = <int32_t>j
+                # four independent maxima (no dependency chain between them)
+                a0 = a1 = a2 = a3 = 0
+                j = 0
+                while j + 4 <= m:
+                    z = _scored(h, sp[j], j)
+                    a0 = z if z > a0 else a0
+                    z = _scored(h, sp[j + 1], j + 1)
+                    a1 = z if z > a1 else a1
+                    z = _scored(h, sp[j + 2], j + 2)
+                    a2 = z if z > a2 else a2
+                    z = _scored(h, sp[j + 3], j + 3)
+                    a3 = z if z > a3 else a3
+                    j += 4
+                while j < m:
+                    z = _scored(h, sp[j], j)
+                    a0 = z if z > a0 else a0
+                    j += 1
+                a0 = a1 if a1 > a0 else a0
+                a2 = a3 if a3 > a2 else a2
+                a0 = a2 if a2 > a0 else a0
                 ntop = 1
-                tj[0] = jbest
+                tj[0] = <int32_t>(a0 & _IDX_MASK)
             elif nrep == 1:                    # one owner, a few weights
                 ntop = 0
                 for c in range(ncls):
                     lo = bnd[c]
                     hi = bnd[c + 1]
                     zbest = 0
-                    jbest = <int32_t>lo
-                    for j in range(lo, hi):
-                        z = _score(h, ssp[j])
-                        if z > zbest:
-                            zbest = z
-                            jbest = <int32_t>j
+                    for j in range(lo, hi):      # scored with the node's own index
+                        z = _scored(h, ssp[j], ordv[j])
+                        zbest = z if z > zbest else zbest
                     u = (<double>(zbest >> 11) + 0.5) * (1.0 / 9007199254740992.0)
                     sc = cw[c] / -log(u)
                     if ntop == 0 or sc > ts[0]:
                         ts[0] = sc
-                        tj[0] = ordv[jbest]
+                        tj[0] = <int32_t>(zbest & _IDX_MASK)
                         ntop = 1
             else:
                 for c in range(ncls):
@@ -177,7 +202,7 @@ def owners(list keys, object seeds, object weights, int stripe=1, int replicas=1
                         bz[c, r] = 0
                         bj[c, r] = -1
                 for j in range(m):
-                    z = _score(h, sp[j])
+                    z = _scored(h, sp[j], j)
                     c = cp[j]
                     if bj[c, nrep - 1] < 0 or z > bz[c, nrep - 1]:
                         r = nrep - 1
