@@ -442,7 +442,9 @@ def test_etcd_leader_kill_and_full_restart_drop_no_member(shm_name: str) -> None
             assert {m.id for m in cc.view.members} == {"a", "b", "c"}
             time.sleep(0.1)
         wait_for(lambda: cc.refresh().fresh, 20, "a fresh view")
-        assert cc.metrics()["view_changes"] == changes
+        # a lease lost while etcd was down is registered again (a new record, so the view's
+        # revision may move), but no member ever left the view (checked every 0.1 s above)
+        assert cc.metrics()["view_changes"] >= changes
         for s in cl.servers.values():    # a lease lost meanwhile was registered again
             assert s.membership is not None and s.membership.registered.is_set()
     finally:

@@ -31,7 +31,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import numpy as np
 
 __all__ = ["ClusterReplayOptions", "run_cluster_replay", "add_flags", "cmd"]
 
@@ -92,6 +91,8 @@ def _host_of(req: Sequence[int], i: int, n: int, assign: str) -> int:
 
 def run_cluster_replay(opts: ClusterReplayOptions) -> dict[str, Any]:
     """Run the replay; returns the summary (see the module docstring)."""
+    import numpy as np   # not at import: `kvshm --help` must stay light
+
     import kvshm
     from kvshm.cluster.client import ClusterClient
     from kvshm.trace import block_key, check_blocks, fill_blocks, load_trace, simulate_lru
@@ -192,7 +193,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     """`kvshm replay` flags of the multi-host replay."""
     p.add_argument("--hosts", type=int, default=1, metavar="N",
                    help="replay against a cluster of N stores (loopback servers and an etcd "
-                        "started here; see docs/CLUSTER.md); 1: the single-store replay")
+                        "started here; see docs/CLUSTER.md); default 1: the single-store replay")
     p.add_argument("--assign", choices=("round-robin", "session"), default="round-robin",
                    help="with --hosts: which host takes a request (default round-robin)")
     p.add_argument("--stripe", type=int, default=1, metavar="G",
