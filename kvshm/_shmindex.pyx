@@ -343,6 +343,8 @@ cdef class IndexWriter:
     cdef uint64_t _tail
     cdef double _stuck_since
     cdef uint64_t _stuck_at
+    cdef uint64_t _stuck_head    # head when the stuck ticket was first seen
+    cdef uint64_t _skip_to       # dropping unwritten tickets below this (0: not dropping)
     cdef readonly str name
     cdef readonly str reads_name
     cdef readonly uint64_t epoch
@@ -714,7 +716,11 @@ cdef class IndexWriter:
 
         A ticket taken but not yet written stops the drain (its reader is between the
         two steps); one that stays unwritten for ``stuck_after`` seconds (a reader killed
-        there) is skipped.
+        there) is skipped, and with it every unwritten ticket taken before it was first
+        seen stuck (they are as old: a client that took many tickets and wrote nothing
+        costs one period, not one per ticket). The ring is writable by clients: a head
+        further than the ring from the tail is dropped, and the tail is written back
+        whatever a client left there.
         """
         cdef uint64_t* headp
         cdef uint64_t* tailp
@@ -732,24 +738,37 @@ cdef class IndexWriter:
         head = kvx_load_acq(headp)
         t = self._tail
         if t == head:
+            if kvx_load_rlx(tailp) != t:    # a client wrote it: readers' room check wraps
+                kvx_store_rel(tailp, t)
             return out
         mask = self._nrec - 1
         recs = <Rec*>(self._ring + C_RING_HEADER)
         if head - t > self._nrec:       # not what readers write (the ring is writable):
-            self.skipped_records += head - t    # drop it rather than trust it
+            # drop it rather than trust it (a head moved back counts as nothing skipped)
+            if head - t < (<uint64_t>1 << 63):
+                self.skipped_records += head - t
             t = head
+            self._skip_to = 0
         while t != head:
             r = &recs[t & mask]
             seq = kvx_load_acq(&r.seq)
             if seq != t + 1:
+                if self._skip_to != 0 and t != self._skip_to and \
+                        self._skip_to - t <= head - t:
+                    self.skipped_records += 1      # as old as the stuck one it follows
+                    t += 1
+                    continue
+                self._skip_to = 0
                 now = kvx_now()
                 if self._stuck_at != t + 1:
                     self._stuck_at = t + 1
                     self._stuck_since = now
+                    self._stuck_head = head
                     break
                 if now - self._stuck_since < stuck_after:
                     break
                 self.skipped_records += 1      # a reader died between ticket and record
+                self._skip_to = self._stuck_head
                 t += 1
                 continue
             slot = r.slot
@@ -930,9 +949,11 @@ cdef class IndexReader:
             raise
         finally:
             rshm.close_fd()
-        nrec = (<uint64_t*>(self._ring + 8))[0]
+        # the record count from the segment's size, not from its header: clients may
+        # write the header (the server's count is the one of the size it made)
+        nrec = (rsize - C_RING_HEADER) // sizeof(Rec)
         if (self._ring[:8] != _RING_MAGIC or nrec == 0 or (nrec & (nrec - 1))
-                or C_RING_HEADER + nrec * sizeof(Rec) > rsize):
+                or C_RING_HEADER + nrec * sizeof(Rec) != rsize):
             self._unmap()
             raise ValueError(f"{reads_name} is not a kvshm reads ring")
         self._nrec = nrec

@@ -1,0 +1,168 @@
+"""Attacks on the shared index and its reads ring (kvshm/_shmindex.pyx, kvshm/localread.py).
+
+The reads ring is writable by every same-user client: whatever a client scribbles into it
+(head, tail, the header) must cost it and others at most their lock-free reads for a
+moment, never the server, never another client's bytes, and never the ring for good.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+
+import posix_ipc
+
+from kvshm import Pool
+from kvshm._shmindex import (FALLBACK, RING_RECORDS, IndexReader, IndexWriter,
+                             default_slots)
+
+BS = 4096
+EPOCH = 91
+HEAD, TAIL, NREC = 64, 128, 8      # byte offsets in the reads ring's header
+
+
+class Table:
+    def __init__(self, name: str, blocks: int = 16, ring_records: int = RING_RECORDS,
+                 ) -> None:
+        self.pool = Pool.create(name, blocks * BS, BS)
+        self.writer = IndexWriter.create(name + "-index", name + "-reads",
+                                         default_slots(blocks), epoch=EPOCH, block_size=BS,
+                                         num_blocks=blocks, token=self.pool.token,
+                                         ring_records=ring_records)
+        self.readers = [self.reader()]
+
+    def reader(self) -> IndexReader:
+        r = IndexReader(self.writer.name, self.writer.reads_name, self.pool, EPOCH)
+        self.readers = getattr(self, "readers", []) + [r]
+        return r
+
+    def ring(self) -> mmap.mmap:
+        """The reads ring, mapped writable as any same-user client may."""
+        shm = posix_ipc.SharedMemory(self.writer.reads_name)
+        try:
+            return mmap.mmap(shm.fd, shm.size)
+        finally:
+            shm.close_fd()
+
+    def close(self) -> None:
+        for r in self.readers:
+            r.close()
+        self.writer.unlink()
+        self.pool.close()
+        self.pool.unlink()
+
+
+def _poke(t: Table, offset: int, value: int) -> None:
+    m = t.ring()
+    struct.pack_into("<Q", m, offset, value)
+    m.close()
+
+
+def _peek(t: Table, offset: int) -> int:
+    m = t.ring()
+    try:
+        return struct.unpack_from("<Q", m, offset)[0]
+    finally:
+        m.close()
+
+
+def test_a_ring_full_of_tickets_nobody_writes_is_dropped_at_once(shm_name):
+    # A client takes every ticket of the ring (head += nrec) and writes no record: the
+    # server used to give up on one ticket per stuck period (65,536 x 50 ms = 55 min of
+    # every reader falling back and no lock-free read counting for the LRU).
+    t = Table(shm_name, ring_records=1024)
+    try:
+        t.writer.publish(b"k", 3, [(0, 1)])
+        t.pool.write(0, b"abc")
+        head = _peek(t, HEAD)
+        _poke(t, HEAD, head + 1024)
+        assert t.readers[0].get(b"k") == FALLBACK          # the ring is full
+        for _ in range(3):
+            t.writer.drain(stuck_after=0.0)
+        assert t.writer.skipped_records == 1024
+        assert t.readers[0].get(b"k") == b"abc"             # lock-free again
+        assert t.writer.drain(stuck_after=0.0) == [b"k"]
+    finally:
+        t.close()
+
+
+def test_an_honest_ticket_taken_after_a_stuck_one_is_not_skipped(shm_name):
+    # Dropping a run of dead tickets must stop at those taken before the server first
+    # saw the ring stuck: a later ticket still being written is waited for.
+    t = Table(shm_name, ring_records=1024)
+    try:
+        t.writer.publish(b"k", 3, [(0, 1)])
+        head = _peek(t, HEAD)
+        _poke(t, HEAD, head + 2)                  # two dead tickets
+        t.writer.drain(stuck_after=0.0)           # seen stuck (head = head + 2)
+        _poke(t, HEAD, head + 3)                  # a reader took a ticket, still copying
+        assert t.writer.drain(stuck_after=0.0) == []
+        assert t.writer.skipped_records == 2      # the later one is waited for
+        assert t.readers[0].get(b"k") is not FALLBACK
+        # the in-flight one is its own stuck episode, seen stuck by the drain above
+        assert t.writer.drain(stuck_after=3600) == []
+        assert t.writer.skipped_records == 2
+        assert t.writer.drain(stuck_after=0.0) == [b"k"]
+        assert t.writer.skipped_records == 3
+    finally:
+        t.close()
+
+
+def test_a_tail_scribbled_ahead_of_head_is_restored_by_the_server(shm_name):
+    # tail > head makes every reader's room check wrap: the ring looks full forever, and
+    # the server (nothing to drain) never wrote the tail back.
+    t = Table(shm_name)
+    try:
+        t.writer.publish(b"k", 3, [(0, 1)])
+        _poke(t, TAIL, 1 << 62)
+        assert t.readers[0].get(b"k") == FALLBACK
+        t.writer.drain()
+        assert _peek(t, TAIL) == _peek(t, HEAD)
+        assert t.readers[0].get(b"k") is not FALLBACK
+        assert t.writer.drain() == [b"k"]
+    finally:
+        t.close()
+
+
+def test_a_scribbled_ring_size_does_not_cost_new_readers_their_lock_free_reads(shm_name):
+    # The ring's record count sits in its writable header; a reader attached after a
+    # client changed it used it as is (1 record: every second read fell back, and its
+    # records landed where the server does not look).
+    t = Table(shm_name)
+    try:
+        t.writer.publish(b"a", 1, [(0, 1)])
+        t.writer.publish(b"b", 1, [(1, 1)])
+        _poke(t, NREC, 1)
+        r = t.reader()
+        assert [r.get(b"a"), r.get(b"b"), r.get(b"a")] == [b"\0"] * 3
+        assert t.writer.drain() == [b"a", b"b", b"a"]
+    finally:
+        t.close()
+
+
+def test_garbage_records_neither_crash_the_server_nor_touch_dead_entries(shm_name):
+    # Records a client makes up: slots out of range, versions of entries that changed,
+    # a head moved backwards. The server applies only records that name a live entry as
+    # it is now, and the ring keeps working.
+    t = Table(shm_name, ring_records=64)
+    try:
+        t.writer.publish(b"a", 1, [(0, 1)])
+        t.writer.publish(b"b", 1, [(1, 1)])
+        m = t.ring()
+        recs = [(1, 0xFFFFFFF0, 0), (2, 12345, 2), (3, 0, 7)]   # (seq, slot, version)
+        for seq, slot, ver in recs:
+            struct.pack_into("<QII", m, 256 + 16 * (seq - 1), seq, slot, ver)
+        struct.pack_into("<Q", m, HEAD, len(recs))
+        m.close()
+        assert t.writer.drain() == []
+        _poke(t, HEAD, 0)                         # backwards
+        t.writer.drain()
+        for _ in range(3):
+            assert t.readers[0].get(b"b") == b"\0"
+        got = []
+        for _ in range(3):
+            got += t.writer.drain(stuck_after=0.0)
+        assert got.count(b"b") == 3 and set(got) <= {b"b"}
+    finally:
+        t.close()
