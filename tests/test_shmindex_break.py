@@ -8,14 +8,18 @@ moment, never the server, never another client's bytes, and never the ring for g
 from __future__ import annotations
 
 import mmap
-import os
+import signal
 import struct
 
 import posix_ipc
+import pytest
 
+import kvshm
 from kvshm import Pool
 from kvshm._shmindex import (FALLBACK, RING_RECORDS, IndexReader, IndexWriter,
                              default_slots)
+from kvshm.client import Client
+from servers import ServerProcess
 
 BS = 4096
 EPOCH = 91
@@ -30,11 +34,12 @@ class Table:
                                          default_slots(blocks), epoch=EPOCH, block_size=BS,
                                          num_blocks=blocks, token=self.pool.token,
                                          ring_records=ring_records)
-        self.readers = [self.reader()]
+        self.readers: list[IndexReader] = []
+        self.reader()
 
     def reader(self) -> IndexReader:
         r = IndexReader(self.writer.name, self.writer.reads_name, self.pool, EPOCH)
-        self.readers = getattr(self, "readers", []) + [r]
+        self.readers.append(r)
         return r
 
     def ring(self) -> mmap.mmap:
@@ -166,3 +171,43 @@ def test_garbage_records_neither_crash_the_server_nor_touch_dead_entries(shm_nam
         assert got.count(b"b") == 3 and set(got) <= {b"b"}
     finally:
         t.close()
+
+
+def test_a_client_of_a_killed_server_never_reads_the_restarted_servers_pool_as_old_keys(
+        shm_name):
+    # kill -9, then a new server on the same shm name and port: the old client's table
+    # and pool mappings are of the dead server; nothing it reads may come from the new
+    # pool under an old key's location.
+    a = ServerProcess(shm_name=shm_name, prealloc_size=1 / 256)
+    b = None
+    try:
+        c = Client(a.address, timeout=5)
+        try:
+            c.put_batch([b"old-%d" % i for i in range(8)], [b"A%d" % i * 500 for i in range(8)])
+            assert c.get(b"old-3") == b"A3" * 500
+            old = c._session.local
+            assert old is not None and old.hits >= 1
+            port = int(a.address.rsplit(":", 1)[1])
+            a.proc.send_signal(signal.SIGKILL)
+            a.proc.wait(timeout=30)
+            b = ServerProcess(shm_name=shm_name, prealloc_size=1 / 256, service_port=port)
+            with Client(b.address, timeout=5) as w:     # fills the new pool where old keys were
+                w.put_batch([b"new-%d" % i for i in range(8)], [b"B%d" % i * 500 for i in range(8)])
+                w.put(b"old-5", b"B-old-5")
+            assert not old.usable                      # the new server closed the dead table
+            for i in range(8):
+                try:
+                    v = c.get(b"old-%d" % i)
+                except (kvshm.KeyNotFound, kvshm.ServerUnavailable):
+                    continue
+                assert i == 5 and v == b"B-old-5", (i, v[:8])
+            assert c.get(b"old-5") == b"B-old-5"
+            with pytest.raises(kvshm.KeyNotFound):
+                c.get(b"old-3")
+        finally:
+            c.close()
+    finally:
+        a.kill()
+        a.remove_segment()
+        if b is not None:
+            b.stop()
