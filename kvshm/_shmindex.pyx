@@ -32,8 +32,8 @@ Reads segment (writable by same-user clients)::
 
     [ header: 256 bytes (magic KVSHMRR1, nrec, head @64, tail @128) | nrec x 16 bytes ]
 
-Every lock-free get takes tickets (a CAS on ``head``: the global order of reads) and
-writes ``(seq, slot, version)`` records; the server applies them in ticket order
+Every lock-free read, once its copy is validated, takes tickets (a CAS on ``head``: the
+global order of reads) and writes ``(seq, slot, version)`` records; the server applies them in ticket order
 (:meth:`IndexWriter.drain`) before its own LRU touches and before every eviction
 decision, so the LRU stays exact. A full ring makes readers ask the server instead.
 """
@@ -1173,6 +1173,17 @@ cdef class IndexReader:
         r.ver = <uint32_t>version
         kvx_store_rel(&r.seq, ticket + 1)
 
+    cdef inline bint _record_one(self, const Found* f) noexcept nogil:
+        """Record one validated read for the LRU. Tickets are taken after the copy, never
+        before: a read still copying (a large value, a stopped reader) holds back no other
+        read's record, and the order of tickets is the order of validations. False when
+        the ring has no room (the read must then go to the server)."""
+        cdef int64_t t = self._tickets(1)
+        if t < 0:
+            return False
+        self._record(t, f.slot, f.version)
+        return True
+
     cdef inline bint _misses_final(self) noexcept nogil:
         return (kvx_load_acq(&self._h.flags) & F_MISSES_FINAL) and \
             kvx_load_acq(&self._h.unpublished) == 0
@@ -1183,11 +1194,8 @@ cdef class IndexReader:
         ``size`` set on a hit, and to the value's size when ``cap`` is too small (-3)."""
         cdef Found f
         cdef int r, attempt
-        cdef int64_t t
         cdef uint64_t h = kvx_hash(k, n)
-        t = self._tickets(1)
-        if t < 0:
-            return R_FALLBACK
+        r = R_FALLBACK
         for attempt in range(TRIES):
             r = self._find(k, n, h, &f)
             if r != R_HIT:
@@ -1197,7 +1205,6 @@ cdef class IndexReader:
                 continue
             if f.size > cap:
                 if self._valid(&f):
-                    self._record(t, VOID_SLOT, 0)
                     size[0] = f.size
                     return -3
                 continue
@@ -1206,12 +1213,12 @@ cdef class IndexReader:
                 self._copy_out(&f, dst)
             self._busy -= 1
             if self._valid(&f):
-                self._record(t, f.slot, f.version)
+                if not self._record_one(&f):
+                    return R_FALLBACK
                 size[0] = f.size
                 return R_HIT
             self.retries += 1
             r = R_FALLBACK
-        self._record(t, VOID_SLOT, 0)
         if r == R_MISS and not self._misses_final():
             r = R_FALLBACK
         return r
@@ -1230,7 +1237,6 @@ cdef class IndexReader:
         cdef Py_ssize_t n
         cdef Found f
         cdef int r, attempt
-        cdef int64_t t
         cdef uint64_t h
         cdef bytes out
         cdef char* dst
@@ -1238,10 +1244,6 @@ cdef class IndexReader:
             self.fallbacks += 1
             return FALLBACK
         h = kvx_hash(k, n)
-        t = self._tickets(1)
-        if t < 0:
-            self.fallbacks += 1
-            return FALLBACK
         r = R_FALLBACK
         for attempt in range(TRIES):
             r = self._find(k, n, h, &f)
@@ -1257,12 +1259,12 @@ cdef class IndexReader:
                 self._copy_out(&f, dst)
             self._busy -= 1
             if self._valid(&f):
-                self._record(t, f.slot, f.version)
+                if not self._record_one(&f):
+                    break                    # the ring is full: the server records it
                 self.hits += 1
                 return out
             self.retries += 1
             r = R_FALLBACK
-        self._record(t, VOID_SLOT, 0)
         if r == R_MISS and self._misses_final():
             self.misses += 1
             return None

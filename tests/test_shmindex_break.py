@@ -211,3 +211,73 @@ def test_a_client_of_a_killed_server_never_reads_the_restarted_servers_pool_as_o
         a.remove_segment()
         if b is not None:
             b.stop()
+
+
+class _StalledBuffer:
+    """A page whose first touch blocks until :meth:`release` (userfaultfd): a copy into
+    it is caught mid-way, deterministically."""
+
+    def __init__(self, size: int = 4096) -> None:
+        import ctypes
+        import os
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+        self.fd = libc.syscall(323, os.O_CLOEXEC)          # userfaultfd (x86_64)
+        if self.fd < 0:
+            pytest.skip(f"no userfaultfd here (errno {ctypes.get_errno()})")
+        api = (ctypes.c_uint64 * 3)(0xAA, 0, 0)
+        self.mem = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        c = ctypes.c_char.from_buffer(self.mem)
+        reg = (ctypes.c_uint64 * 4)(ctypes.addressof(c), size, 1, 0)   # MISSING pages
+        del c
+        if libc.ioctl(self.fd, ctypes.c_ulong(0xc018aa3f), api) or \
+                libc.ioctl(self.fd, ctypes.c_ulong(0xc020aa00), reg):
+            err = ctypes.get_errno()
+            self.release()
+            self.mem.close()
+            pytest.skip(f"userfaultfd refused (errno {err})")
+
+    def wait_touched(self) -> None:
+        import os
+
+        os.read(self.fd, 32)                      # a fault message: the copy is blocked
+
+    def release(self) -> None:
+        import os
+
+        if self.fd >= 0:
+            os.close(self.fd)                     # the blocked copy goes on
+            self.fd = -1
+
+
+def test_a_read_still_copying_does_not_hold_back_the_reads_after_it(shm_name):
+    # A get took its ticket before copying: while one reader copied (a large value, a
+    # slow page, a reader stopped mid-copy) no later lock-free read reached the LRU, and
+    # after `stuck_after` the copying read itself was dropped. Reads are recorded once
+    # they are validated, so a copy in progress holds nothing.
+    import threading
+
+    t = Table(shm_name)
+    buf = _StalledBuffer()
+    try:
+        t.writer.publish(b"big", 4096, [(0, 1)])
+        t.writer.publish(b"a", 1, [(1, 1)])
+        got: list[object] = []
+        th = threading.Thread(target=lambda: got.append(t.readers[0].get_into(b"big",
+                                                                              buf.mem)))
+        th.start()
+        buf.wait_touched()                        # that read is inside its copy now
+        other = t.reader()
+        assert other.get(b"a") == b"\0"
+        assert t.writer.drain(stuck_after=3600) == [b"a"]
+        buf.release()
+        th.join(30)
+        assert not th.is_alive() and got == [4096]
+        assert t.writer.drain(stuck_after=3600) == [b"big"]
+        assert t.writer.skipped_records == 0
+    finally:
+        buf.release()
+        th.join(30)
+        buf.mem.close()
+        t.close()
