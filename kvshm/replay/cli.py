@@ -70,7 +70,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         f"(default {DEFAULT_WINDOW_PER_CLIENT}*K; 0: the clients run free)")
     p.add_argument("--backend", choices=BACKENDS, default="kvshm",
                    help="kvshm (bytes through shared memory), kvshm-tcp (bytes in the "
-                        "messages) or redis (default kvshm)")
+                        "messages), redis, or a peer from its venv of scripts/peers-env.sh, "
+                        "its servers started here: lmcache (LMCache's lm-server; it cannot "
+                        "be given a capacity) or mooncake (Mooncake Store, its segment = "
+                        "--pool-gib) (default kvshm)")
     p.add_argument("--address", default=None, metavar="A",
                    help="host:port of a running server to use instead of starting one")
     p.add_argument("--json", action="store_true", help="print one JSON object")

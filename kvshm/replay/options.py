@@ -15,9 +15,11 @@ from dataclasses import dataclass
 from kvshm.replay.workload import CHUNK_TOKENS, Workload
 
 __all__ = ["ReplayOptions", "ReplayError", "UsageError", "split_address", "BACKENDS",
-           "DEFAULT_WINDOW_PER_CLIENT", "GiB", "KiB"]
+           "DEFAULT_WINDOW_PER_CLIENT", "GiB", "KiB", "PEER_BACKENDS"]
 
-BACKENDS = ("kvshm", "kvshm-tcp", "redis")
+BACKENDS = ("kvshm", "kvshm-tcp", "redis", "lmcache", "mooncake")
+#: Peers run from their venvs of scripts/peers-env.sh (:mod:`kvshm.replay.peers`).
+PEER_BACKENDS = ("lmcache", "mooncake")
 GiB = 1024 ** 3
 KiB = 1024
 #: With --clients K, request i waits for every request before i - 4K (``--window``).
@@ -57,7 +59,9 @@ class ReplayOptions:
     clients : int
         Client processes sharing the replay (request i goes to client i % clients).
     backend : str
-        "kvshm" (shm mover), "kvshm-tcp" (tcp mover) or "redis".
+        "kvshm" (shm mover), "kvshm-tcp" (tcp mover), "redis", or a peer from its venv
+        of scripts/peers-env.sh: "lmcache" (LMCache's lm-server) or "mooncake" (Mooncake
+        Store), see :mod:`kvshm.replay.peers`.
     address : str or None
         Use this running server (``host:port``) instead of starting one.
     timeout : float
@@ -143,6 +147,18 @@ class ReplayOptions:
                                           "--backend redis or --address)")
         if self.address is not None:
             split_address(self.address, "--address")
+        if self.backend in PEER_BACKENDS:
+            if self.address is not None:
+                raise UsageError("--address", f"--backend {self.backend} starts its own "
+                                              "servers (no --address)")
+            if self.clients != 1:
+                raise UsageError("--clients", f"--backend {self.backend} replays with one "
+                                              "client")
+            if self.ssd_gib:
+                raise UsageError("--ssd-gib", "is for a kvshm server started here")
+            from kvshm.replay.peers import peer_python
+
+            peer_python(self.backend)       # PeerUnavailable names scripts/peers-env.sh
         if self.trace is not None and not os.path.isfile(self.trace):
             raise UsageError("--trace", f"no such file: {self.trace}")
         if self.backend == "redis":

@@ -114,7 +114,10 @@ def summarize(run: dict[str, Any], wl: Workload, nkeys: Sequence[int], last: Seq
         "mode": "one-block" if wl.one_block else "chunks",
         "chunk_tokens": wl.chunk_tokens,
         "workload": wl.describe(),
-        "lru_expected": _expectation(wl.one_block, k, bool(run["ssd_bytes"])),
+        "lru_expected": (_expectation(wl.one_block, k, bool(run["ssd_bytes"]))
+                         if not run.get("capacity_note") else
+                         "not expected to be equal: a peer store with its own capacity and "
+                         "eviction (see capacity!)"),
         "requests": len(index),
         "requests_asked": run["requests_asked"],
         "blocks": blocks,
@@ -154,6 +157,9 @@ def summarize(run: dict[str, Any], wl: Workload, nkeys: Sequence[int], last: Seq
         "ssd_bytes": run["ssd_bytes"],
         "capacity_blocks": run["capacity_bytes"] // run["block_size"],
         "address": run["address"],
+        "read_path": run.get("read_path"),
+        "capacity_note": run.get("capacity_note"),
+        "refused": run.get("refused"),
         "first_errors": [e for s in shares for e in s.first_errors][:KEEP_FIRST],
         "first_mismatches": [e for s in shares for e in s.first_mismatches][:KEEP_FIRST],
         "gave_up": next((s.gave_up for s in shares if s.gave_up), None),
@@ -172,6 +178,7 @@ def format_summary(s: dict[str, Any]) -> str:
     """The human-readable summary of a replay."""
     pct = lambda v: f"{100 * v:.2f} %"  # noqa: E731
     who = f"{s['backend']} ({s['transport']})"
+    peer_note = s.get("capacity_note")
     one = s["mode"] == "one-block"
     what = (f"{s['blocks']} blocks of {s['block_bytes']} bytes" if one else
             f"{s['blocks']} chunks of {s['chunk_tokens']} tokens ({s['entry_bytes']} bytes "
@@ -193,9 +200,19 @@ def format_summary(s: dict[str, Any]) -> str:
            f"; charged whole blocks as the store is: {pct(s['lru_blocks_hit_rate'])}, "
            f"{pct(s['lru_blocks_byte_hit_rate'])} by bytes"),
         f"  expected   store vs exact LRU: {s['lru_expected']}",
-        f"  evictions  {s['evictions']} (exact LRU {s['lru_evictions']})"
+        f"  evictions  "
+        + ("not reported by this store" if s["evictions"] is None else str(s["evictions"]))
+        + f" (exact LRU {s['lru_evictions']})"
         + (" from the pool, each with the pool's capacity" if s["ssd_bytes"] else ""),
     ]
+    if s.get("read_path"):
+        lines.insert(1, f"  read path  {s['read_path']}")
+    if peer_note:
+        lines.insert(2, f"  capacity!  {peer_note}")
+    if s.get("refused") is not None:
+        r = s["refused"]
+        lines.append(f"  refused    {r['writes']} writes the store refused (not stored)"
+                     + (f", codes {r['codes']}" if r["codes"] else ""))
     if s["dropped"] is not None:
         lines.append(f"  dropped    {s['dropped']} left the cache (pool and SSD tier; exact "
                      f"LRU of pool + SSD capacity: {s['lru_dropped']})")

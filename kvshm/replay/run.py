@@ -16,7 +16,7 @@ from typing import Any, Iterator, Sequence
 
 from kvshm.replay.backends import BackendSpec
 from kvshm.replay.clients import run_processes
-from kvshm.replay.options import ReplayOptions, UsageError
+from kvshm.replay.options import PEER_BACKENDS, ReplayOptions, UsageError
 from kvshm.replay.report import ReplayResult, summarize
 from kvshm.replay.runner import Replayer
 from kvshm.replay.scratch import ScratchDir, remove_stale
@@ -181,6 +181,7 @@ def run_replay(opts: ReplayOptions, requests: Sequence[Sequence[int]] | None = N
     children: list[Child] = []
     scratch: ScratchDir | None = None
     probe: Any = None
+    peer_cm: Any = None
     bar = _Progress(len(requests), opts.progress, f"replay {opts.backend}")
     try:
         with _signals_as_exit():
@@ -188,7 +189,14 @@ def run_replay(opts: ReplayOptions, requests: Sequence[Sequence[int]] | None = N
             if owned and (opts.backend == "redis" or (opts.ssd_gib and opts.ssd_path is None)):
                 remove_stale()
                 scratch = ScratchDir("redis" if opts.backend == "redis" else "ssd")
-            if opts.backend == "redis":
+            if opts.backend in PEER_BACKENDS:
+                from kvshm.replay.peers import peer_servers
+
+                cm = peer_servers(opts.backend, opts.pool_bytes, opts.timeout)
+                probe = cm.__enter__()
+                peer_cm = cm
+                address = "127.0.0.1"
+            elif opts.backend == "redis":
                 if owned:
                     exe = opts.redis_executable()
                     assert exe is not None and scratch is not None
@@ -207,13 +215,18 @@ def run_replay(opts: ReplayOptions, requests: Sequence[Sequence[int]] | None = N
                 else:
                     address = opts.address  # type: ignore[assignment]
             spec = BackendSpec(opts.backend, address, opts.timeout)
-            if k == 1:
+            if probe is not None:
+                pass                # a peer: opened with its servers
+            elif k == 1:
                 probe = spec.open()
             else:   # stats only: no need to map the pool here
                 probe = BackendSpec("redis" if opts.backend == "redis" else "kvshm-tcp",
                                      address, opts.timeout).open()
             # Capacity of the store actually used, for the reference caches.
-            if opts.backend == "redis":
+            if opts.backend in PEER_BACKENDS:
+                pool_bytes, ssd_bytes = opts.pool_bytes, 0
+                block_size = opts.server_block_bytes
+            elif opts.backend == "redis":
                 mm = probe.maxmemory() if not owned else opts.pool_bytes
                 pool_bytes, ssd_bytes = mm or opts.pool_bytes, 0
                 block_size = opts.server_block_bytes
@@ -245,7 +258,9 @@ def run_replay(opts: ReplayOptions, requests: Sequence[Sequence[int]] | None = N
     finally:
         with _shielded():
             bar.close()
-            if probe is not None:
+            if peer_cm is not None:
+                peer_cm.__exit__(None, None, None)     # its client, then its servers
+            elif probe is not None:
                 with contextlib.suppress(Exception):
                     probe.close()
             for c in children:
@@ -260,7 +275,8 @@ def run_replay(opts: ReplayOptions, requests: Sequence[Sequence[int]] | None = N
             if scratch is not None:
                 scratch.close()
 
-    counts = {"evictions": c1["evictions"] - c0["evictions"],          # type: ignore[operator]
+    counts = {"evictions": None if c1["evictions"] is None
+              else c1["evictions"] - c0["evictions"],                  # type: ignore[operator]
               "dropped": None if c1["dropped"] is None
               else c1["dropped"] - c0["dropped"]}                      # type: ignore[operator]
     run = {"backend": opts.backend, "transport": transport, "clients": k,
@@ -270,8 +286,20 @@ def run_replay(opts: ReplayOptions, requests: Sequence[Sequence[int]] | None = N
            "block_size": block_size, "capacity_bytes": cap_bytes,
            "pool_bytes": pool_bytes, "ssd_bytes": ssd_bytes,
            "address": None if owned else opts.address,
-           "seconds": max(t_done - t_go, 1e-9), "t_go": t_go}
+           "seconds": max(t_done - t_go, 1e-9), "t_go": t_go,
+           "read_path": getattr(probe, "read_path", None) or _READ_PATH.get(opts.backend),
+           "capacity_note": None, "refused": None}
+    if opts.backend in PEER_BACKENDS:
+        from kvshm.replay.peers import CAPACITY_NOTE
+
+        run["capacity_note"] = CAPACITY_NOTE[opts.backend]
+        run["refused"] = {"writes": probe.refused, "codes": probe.refused_codes}
     return summarize(run, wl, reqs.nkeys, reqs.last, shares, refs, counts)
+
+
+_READ_PATH = {"kvshm": "get_batch_into (bytes through shared memory)",
+              "kvshm-tcp": "get_batch_into (bytes in the messages)",
+              "redis": "MGET, copied into the caller's buffers"}
 
 
 def _references(wl: Workload, reqs: _Requests, pool_bytes: int, ssd_bytes: int, bs: int,

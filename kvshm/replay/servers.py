@@ -39,15 +39,18 @@ class Child:
     of its output, and is always stopped (SIGTERM, then SIGKILL) by :meth:`stop`."""
 
     def __init__(self, cmd: list[str], ready: re.Pattern[str], what: str,
-                 timeout: float = 60.0, cwd: str | None = None) -> None:
+                 timeout: float = 60.0, cwd: str | None = None,
+                 env: dict[str, str] | None = None, stdin: bool = False) -> None:
         self.what = what
         self.cmd = cmd
         self.tail: deque[str] = deque(maxlen=40)
         self.match: re.Match[str] | None = None
         self._drain: threading.Thread | None = None
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, start_new_session=True,
-                                     preexec_fn=die_with_parent, cwd=cwd)
+        # stdin=True: a pipe, closed first by stop() (a child that runs until EOF)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     start_new_session=True, preexec_fn=die_with_parent,
+                                     cwd=cwd, env=env)
         try:
             self._wait_ready(ready, timeout)
         except BaseException:
@@ -117,6 +120,12 @@ class Child:
 
         Returns the exit status (negative: killed by that signal)."""
         p = self.proc
+        if p.stdin is not None and not p.stdin.closed:
+            try:
+                p.stdin.close()           # EOF: a child that waits for it leaves by itself
+                p.wait(min(timeout, 10))
+            except (OSError, subprocess.TimeoutExpired):
+                pass
         if p.poll() is None:
             try:
                 os.killpg(p.pid, signal.SIGTERM)
