@@ -33,6 +33,8 @@ port started here and stopped at the end):
 ``mooncake``    Mooncake Store (mooncake-transfer-engine-non-cuda): ``mooncake_master``
                 (with its HTTP metadata server) and a segment-holder process that mounts
                 the memory; the benchmarked client mounts none, so every byte crosses TCP
+                (lm-server's and Mooncake's start-up is kvshm.replay.peers', shared with
+                ``kvshm replay --backend lmcache|mooncake``)
 ``infinistore`` tried; its server needs an RDMA device, so here it is a row that says why
 
 A peer that cannot be installed or started prints its row as unavailable with the reason.
@@ -58,7 +60,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
 import _common  # noqa: E402
-from _common import free_port, pct, stop, wait_port  # noqa: E402
+from _common import free_port, pct, stop  # noqa: E402
 from peer_clients import LAT_CAP_S, pattern  # noqa: E402
 
 CLIENTS = os.path.join(HERE, "peer_clients.py")
@@ -248,75 +250,44 @@ def bench_redis(spec: dict[str, Any], cache: str, timeout: float) -> dict[str, A
         shutil.rmtree(d, ignore_errors=True)
 
 
-def bench_lm_server(spec: dict[str, Any], cache: str, timeout: float) -> dict[str, Any]:
-    py = peer_python("lm-server", cache)
-    port = free_port()
-    log = tempfile.TemporaryFile()
-    proc = subprocess.Popen([py, "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"],
-                            stdout=log, stderr=log, env={**os.environ,
-                                                        "LMCACHE_LOG_LEVEL": "WARNING"})
+def _peer_start(fn: Callable[..., Any], *args: Any) -> Any:
+    """Start a peer's server(s) with kvshm.replay.peers' start-up (shared with
+    ``kvshm replay --backend lmcache|mooncake``); a failure is the row's reason."""
+    from kvshm.replay.options import ReplayError
+
     try:
-        try:
-            wait_port(port, proc, "lm-server", timeout=120)
-        except RuntimeError as exc:
-            log.seek(0)
-            tail = (log.read().decode(errors="replace").strip().splitlines() or [""])[-1]
-            raise Unavailable(f"{exc}: {tail[:200]}") from None
+        return fn(*args)
+    except ReplayError as exc:
+        raise Unavailable(str(exc)[:300]) from None
+
+
+def bench_lm_server(spec: dict[str, Any], cache: str, timeout: float) -> dict[str, Any]:
+    from kvshm.replay.peers import start_lm_server
+
+    py = peer_python("lm-server", cache)
+    child, port = _peer_start(start_lm_server, py)
+    try:
         return run_worker(py, "lm-server", {**spec, "port": port}, timeout,
                           env={"LMCACHE_LOG_LEVEL": "WARNING"})
     finally:
-        stop(proc)
-        log.close()
+        child.stop()
 
 
 def bench_mooncake(spec: dict[str, Any], cache: str, timeout: float) -> dict[str, Any]:
+    from kvshm.replay.peers import start_mooncake
+
     py = peer_python("mooncake", cache)
-    master_exe = os.path.join(os.path.dirname(py), "mooncake_master")
-    if not os.path.exists(master_exe):
-        raise Unavailable(f"no mooncake_master in {os.path.dirname(py)}")
-    rpc, meta, metrics = free_port(), free_port(), free_port()
-    d = tempfile.mkdtemp(prefix="kvshm-bench-mooncake-")
-    mlog = open(os.path.join(d, "master.log"), "wb")
-    master = subprocess.Popen(
-        [master_exe, f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
-         "--enable_http_metadata_server=true", f"--http_metadata_server_port={meta}",
-         "--http_metadata_server_host=127.0.0.1", f"--metrics_port={metrics}",
-         "--metrics_host=127.0.0.1", "--rpc_thread_num=2", "--enable_metric_reporting=false"],
-        stdout=mlog, stderr=mlog, cwd=d)
-    holder = None
     total = sum(s for s, _ in spec["sizes"]) * spec["count"]
-    mspec = {**spec, "master": f"127.0.0.1:{rpc}",
-             "metadata": f"http://127.0.0.1:{meta}/metadata",
-             "segment": int((2 * spec["reps"] + 1) * total + (64 << 20)),
-             "local_buffer": int(total + (32 << 20))}
+    d = tempfile.mkdtemp(prefix="kvshm-bench-mooncake-")
+    children: list[Any] = []
     try:
-        try:
-            wait_port(rpc, master, "mooncake_master", timeout=60)
-            wait_port(meta, master, "mooncake metadata server", timeout=60)
-        except RuntimeError as exc:
-            raise Unavailable(str(exc)) from None
-        hlog = open(os.path.join(d, "holder.log"), "wb")
-        holder = subprocess.Popen([py, CLIENTS, "mooncake-holder", json.dumps(mspec)],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=hlog,
-                                  text=True, cwd=d)
-        hlog.close()
-        assert holder.stdout is not None
-        if holder.stdout.readline().strip() != "ready":
-            with open(os.path.join(d, "holder.log"), "rb") as f:
-                tail = (f.read().decode(errors="replace").strip().splitlines() or [""])[-1]
-            raise Unavailable(f"mooncake segment holder exited {holder.wait(10)}: "
-                              f"{tail[:200]}")
-        return run_worker(py, "mooncake", mspec, timeout)
+        children, mspec = _peer_start(start_mooncake, py,
+                                      int((2 * spec["reps"] + 1) * total + (64 << 20)), d)
+        return run_worker(py, "mooncake", {**spec, **mspec,
+                                           "local_buffer": int(total + (32 << 20))}, timeout)
     finally:
-        if holder is not None:
-            assert holder.stdin is not None
-            holder.stdin.close()
-            try:
-                holder.wait(20)
-            except subprocess.TimeoutExpired:
-                stop(holder)
-        stop(master)
-        mlog.close()
+        for c in children:
+            c.stop()
         shutil.rmtree(d, ignore_errors=True)
 
 

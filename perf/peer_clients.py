@@ -4,7 +4,9 @@ Run by bench_peers in each peer's own venv, so it imports only the standard libr
 numpy and the peer's client package (and ``perf/_common.py``):
 
     python perf/peer_clients.py worker PEER SPEC_JSON      # prints "RESULT {json}"
-    python perf/peer_clients.py mooncake-holder SPEC_JSON  # mounts a segment until EOF
+
+(Mooncake's segment holder is kvshm/replay/peer_client.py's, started by
+kvshm.replay.peers.start_mooncake.)
 
 Each adapter exposes the operations its store has, the best path of each kind (``into`` a
 caller's buffer, ``fresh`` bytes); a missing one is a "-" in the table.
@@ -389,26 +391,9 @@ def worker(peer: str, spec: dict[str, Any]) -> None:
     print("RESULT " + json.dumps(res), flush=True)
 
 
-def mooncake_holder(spec: dict[str, Any]) -> None:
-    """In the mooncake venv: mount --segment bytes into the store, then wait for EOF."""
-    from mooncake.store import MooncakeDistributedStore
-
-    st = MooncakeDistributedStore()
-    rc = st.setup("127.0.0.1", spec["metadata"], spec["segment"], 16 << 20, "tcp", "",
-                  spec["master"])
-    if rc != 0:
-        raise SystemExit(f"mooncake holder setup returned {rc}")
-    print("ready", flush=True)
-    sys.stdin.read()
-    st.close()
-
-
 def main(argv: list[str]) -> int:
     if len(argv) == 3 and argv[0] == "worker":
         worker(argv[1], json.loads(argv[2]))
-        return 0
-    if len(argv) == 2 and argv[0] == "mooncake-holder":
-        mooncake_holder(json.loads(argv[1]))
         return 0
     print(__doc__, file=sys.stderr)
     return 2

@@ -293,7 +293,8 @@ def run_replay(opts: ReplayOptions, requests: Sequence[Sequence[int]] | None = N
         from kvshm.replay.peers import CAPACITY_NOTE
 
         run["capacity_note"] = CAPACITY_NOTE[opts.backend]
-        run["refused"] = {"writes": probe.refused, "codes": probe.refused_codes}
+        if opts.backend == "mooncake":      # lm-server does not answer a PUT
+            run["refused"] = {"writes": probe.refused, "codes": probe.refused_codes}
     return summarize(run, wl, reqs.nkeys, reqs.last, shares, refs, counts)
 
 
