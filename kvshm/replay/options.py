@@ -156,9 +156,7 @@ class ReplayOptions:
                                               "client")
             if self.ssd_gib:
                 raise UsageError("--ssd-gib", "is for a kvshm server started here")
-            from kvshm.replay.peers import peer_python
-
-            peer_python(self.backend)       # PeerUnavailable names scripts/peers-env.sh
+            # the peer's venv is looked for by run_replay (kvshm.replay.peers.peer_python)
         if self.trace is not None and not os.path.isfile(self.trace):
             raise UsageError("--trace", f"no such file: {self.trace}")
         if self.backend == "redis":

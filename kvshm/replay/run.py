@@ -155,6 +155,10 @@ def run_replay(opts: ReplayOptions, requests: Sequence[Sequence[int]] | None = N
     from kvshm.trace import load_requests, simulate_lru, unbounded_hits
 
     opts.validate()
+    if opts.backend in PEER_BACKENDS:
+        from kvshm.replay.peers import peer_python
+
+        peer_python(opts.backend)   # no venv: PeerUnavailable names scripts/peers-env.sh
     if requests is None:
         requests, lengths = load_requests(opts.trace, opts.requests)
     elif opts.requests is not None:
