@@ -105,15 +105,35 @@ class Handoff:
         """Inverse of :meth:`to_dict`. ValueError when ``d`` is not a handoff record."""
 
         def key(k: Any) -> bytes:
-            return bytes.fromhex(k) if isinstance(k, str) else bytes(k)
+            # never bytes(int): that is n zero bytes (a hostile 10**12 allocates a TB)
+            if isinstance(k, str):
+                return bytes.fromhex(k)
+            if isinstance(k, (bytes, bytearray, memoryview)):
+                return bytes(k)
+            raise TypeError(f"a key must be hex text or bytes, got {type(k).__name__}")
+
+        def integer(v: Any, what: str) -> int:
+            if type(v) is not int or v < 0:
+                raise TypeError(f"{what} must be an int >= 0, got {v!r}")
+            return v
 
         try:
+            if not isinstance(d, dict):
+                raise TypeError(f"expected a dict, got {type(d).__name__}")
             fk = d.get("first_key")
+            raw_keys = d.get("keys") or ()
+            if not isinstance(raw_keys, (list, tuple)):
+                raise TypeError(f"keys must be a list, got {type(raw_keys).__name__}")
+            deadline = d["deadline"]
+            if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) \
+                    or not math.isfinite(deadline):
+                raise TypeError(f"deadline must be a finite number, got {deadline!r}")
             return cls(node_id=str(d["node_id"]), address=str(d["address"]),
-                       epoch=int(d["epoch"]), keys=tuple(key(k) for k in d.get("keys") or ()),
-                       deadline=float(d["deadline"]), pin=int(d.get("pin", 0)),
+                       epoch=integer(d["epoch"], "epoch"),
+                       keys=tuple(key(k) for k in raw_keys),
+                       deadline=float(deadline), pin=integer(d.get("pin", 0), "pin"),
                        first_key=key(fk) if fk is not None else None,
-                       count=int(d.get("count", 0)))
+                       count=integer(d.get("count", 0), "count"))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a handoff record: {exc!r}") from None
 
