@@ -17,6 +17,10 @@ __all__ = ["Member", "View", "UP", "DRAINING", "node_key", "nodes_prefix"]
 UP = "up"
 DRAINING = "draining"
 STATUSES = (UP, DRAINING)
+#: Bounds of a member record's numbers: ints msgpack packs (CLUSTER_VIEW) and floats
+#: placement can weigh; a lease longer than an hour is no lease.
+MAX_INT = (1 << 63) - 1
+MAX_TTL = 3600.0
 
 
 def nodes_prefix(cluster: str) -> str:
@@ -75,21 +79,48 @@ class Member:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Member":
-        """Raises ValueError on a record missing a field or with a wrong type."""
+        """Raises ValueError on a record missing a field or with a wrong type or an
+        absurd value (a hostile or broken member must not break the watcher nor any
+        client's placement)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"member record is not a mapping: {type(d).__name__}")
+
+        def integer(name: str, lo: int, hi: int) -> int:
+            v = d[name]
+            if type(v) is not int or not lo <= v <= hi:
+                raise ValueError(f"{name} must be an int in [{lo}, {hi}], got {v!r}")
+            return v
+
+        def text(name: str, v: Any) -> str:
+            if not isinstance(v, str) or not v:
+                raise ValueError(f"{name} must be a non-empty string, got {v!r}")
+            return v
+
         try:
             known = {"id", "service", "epoch", "pool_size", "block_size", "status", "ttl",
                      "curve_public_key", "rdma"}
-            m = cls(id=str(d["id"]), service=str(d["service"]), epoch=int(d["epoch"]),
-                    pool_size=int(d["pool_size"]), block_size=int(d["block_size"]),
-                    status=str(d.get("status", UP)), ttl=float(d.get("ttl", 5.0)),
-                    curve_public_key=d.get("curve_public_key"), rdma=d.get("rdma"),
+            ttl = d.get("ttl", 5.0)
+            if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) \
+                    or not 0 < ttl <= MAX_TTL:
+                raise ValueError(f"ttl must be a number of seconds in (0, {MAX_TTL}], "
+                                 f"got {ttl!r}")
+            key = d.get("curve_public_key")
+            if key is not None and not isinstance(key, str):
+                raise ValueError(f"curve_public_key must be a string, got {key!r}")
+            rdma = d.get("rdma")
+            if rdma is not None and not isinstance(rdma, dict):
+                raise ValueError(f"rdma must be an object, got {rdma!r}")
+            m = cls(id=text("id", d["id"]), service=text("service", d["service"]),
+                    epoch=integer("epoch", 0, MAX_INT),
+                    pool_size=integer("pool_size", 1, MAX_INT),
+                    block_size=integer("block_size", 1, MAX_INT),
+                    status=text("status", d.get("status", UP)), ttl=float(ttl),
+                    curve_public_key=key, rdma=rdma,
                     extra={k: v for k, v in d.items() if k not in known})
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"bad member record {d!r}: {exc!r}") from None
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            raise ValueError(f"bad member record: {exc!r}"[:500]) from None
         if m.status not in STATUSES:
             raise ValueError(f"bad member status {m.status!r}")
-        if m.pool_size <= 0:
-            raise ValueError(f"member {m.id}: pool_size must be > 0")
         return m
 
     def to_json(self) -> bytes:
@@ -99,7 +130,7 @@ class Member:
     def from_json(cls, raw: bytes) -> "Member":
         try:
             d = json.loads(raw)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise ValueError(f"member record is not JSON: {exc}") from None
         if not isinstance(d, dict):
             raise ValueError("member record is not a JSON object")
