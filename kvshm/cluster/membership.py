@@ -307,13 +307,12 @@ class Membership:
         rev, kvs = etcd.list(nodes_prefix(self.cluster))
         self.counters["relists"] += 1
         members: dict[str, Member] = {}
+        prefix = nodes_prefix(self.cluster).encode()
         for k, raw in kvs.items():
-            try:
-                m = Member.from_json(raw)
-            except ValueError as exc:
-                log.warning("ignoring member record %r: %s", k, exc)
-                continue
-            members[m.id] = m
+            node = k[len(prefix):].decode(errors="replace")
+            m = self._parse(node, raw)
+            if m is not None:
+                members[node] = m
         with self._lock:
             self._members = members
             self._revision = max(self._revision, rev)
@@ -346,14 +345,29 @@ class Membership:
             for ev in resp.events:
                 node = ev.key[len(prefix):].decode(errors="replace")
                 if etcd.is_put(ev):
-                    try:
-                        self._members[node] = Member.from_json(ev.value)
-                    except ValueError as exc:
-                        log.warning("ignoring member record of %s: %s", node, exc)
+                    m = self._parse(node, ev.value)
+                    if m is not None:
+                        self._members[node] = m
+                    else:
+                        self._members.pop(node, None)
                 else:
                     self._members.pop(node, None)
             self._revision = max(self._revision, int(resp.header.revision))
             self._publish()
+
+    @staticmethod
+    def _parse(node: str, raw: bytes) -> Member | None:
+        """The record under ``nodes/<node>``, or None (logged) when it is garbage or
+        names another id than its key (a record cannot stand in for another member)."""
+        try:
+            m = Member.from_json(raw)
+        except ValueError as exc:
+            log.warning("ignoring member record of %r: %s", node, exc)
+            return None
+        if m.id != node:
+            log.warning("ignoring member record under %r: it names id %r", node, m.id)
+            return None
+        return m
 
     def _set_fresh(self, fresh: bool) -> None:
         if self._view.fresh != fresh:
