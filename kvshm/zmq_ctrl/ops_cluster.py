@@ -19,8 +19,8 @@ take the whole pool hostage; a PIN over the cap is refused with QUOTA_EXCEEDED.
 from __future__ import annotations
 
 import heapq
-import itertools
 import logging
+import secrets
 import threading
 import time
 from typing import Any, Callable
@@ -65,6 +65,9 @@ class ClusterOps:
         Cap on the bytes held by handoff pins (default half the pool).
     membership_stats : callable, optional
         The membership agent's counters, added to :meth:`stats`.
+    max_pins : int
+        Cap on the number of handoff pins held at once (the byte cap alone does not
+        bound pins of empty values).
     clock : callable
         Monotonic seconds.
     """
@@ -74,6 +77,7 @@ class ClusterOps:
                  drain: Callable[[float | None], None] | None = None,
                  max_pinned_bytes: int | None = None,
                  membership_stats: Callable[[], dict[str, Any]] | None = None,
+                 max_pins: int = 65536,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
         self.epoch = epoch
@@ -86,7 +90,7 @@ class ClusterOps:
         self._clock = clock
         self._pins: dict[int, _Pin] = {}
         self._heap: list[tuple[float, int]] = []
-        self._ids = itertools.count(1)
+        self.max_pins = max_pins
         self.pinned_bytes = 0
         self.counters = dict.fromkeys(("pins", "renewed", "unpinned", "expired",
                                        "refused", "view_requests"), 0)
@@ -98,6 +102,14 @@ class ClusterOps:
         return {Op.CLUSTER_VIEW: self._on_view, Op.PIN: self._on_pin,
                 Op.RENEW: self._on_renew, Op.UNPIN: self._on_unpin,
                 Op.DRAIN: self._on_drain}
+
+    def _new_id(self) -> int:
+        # unguessable (a pin id is the capability to renew or drop the pin), never 0,
+        # exact as a double (a handoff record may travel through JSON in other languages)
+        while True:
+            pid = secrets.randbits(52) | 1
+            if pid not in self._pins:
+                return pid
 
     def tick(self, now: float) -> float | None:
         """Expire handoff pins past their deadline; returns the next deadline."""
@@ -179,8 +191,15 @@ class ClusterOps:
             return Status.QUOTA_EXCEEDED, {
                 "error": f"handoff pins would hold {self.pinned_bytes + nbytes} bytes, over "
                          f"this server's cap of {self.max_pinned_bytes}"}, []
+        if not entries:            # nothing to hold: no pin to leak (UNPIN 0 is a no-op)
+            return Status.OK, {"pin": 0, "ttl": ttl, "found": [False] * len(found),
+                               "epoch": self.epoch}, []
+        if len(self._pins) >= self.max_pins:
+            self.counters["refused"] += 1
+            return Status.QUOTA_EXCEEDED, {
+                "error": f"this server holds {len(self._pins)} handoff pins, its cap"}, []
         self.store.pin_entries(entries)
-        pid = next(self._ids)
+        pid = self._new_id()
         p = _Pin(entries, self._clock() + ttl)
         self._pins[pid] = p
         self.pinned_bytes += p.nbytes
