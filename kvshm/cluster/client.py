@@ -155,9 +155,17 @@ class ClusterClient:
                 self.counters["view_changes"] += 1
                 self._placement = Placement(new)
                 for nid in list(self._suspect):
-                    m = new.get(nid)
-                    if m is None:
+                    m, was = new.get(nid), old.get(nid)
+                    # gone, or back as another instance (new epoch, new lease): the
+                    # mark was about the old one
+                    if m is None or (was is not None and m.epoch != was.epoch):
                         del self._suspect[nid]
+                gone = [self._clients.pop(nid) for nid in list(self._clients)
+                        if new.get(nid) is None]
+            else:
+                gone = []
+        for _, c in gone:
+            c.close()
 
     def _poll(self) -> None:
         while not self._stop.wait(self.refresh_interval):
