@@ -309,3 +309,62 @@ def test_hostile_member_records_break_neither_the_watcher_nor_placement(
         finally:
             for s in servers:
                 s.stop()
+
+
+def test_a_member_back_with_a_new_epoch_is_not_left_suspect(shm_name: str) -> None:
+    """A suspect mark lasted the member's whole lease window even when the member came
+    back at once as a new instance (new epoch, new lease): its keys read as misses and
+    writes went to the second choice until the old mark ran out."""
+    from test_cluster import Cluster
+
+    from bed import wait_for
+
+    Etcd = _etcd_or_skip()
+    with Etcd(1).start() as etcd:
+        cl = Cluster(etcd, shm_name, ttl=60.0)      # marks last 60 s: far beyond the test
+        try:
+            cl.add("a")
+            cl.add("b")
+            cc = cl.client("a", timeout=1.0)
+            cl.see(cc, {"a", "b"})
+            keys = [f"k{i}" for i in range(200)]
+            on_b = [k for k, o in zip(keys, cc.owners(keys)) if o == "b"]
+            assert on_b
+            old_epoch = cl.servers["b"].epoch
+            cl.crash("b")
+            assert cc.get_batch(on_b) == [None] * len(on_b)     # times out: suspect
+            assert cc.suspects() == ["b"]
+            b = cl.add("b")
+            assert b.epoch != old_epoch
+            wait_for(lambda: cc.refresh().get("b") is not None
+                     and cc.view.get("b").epoch == b.epoch, 15, "b's new epoch in the view")
+            assert cc.suspects() == []
+            cc.put_batch(on_b, [b"new"] * len(on_b))
+            with kvshm.Client(b.address, transport="tcp") as direct:
+                assert all(direct.exists_batch(on_b))
+            assert cc.get_batch(on_b) == [b"new"] * len(on_b)
+        finally:
+            cl.close()
+
+
+def test_clients_of_members_that_left_are_closed(shm_name: str) -> None:
+    """The per-member Client of a node that left the view stayed open forever (one
+    socket per departed member and epoch under churn)."""
+    from test_cluster import Cluster
+
+    Etcd = _etcd_or_skip()
+    with Etcd(1).start() as etcd:
+        cl = Cluster(etcd, shm_name)
+        try:
+            cl.add("a")
+            cl.add("b")
+            cc = cl.client("a")
+            cl.see(cc, {"a", "b"})
+            keys = [f"k{i}" for i in range(100)]
+            cc.put_batch(keys, [b"v"] * 100)
+            assert "b" in cc._clients
+            cl.servers.pop("b").stop()       # leaves (deletes its record)
+            cl.see(cc, {"a"})
+            assert "b" not in cc._clients
+        finally:
+            cl.close()
