@@ -368,3 +368,27 @@ def test_clients_of_members_that_left_are_closed(shm_name: str) -> None:
             assert "b" not in cc._clients
         finally:
             cl.close()
+
+
+def test_a_handoff_read_whose_unpin_times_out_still_returns_the_bytes(
+        server: kvshm.Server) -> None:
+    """get_handoff read every value, then an UNPIN that timed out turned the whole read
+    into misses (the engine recomputed KV it already had)."""
+    from kvshm.errors import ServerUnavailable
+
+    with kvshm.Client(server.address) as w, \
+            kvshm.ClusterClient(server.address, timeout=2.0) as cc:
+        h = w.put_batch(["a", "b"], [b"1" * 300, b"2" * 300], pin_ttl=30)
+        assert h.node_id == ""           # outside a cluster: read by address
+
+        def lost(self: kvshm.Client, handoff: Any) -> bool:
+            raise ServerUnavailable("UNPIN timed out (test)")
+
+        orig = kvshm.Client.unpin
+        kvshm.Client.unpin = lost        # type: ignore[method-assign]
+        try:
+            assert cc.get_handoff(h) == [b"1" * 300, b"2" * 300]
+        finally:
+            kvshm.Client.unpin = orig     # type: ignore[method-assign]
+        assert _held(server) == 1        # the pin runs to its deadline
+        assert w.unpin(h)

@@ -527,26 +527,33 @@ class ClusterClient:
         c = self._client(h.node_id) if h.node_id else Client(h.address, timeout=self.timeout)
         assert c is not None
         try:
-            if not c.server_info:
-                c.ping()
-            if int(c.server_info.get("epoch", 0)) != h.epoch:
-                self.counters["miss_epoch"] += len(keys)
+            try:
+                if not c.server_info:
+                    c.ping()
+                if int(c.server_info.get("epoch", 0)) != h.epoch:
+                    self.counters["miss_epoch"] += len(keys)
+                    return miss
+                t0 = time.perf_counter()
+                vals = c.get_batch(keys, verify=verify)
+            except ServerUnavailable as exc:
+                if h.node_id:
+                    self._mark_suspect(h.node_id, exc)
+                self.counters["miss_peer_down"] += len(keys)
                 return miss
-            t0 = time.perf_counter()
-            vals = c.get_batch(keys, verify=verify)
             p = self.peers[node]
             p.requests += 1
             p.seconds += time.perf_counter() - t0
             p.bytes_in += sum(len(v) for v in vals if v is not None)
-            if unpin:
-                c.unpin(h)
             self.counters["miss_absent"] += sum(v is None for v in vals)
+            if unpin:
+                try:
+                    c.unpin(h)
+                except ServerUnavailable as exc:
+                    # the bytes are read: a lost UNPIN only lets the pin run to its end
+                    if h.node_id:
+                        self._mark_suspect(h.node_id, exc)
+                    log.warning("unpin of handoff %d at %s failed: %s", h.pin, node, exc)
             return vals
-        except ServerUnavailable as exc:
-            if h.node_id:
-                self._mark_suspect(h.node_id, exc)
-            self.counters["miss_peer_down"] += len(keys)
-            return miss
         finally:
             if not h.node_id:
                 c.close()
