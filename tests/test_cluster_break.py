@@ -392,3 +392,22 @@ def test_a_handoff_read_whose_unpin_times_out_still_returns_the_bytes(
             kvshm.Client.unpin = orig     # type: ignore[method-assign]
         assert _held(server) == 1        # the pin runs to its deadline
         assert w.unpin(h)
+
+
+def test_handoff_pins_of_tiny_values_cannot_take_the_whole_pool(
+        server: kvshm.Server) -> None:
+    """The cap counted the values' lengths, but each value holds whole blocks: 1-byte
+    values under pin_ttl pinned every block of the pool (327 blocks against 327 bytes
+    of a 10 MiB cap) and every other write failed with POOL_FULL."""
+    with kvshm.Client(server.address) as c:
+        n = c.stats()["num_blocks"]
+        done = 0
+        with pytest.raises(kvshm.QuotaExceeded):
+            while done < n:
+                ks = [f"t{j}" for j in range(done, min(n, done + 64))]
+                c.put_batch(ks, [b"x"] * len(ks), pin_ttl=60)
+                done += len(ks)
+        st = c.stats()
+        assert st["pinned"] <= n // 2 + 1
+        assert server.cluster_ops.pinned_bytes <= server.cluster_ops.max_pinned_bytes
+        c.put("big", b"y" * 100_000)        # the pool still takes writes

@@ -38,10 +38,10 @@ Reply = tuple[int, dict[str, Any], list[Any]]
 class _Pin:
     __slots__ = ("entries", "deadline", "nbytes")
 
-    def __init__(self, entries: list[Any], deadline: float) -> None:
+    def __init__(self, entries: list[Any], deadline: float, nbytes: int) -> None:
         self.entries = entries
         self.deadline = deadline
-        self.nbytes = sum(e.size for e in entries)
+        self.nbytes = nbytes
 
 
 class ClusterOps:
@@ -185,7 +185,9 @@ class ClusterOps:
         d = self.store.index.mapping
         found = [d.get(k) if type(k) is bytes else None for k in keys]
         entries = [e for e in found if e is not None]
-        nbytes = sum(e.size for e in entries)
+        # the pool bytes the pin holds (whole blocks), not the values' lengths: pins of
+        # 1-byte values would otherwise hold a block each against one byte of the cap
+        nbytes = sum(e.nblocks for e in entries) * self.store.block_size
         if self.pinned_bytes + nbytes > self.max_pinned_bytes:
             self.counters["refused"] += 1
             return Status.QUOTA_EXCEEDED, {
@@ -200,7 +202,7 @@ class ClusterOps:
                 "error": f"this server holds {len(self._pins)} handoff pins, its cap"}, []
         self.store.pin_entries(entries)
         pid = self._new_id()
-        p = _Pin(entries, self._clock() + ttl)
+        p = _Pin(entries, self._clock() + ttl, nbytes)
         self._pins[pid] = p
         self.pinned_bytes += p.nbytes
         heapq.heappush(self._heap, (p.deadline, pid))
