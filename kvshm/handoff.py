@@ -76,10 +76,18 @@ class Handoff:
     count: int = 0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "keys", tuple(
-            k.encode() if isinstance(k, str) else bytes(k) for k in self.keys))
+        def key(k: Any) -> bytes:
+            if isinstance(k, str):
+                return k.encode()
+            if isinstance(k, (bytes, bytearray, memoryview)):
+                return bytes(k)
+            raise TypeError(f"a handoff key must be bytes or str, got {type(k).__name__}")
+
+        object.__setattr__(self, "keys", tuple(key(k) for k in self.keys))
         if not self.count:
             object.__setattr__(self, "count", len(self.keys))
+        elif self.keys and self.count != len(self.keys):
+            raise ValueError(f"count {self.count} but {len(self.keys)} keys listed")
 
     @property
     def expired(self) -> bool:

@@ -39,13 +39,22 @@ def test_handoff_from_dict_of_a_non_mapping_is_a_value_error(d: Any) -> None:
                                   {"first_key": 10 ** 12}, {"keys": "6b31"},
                                   {"keys": [None]}, {"epoch": 1.5}, {"epoch": True},
                                   {"deadline": math.nan}, {"pin": -1}, {"count": -4},
-                                  {"pin": "x"}])
+                                  {"pin": "x"}, {"count": 5}])
 def test_handoff_from_dict_rejects_garbage_fields(over: dict[str, Any]) -> None:
     """An int key was taken as bytes(n): ``keys: [10**12]`` tried to allocate a TB of
     zeros, ``keys: [3]`` silently became b'\\0\\0\\0'; a str ``keys`` was iterated per
     character; a float epoch was truncated to another epoch; NaN deadline accepted."""
     with pytest.raises(ValueError, match="not a handoff record"):
         Handoff.from_dict({**GOOD, **over})
+
+
+def test_handoff_constructor_takes_no_int_key() -> None:
+    """Handoff(..., keys=(5,)) made the key b'\\0' * 5 (bytes(int))."""
+    with pytest.raises(TypeError):
+        Handoff("n", "h:1", 1, (5,), 0.0)       # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        Handoff("n", "h:1", 1, (b"a", b"b"), 0.0, count=3)
+    assert Handoff("n", "h:1", 1, (), 0.0, first_key=b"a", count=3).count == 3
 
 
 def test_handoff_from_dict_still_reads_its_own_records() -> None:
