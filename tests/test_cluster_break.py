@@ -420,3 +420,42 @@ def test_handoff_pins_of_tiny_values_cannot_take_the_whole_pool(
         assert st["pinned"] <= n // 2 + 1
         assert server.cluster_ops.pinned_bytes <= server.cluster_ops.max_pinned_bytes
         c.put("big", b"y" * 100_000)        # the pool still takes writes
+
+
+def test_an_unexpected_error_does_not_end_the_membership_agent(
+        shm_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any exception other than EtcdUnavailable ended the agent's thread: no more
+    keepalives, so the server silently fell out of the cluster at its lease's end."""
+    import threading
+    import uuid
+
+    from kvshm.cluster.membership import Membership
+
+    from bed import wait_for
+
+    Etcd = _etcd_or_skip()
+    with Etcd(1).start() as etcd:
+        srv = kvshm.Server(service_port=0, manage_port=None, prealloc_size=0.02,
+                           shm_name=shm_name, cluster=etcd.url,
+                           cluster_name="u" + uuid.uuid4().hex[:8], node_id="a",
+                           cluster_ttl=2).start()
+        try:
+            ms = srv.membership
+            assert ms is not None
+            wait_for(ms.registered.is_set, 15, "a to register")
+            hit = threading.Event()
+            orig = Membership._parse
+
+            def broken(node: str, raw: bytes) -> Any:
+                hit.set()
+                raise RuntimeError("unforeseen (test)")
+
+            monkeypatch.setattr(Membership, "_parse", staticmethod(broken))
+            wait_for(hit.is_set, 30, "a relist to hit the broken parser")
+            monkeypatch.setattr(Membership, "_parse", staticmethod(orig))
+            relists = ms.counters["relists"]
+            wait_for(lambda: ms.counters["relists"] >= relists + 2, 30, "relists to go on")
+            assert ms._thread is not None and ms._thread.is_alive()
+            assert [m.id for m in ms.view.members] == ["a"]
+        finally:
+            srv.stop()

@@ -273,6 +273,13 @@ class Membership:
                 log.debug("etcd call failed: %s", exc)
                 self._set_fresh(False)
                 wait = retry
+            except Exception:
+                # a bug or an unforeseen reply must not end the agent: without it the
+                # lease lapses and this server silently leaves the cluster
+                self.counters["etcd_errors"] += 1
+                log.exception("cluster membership step failed; retrying")
+                self._watch_broken = True
+                wait = retry
             self._wake.wait(wait)
             self._wake.clear()
 
