@@ -40,7 +40,20 @@ import zmq
 import zmq.asyncio
 
 from kvshm import localread
-from kvshm.client import IDLE_FLUSH_S, Key, OpGen, _curve_setup, _Reply, _Req, _Restarted, _Session
+from kvshm.client import (
+    _DONE,
+    _HELLO_THROW,
+    IDLE_FLUSH_S,
+    Key,
+    OpGen,
+    _curve_setup,
+    _door_token,
+    _Drive,
+    _Reply,
+    _Req,
+    _Restarted,
+    _Session,
+)
 from kvshm.errors import (
     AuthenticationFailed,
     KeyNotFound,
@@ -55,22 +68,12 @@ __all__ = ["AsyncClient"]
 
 log = logging.getLogger(__name__)
 
-_GRANT_OPS = (Op.ALLOC, Op.LOOKUP)
-
 _MONITOR_EVENTS = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
                    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
-def _step(fn: Callable[[Any], Any], arg: Any) -> tuple[bool, Any]:
-    """Advance an operation generator: (False, next request) or (True, its result).
-
-    StopIteration must not cross a thread or an asyncio future, so it ends here.
-    """
-    try:
-        return False, fn(arg)
-    except StopIteration as stop:
-        return True, stop.value
+_step = _Drive.step
 
 
 def _copy_bytes(req: _Req, reply: _Reply) -> int:
@@ -293,7 +296,8 @@ class AsyncClient:
                  curve_server_key: bytes | str | None = None,
                  curve_keypair: tuple[bytes, bytes] | str | None = None,
                  context: zmq.Context | None = None, rdma: Any = None,
-                 copy_threshold: int = 1 << 20, copy_threads: int = 4) -> None:
+                 copy_threshold: int = 1 << 20, copy_threads: int = 4,
+                 token: bytes | None = None, token_file: str | None = None) -> None:
         if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
             raise ValueError(f"timeout must be > 0, got {timeout}")
         if copy_threads < 1:
@@ -303,7 +307,8 @@ class AsyncClient:
         self.copy_threshold = int(copy_threshold)
         self._base_endpoint = endpoint_of(address)
         check_resolvable(self._base_endpoint)
-        self._session = _Session(transport, lazy_commit, rdma)
+        self._session = _Session(transport, lazy_commit, rdma,
+                                 _door_token(self._base_endpoint, token, token_file))
         self._socket_setup = _curve_setup(curve_server_key, curve_keypair)
         if context is None:
             self._ctx: zmq.asyncio.Context = zmq.asyncio.Context.instance()
@@ -312,7 +317,6 @@ class AsyncClient:
         else:
             self._ctx = zmq.asyncio.Context.shadow(context.underlying)
         self._routing_id = os.urandom(16)
-        self._next_id = 1
         self._conn: _Conn | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._hello_lock: asyncio.Lock | None = None
@@ -345,14 +349,10 @@ class AsyncClient:
             self._conn = None
             self._session.need_hello = True
 
-    def _new_id(self) -> int:
-        rid = self._next_id
-        self._next_id += 1
-        return rid
-
     async def _ready(self) -> None:
         if self._closed:
             raise KvshmError("client is closed")
+        self._session.check_owner()
         lock = self._bind_loop()
         if self._session.need_hello or self._conn is None:
             async with lock:
@@ -369,11 +369,12 @@ class AsyncClient:
             if old is not None:
                 old.fail(ServerUnavailable, f"reconnecting to kvshm server at {self.address}")
             self._conn = _Conn(self, self._base_endpoint)
-        await self._hello_exchange()
-        if s.rdma is not None and s.rdma.take_hello_again():
-            # transport="auto": the server offers RDMA and this host has a device; say
-            # HELLO again, this time with a QP (see docs/RDMA.md)
+        for _ in range(4):
             await self._hello_exchange()
+            # a same-host client proves its liveness file; transport="auto" with RDMA on
+            # both sides offers a QP (docs/RDMA.md): each is one more HELLO
+            if not s.hello_again():
+                break
         ipc = s.hello.get("ipc")
         if (fresh and s.mover is not None and s.mover.name == "shm" and ipc
                 and self._base_endpoint.startswith("tcp://")
@@ -387,8 +388,16 @@ class AsyncClient:
         s = self._session
         conn = self._conn
         assert conn is not None
-        rid = self._new_id()
-        st, body, frames = await conn.request(Op.HELLO, s.hello_body(), (), 0, rid)
+        rid = s.new_id()
+        hb = s.hello_body()
+        # the queued settle lists ride on it: applied to the old session first
+        body = s.take_piggyback(hb) if s.epoch else hb
+        try:
+            st, body, frames = await conn.request(Op.HELLO, body, (), s.epoch, rid)
+        except BaseException:
+            if body is not hb:
+                s.requeue(body)
+            raise
         # attaching the segment pre-faults it: off the event loop. A cancel waits for it
         # (two HELLOs must never change the session at once).
         fut = asyncio.get_running_loop().run_in_executor(
@@ -405,69 +414,50 @@ class AsyncClient:
                 fut.exception()
             raise
 
-    async def _send(self, req_op: int, body: dict[str, Any], frames: Sequence[Any],
-                    grants: list[tuple[int, int]]) -> _Reply:
-        conn = self._conn
-        if conn is None:
-            self._session.need_hello = True
-            raise ServerUnavailable(f"not connected to kvshm server at {self.address}")
-        rid = self._new_id()
-        if req_op in _GRANT_OPS:
-            grants.append((rid, req_op))
-        st, rbody, rframes = await conn.request(req_op, body, frames, self._session.epoch,
-                                                rid)
-        self._session.note_reply(rbody)
-        return _Reply(rid, st, rbody, rframes)
-
-    async def _roundtrip(self, req: _Req, grants: list[tuple[int, int]]) -> _Reply:
+    async def _roundtrip(self, drive: _Drive, req: _Req) -> _Reply:
         if self._closed:
             raise KvshmError("client is closed")
         s = self._session
-        if s.need_hello or self._conn is None:
-            await self._ready()
-        hello_gen = self._hello_gen
-        body = s.take_piggyback(req.body)
-        try:
-            reply = await self._send(req.op, body, req.frames, grants)
-        except BaseException:
-            if body is not req.body:
-                self._requeue(body)
-            raise
-        if reply.status == Status.STALE_EPOCH and req.stateful:
+        for attempt in range(3):
+            if s.need_hello or self._conn is None:
+                await self._ready()
+            hello_gen = self._hello_gen
+            conn = self._conn
+            rid, body = drive.prepare(req)
+            try:
+                if conn is None:
+                    s.need_hello = True
+                    raise ServerUnavailable(f"not connected to kvshm server at {self.address}")
+                st, rbody, rframes = await conn.request(req.op, body, req.frames, s.epoch,
+                                                        rid)
+            except BaseException:
+                # timed out, lost, cancelled: the server may hold what this request made;
+                # RELEASE/ABORT it with the next request
+                drive.failed()
+                raise
+            reply = _Reply(rid, st, rbody, rframes)
+            what = drive.after(req, reply)
+            if what == _DONE:
+                return reply
             assert self._hello_lock is not None
             async with self._hello_lock:
                 if self._hello_gen == hello_gen or s.need_hello:
-                    await self._hello(fresh=s.need_hello or self._conn is None)
-            if not req.retry_stale:
+                    await self._hello(fresh=self._conn is None)
+            if what == _HELLO_THROW:
                 raise _Restarted(f"kvshm server at {self.address} restarted during the "
                                  "operation")
-            reply = await self._send(req.op, req.body, req.frames, grants)
-        return reply
+        raise ServerUnavailable(f"kvshm server at {self.address} keeps forgetting this "
+                                "client's session; retry")
 
-    def _requeue(self, body: dict[str, Any]) -> None:
-        """Put back the RELEASE/ABORT ids a failed request carried (the server may not
-        have seen them; both are idempotent). COMMITs are not resent."""
-        s = self._session
-        for name, q in (("release", s.releases), ("abort", s.aborts)):
-            for rid in body.get(name, ()):
-                if rid not in q:
-                    q.append(rid)
+    def run_op(self, gen: OpGen) -> Any:
+        """Drive an operation generator to its result (a coroutine): the public seam
+        for code that composes operations (see :meth:`kvshm.Client.run_op`)."""
+        return self._run(gen)
 
-    def _abandon(self, grants: list[tuple[int, int]]) -> None:
-        """An operation ended early (cancelled, server gone): give back what its
-        requests may hold on the server. Safe to repeat: RELEASE and ABORT of a settled
-        grant do nothing, and request ids are never reused."""
-        s = self._session
-        for rid, op in grants:
-            if op == Op.ALLOC:
-                try:
-                    s.commits.remove(rid)     # written but not committed yet: drop it
-                except ValueError:
-                    pass
-                if rid not in s.aborts:
-                    s.aborts.append(rid)
-            elif rid not in s.releases:
-                s.releases.append(rid)
+    @property
+    def session(self) -> _Session:
+        """The protocol state the operation generators take (keys, limits, movers)."""
+        return self._session
 
     async def _run(self, gen: OpGen) -> Any:
         try:
@@ -475,21 +465,20 @@ class AsyncClient:
         except BaseException:
             gen.close()
             raise
-        grants: list[tuple[int, int]] = []
-        done, val = _step(gen.send, None)
+        drive = _Drive(self._session, gen)
+        done, val = drive.start()
         while not done:
             req = val
             try:
-                reply = await self._roundtrip(req, grants)
+                reply = await self._roundtrip(drive, req)
             except _Restarted as exc:
                 done, val = _step(gen.throw, exc)
                 continue
             except BaseException:
-                gen.close()
-                self._abandon(grants)
+                drive.close()
                 raise
             if _copy_bytes(req, reply) > self.copy_threshold:
-                done, val = await self._step_in_thread(gen, reply, grants)
+                done, val = await self._step_in_thread(drive, reply)
             else:
                 done, val = _step(gen.send, reply)
         self._arm_idle_flush()
@@ -518,9 +507,8 @@ class AsyncClient:
         self._idle_tasks.add(task)
         task.add_done_callback(self._idle_tasks.discard)
 
-    async def _step_in_thread(self, gen: OpGen, reply: _Reply,
-                              grants: list[tuple[int, int]]) -> tuple[bool, Any]:
-        cf = self._executor.submit(_step, gen.send, reply)
+    async def _step_in_thread(self, drive: _Drive, reply: _Reply) -> tuple[bool, Any]:
+        cf = self._executor.submit(_step, drive.gen.send, reply)
         fut = asyncio.wrap_future(cf)
         try:
             return await asyncio.shield(fut)
@@ -535,8 +523,7 @@ class AsyncClient:
                         pass
                 if not fut.cancelled():
                     fut.exception()       # retrieved: the cancel wins
-            gen.close()
-            self._abandon(grants)
+            drive.close()
             raise
 
     # ---------------------------------------------------------------- lifecycle
@@ -660,15 +647,6 @@ class AsyncClient:
         from kvshm import handoff as h
 
         return await self._run(h.op_unpin(self._session, handoff))  # type: ignore[no-any-return]
-
-    async def run_op(self, gen: OpGen) -> Any:
-        """Drive an operation generator on this connection (see kvshm.client)."""
-        return await self._run(gen)
-
-    @property
-    def session(self) -> Any:
-        """Protocol state of this connection (see :attr:`kvshm.Client.session`)."""
-        return self._session
 
     # ---------------------------------------------------------------- reads
 

@@ -81,6 +81,12 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
                    help="serve with CurveZMQ using this .key_secret file (kvshm keygen)")
     p.add_argument("--curve-allowed-clients", default=None, metavar="DIR",
                    help="only accept clients whose public .key file is in DIR")
+    p.add_argument("--curve-allow-any", action="store_true",
+                   help="with --curve-secret-key and no --curve-allowed-clients: let in "
+                        "any client key (each its own principal); logged as a warning")
+    p.add_argument("--token-file", default=None, metavar="PATH",
+                   help="also write the server's door token here (mode 0640), to give "
+                        "another user or group access (clients: KVSHM_TOKEN_FILE)")
     p.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback --host without CURVE keys")
     p.add_argument("--manage-host", default=None,
@@ -150,6 +156,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
         max_client_pinned_bytes=args.max_client_pinned,
         curve_secret_key=args.curve_secret_key,
         curve_allowed_clients=args.curve_allowed_clients,
+        curve_allow_any=args.curve_allow_any,
+        token_file=args.token_file,
         insecure=args.insecure,
         manage_host=args.manage_host,
         dev_name=getattr(args, "dev_name", None),
@@ -242,7 +250,7 @@ def cmd_ctl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         with Client(args.address, transport="tcp", timeout=args.timeout,
                     curve_server_key=args.curve_server_key,
-                    curve_keypair=args.curve_keypair) as c:
+                    curve_keypair=args.curve_keypair, token_file=args.token_file) as c:
             if args.action == "stats":
                 print(json.dumps(c.stats(verify=args.verify), indent=2, sort_keys=True))
             elif args.action == "evict":
@@ -303,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the server's CurveZMQ public key (Z85) or .key file")
     c.add_argument("--curve-keypair", default=None, metavar="FILE",
                    help="this client's .key_secret file (when the server restricts clients)")
+    c.add_argument("--token-file", default=None, metavar="PATH",
+                   help="the server's door token file (default: found by itself for a "
+                        "server of this user; or $KVSHM_TOKEN_FILE)")
     csub = c.add_subparsers(dest="action", required=True, metavar="ACTION")
     st = csub.add_parser("stats", help="print the server's statistics as JSON")
     st.add_argument("--verify", action="store_true", help="add the accounting check")

@@ -15,17 +15,17 @@ device, else TCP.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import math
 import os
-import socket
 import threading
 from typing import Any, Callable, Generator, Iterable, NamedTuple, Sequence
 
 import xxhash
 import zmq
 
-from kvshm import localread
+from kvshm import localread, segments
 from kvshm._buffers import byte_view
 from kvshm._pool import Pool
 from kvshm.errors import (
@@ -112,12 +112,28 @@ def _xxh(view: memoryview) -> int:
 
 
 class _Session:
-    """Per-connection state shared by the sync and async clients (no I/O here)."""
+    """Per-client state shared by the sync and async clients (no I/O here).
 
-    def __init__(self, transport: str, lazy_commit: bool, rdma: Any = None) -> None:
+    The server knows this client by its session (``session_id``, issued in HELLO) and
+    its ``nonce`` (random, one per client object): a new HELLO with the same nonce, after
+    a reconnect, carries the grants over. A same-host client proves that it attached
+    the pool and is alive with a locked file next to the segment
+    (:class:`kvshm.segments.ClientProof`); the shm mover is used only once the server
+    saw that proof.
+    """
+
+    def __init__(self, transport: str, lazy_commit: bool, rdma: Any = None,
+                 token: bytes | None = None) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.transport = transport
+        self.nonce = os.urandom(16)
+        self.token = token          # the server's door token (kvshm.security.find_token)
+        self.session_id = 0
+        self.pid = os.getpid()
+        self._ids = itertools.count(1)
+        self.proof: segments.ClientProof | None = None
+        self._unproven: ShmMover | None = None    # attached, waiting for the server's "local"
         self.lazy_commit = lazy_commit
         self.epoch = 0
         self.hello: dict[str, Any] = {}
@@ -191,6 +207,14 @@ class _Session:
                 body[name] = body.get(name, []) + taken
         return body
 
+    def requeue(self, body: dict[str, Any]) -> None:
+        """Put back the RELEASE/ABORT ids a request carried that the server may not have
+        seen (both are idempotent). COMMITs are not resent."""
+        for name, q in (("release", self.releases), ("abort", self.aborts)):
+            for rid in body.get(name, ()):
+                if rid not in q:
+                    q.append(rid)
+
     def note_reply(self, body: dict[str, Any]) -> None:
         """Keep the lazily committed writes a reply says were refused (their lease ran
         out): the next put or :meth:`Client.flush` raises LeaseExpired for them."""
@@ -214,22 +238,44 @@ class _Session:
 
     # ---------------------------------------------------------------- HELLO
 
+    def new_id(self) -> int:
+        """A request id, unique for the life of this client (thread-safe)."""
+        return next(self._ids)
+
+    def check_owner(self) -> None:
+        """Raise at once in a forked child: its sockets, mapping and session are the
+        parent's (a request would time out, or mix its replies with the parent's)."""
+        if os.getpid() != self.pid:
+            raise KvshmError("this kvshm client was made before fork(); make a new client "
+                             "in the child process")
+
     def hello_body(self) -> dict[str, Any]:
-        body = {"client": f"{socket.gethostname()}:{os.getpid()}",
-                "host": socket.gethostname(), "pid": os.getpid(),
-                "version": PROTOCOL_VERSION, "transport": self.transport}
-        if self.transport in ("rdma", "auto"):
+        body: dict[str, Any] = {"version": PROTOCOL_VERSION, "transport": self.transport,
+                                "nonce": self.nonce}
+        if self.token is not None:
+            body["token"] = self.token
+        if self._unproven is not None:
+            body["proof"] = True        # the liveness file is locked: look at it
+        elif self.transport in ("rdma", "auto"):
             from kvshm import rdma
 
             body.update(rdma.hello_fields(self))   # a new QP's info when RDMA is tried
         return body
 
+    def hello_again(self) -> bool:
+        """Whether the HELLO just applied asks for another (the liveness proof is made,
+        or a QP is offered)."""
+        if self._unproven is not None:
+            return True
+        return self.rdma is not None and self.rdma.take_hello_again()
+
     def apply_hello(self, r: _Reply, address: str) -> None:
         _check(r, f"HELLO to {address}")
         h = r.body
-        self.hello = h
         same_server = int(h["epoch"]) == self.epoch
+        self.hello = h
         self.epoch = int(h["epoch"])
+        self.session_id = int(h.get("session", 0))
         self.limits = Limits.from_wire(h["limits"])
         self.max_message = int(h.get("max_message", 0))
         self.capacity = int(h["pool"]["size"])
@@ -238,6 +284,23 @@ class _Session:
             self.aborts.clear()
             self.releases.clear()
         self._close_local()
+        unproven, self._unproven = self._unproven, None
+        if unproven is not None:          # the answer to the HELLO with the proof
+            if h.get("local") is True:
+                self.mover = unproven
+                self.local = localread.attach(h, self.mover, self.epoch,
+                                              self.limits.max_key_bytes)
+                self.need_hello = False
+                return
+            unproven.close()
+            if self.transport == "shm":
+                raise TransportError(
+                    f"the server at {address} did not see this client's proof of "
+                    f"attaching {h['pool']['name']} (a liveness file in /dev/shm); is "
+                    "/dev/shm the server's?")
+            self.mover = self._pick_mover(h, address, shm=False)
+            self.need_hello = False
+            return
         self._retire_mover()
         self.mover = self._pick_mover(h, address)
         self.local = localread.attach(h, self.mover, self.epoch, self.limits.max_key_bytes)
@@ -260,9 +323,26 @@ class _Session:
             except BufferError:       # a read runs in another thread: keep it mapped
                 self._retired.append(r)
 
-    def _pick_mover(self, h: dict[str, Any], address: str) -> OneSidedMover | None:
+    def _prove(self, pool: Pool) -> bool:
+        """Make (or keep) this client's liveness file for ``pool``."""
+        p = self.proof
+        name = segments.proof_name(pool.name, pool.token, self.nonce)
+        if p is not None and p.name == name:
+            return True
+        if p is not None:
+            p.close()
+            self.proof = None
+        try:
+            self.proof = segments.ClientProof(pool.name, pool.token, self.nonce)
+        except OSError as exc:
+            log.debug("cannot make the liveness file for %s: %s", pool.name, exc)
+            return False
+        return True
+
+    def _pick_mover(self, h: dict[str, Any], address: str, shm: bool = True
+                    ) -> OneSidedMover | None:
         t = self.transport
-        if t in ("auto", "shm"):
+        if t in ("auto", "shm") and shm:
             pool_info = h["pool"]
             try:
                 # Pre-fault the mapping (no page faults in the first copies) only for pools
@@ -277,8 +357,11 @@ class _Session:
                         f"({exc}); is the server at {address} on this host?") from None
                 log.debug("shm attach failed (%s); trying the next mover", exc)
             else:
-                if pool.token == pool_info["token"]:
-                    return ShmMover(pool)
+                if segments.token_digest(pool.token) == pool_info.get("token_digest") \
+                        and self._prove(pool):
+                    # used once the server saw the proof (the next HELLO's "local")
+                    self._unproven = ShmMover(pool)
+                    return None
                 pool.close()
                 if t == "shm":
                     raise TransportError(
@@ -303,6 +386,12 @@ class _Session:
     def close(self) -> None:
         self._close_local()
         self._retire_mover()
+        if self._unproven is not None:
+            self._unproven.close()
+            self._unproven = None
+        if self.proof is not None:
+            self.proof.close()
+            self.proof = None
         for m in self._retired:
             try:
                 m.close()
@@ -440,6 +529,11 @@ class _Session:
             r = yield _Req(Op.GET, {"keys": bkeys})
             _check(r, "get")
             sizes = r.body["sizes"]
+            if -2 in sizes:     # the server's per-principal limit on unsent replies
+                refused = [bkeys[i] for i, sz in enumerate(sizes) if sz == -2]
+                raise QuotaExceeded(f"reading {len(refused)} keys (first {refused[0]!r}) "
+                                    "would exceed this client's limit on pinned and "
+                                    "unsent bytes on the server; read in smaller batches")
             hit_sizes = [s for s in sizes if s >= 0]
             counts = r.body.get("counts", [1] * len(r.frames))
             try:
@@ -540,6 +634,112 @@ class _Session:
         return None
 
 
+_GRANT_OPS = (Op.ALLOC, Op.LOOKUP)
+
+# what a driver does with a reply (_Drive.after)
+_DONE = 0          # hand it to the operation
+_HELLO_RETRY = 1   # say HELLO, then send the request again
+_HELLO_THROW = 2   # say HELLO, then throw _Restarted into the operation
+
+
+class _Drive:
+    """One operation being driven: the part of the driver that sync and async share.
+
+    :class:`Client` drives it with blocking round trips, :class:`kvshm.aio.AsyncClient`
+    with awaits; everything that decides what is sent, what a reply means and what is
+    owed to the server when the operation ends early lives here, once:
+
+    * :meth:`prepare` gives each request its id (from the session: unique for the
+      client's life), takes the piggybacked COMMIT/ABORT/RELEASE lists, and records the
+      grant an ALLOC or LOOKUP may create.
+    * :meth:`failed` (the request may or may not have reached the server: timeout, send
+      failure, cancellation) puts back the RELEASE/ABORT ids it carried (both
+      idempotent) and queues RELEASE/ABORT of the grant it may have made, so a request
+      that times out never leaves pins or pending blocks behind; the server also drops
+      a parked request that such a RELEASE/ABORT names.
+    * :meth:`abandon` (the operation ends by an exception or is cancelled) settles every
+      grant it made: ABORT for ALLOCs not committed yet, RELEASE for LOOKUPs.
+    """
+
+    __slots__ = ("s", "gen", "grants", "body", "rid")
+
+    def __init__(self, session: "_Session", gen: OpGen) -> None:
+        self.s = session
+        self.gen = gen
+        self.grants: list[tuple[int, int]] = []
+        self.body: dict[str, Any] | None = None
+        self.rid = 0
+
+    def start(self) -> tuple[bool, Any]:
+        """(False, first request) or (True, result)."""
+        return self.step(self.gen.send, None)
+
+    @staticmethod
+    def step(fn: Callable[[Any], Any], arg: Any) -> tuple[bool, Any]:
+        """Advance the operation: (False, next request) or (True, its result).
+        StopIteration must not cross a thread or an asyncio future, so it ends here."""
+        try:
+            return False, fn(arg)
+        except StopIteration as stop:
+            return True, stop.value
+
+    def prepare(self, req: _Req, piggyback: bool = True) -> tuple[int, dict[str, Any]]:
+        """(request id, body to send) for ``req``."""
+        s = self.s
+        rid = s.new_id()
+        body = s.take_piggyback(req.body) if piggyback else req.body
+        self.body = body if body is not req.body else None
+        self.rid = rid
+        if req.op in _GRANT_OPS:
+            self.grants.append((rid, req.op))
+        return rid, body
+
+    def failed(self) -> None:
+        """The request prepared last may not have reached the server (or its reply
+        was lost): give back what it carried and what it may hold."""
+        if self.body is not None:
+            self.s.requeue(self.body)
+            self.body = None
+        self.abandon()
+
+    def after(self, req: _Req, reply: _Reply) -> int:
+        """What to do with ``reply`` (_DONE, _HELLO_RETRY, _HELLO_THROW)."""
+        body, self.body = self.body, None
+        if reply.status != Status.STALE_EPOCH:
+            self.s.note_reply(reply.body)
+            return _DONE
+        if body is not None:       # not applied: they go again (after HELLO)
+            self.s.requeue(body)
+        # the server restarted, or does not know this session: nothing was done; the
+        # grant this request would have made does not exist
+        if self.grants and self.grants[-1][0] == reply.req_id:
+            self.grants.pop()
+        self.s.need_hello = True
+        if req.stateful and not req.retry_stale:
+            return _HELLO_THROW
+        return _HELLO_RETRY
+
+    def abandon(self) -> None:
+        """Settle every grant of this operation on the server (it ended early). Safe to
+        repeat: RELEASE and ABORT of a settled grant do nothing, ids are never reused."""
+        s = self.s
+        for rid, op in self.grants:
+            if op == Op.ALLOC:
+                try:
+                    s.commits.remove(rid)     # written but not committed yet: drop it
+                except ValueError:
+                    pass
+                if rid not in s.aborts:
+                    s.aborts.append(rid)
+            elif rid not in s.releases:
+                s.releases.append(rid)
+
+    def close(self) -> None:
+        self.gen.close()
+        self.abandon()
+
+
+
 class Client:
     """Synchronous kvshm client.
 
@@ -567,13 +767,20 @@ class Client:
     rdma : kvshm.rdma.RdmaOptions or dict, optional
         Device, port, GID index and queue sizes for ``transport="rdma"``/``"auto"``
         (default: the first device with an active port 1; see ``docs/RDMA.md``).
+    token : bytes, optional
+        The server's door token (32 bytes). Default: read from ``token_file``,
+        ``$KVSHM_TOKEN_FILE``, or the default token file of a server of this user
+        (:mod:`kvshm.security`); a CURVE connection needs none.
+    token_file : str, optional
+        Path of the server's token file (the server's ``--token-file``).
 
     Raises
     ------
     ServerUnavailable
         The server did not answer HELLO within ``timeout``.
     AuthenticationFailed
-        The server refused the CURVE handshake (missing or wrong keys).
+        The server refused the CURVE handshake (missing or wrong keys), or the HELLO
+        (no valid door token).
     TransportError
         ``transport="shm"`` or ``"rdma"`` was asked and cannot be used.
 
@@ -589,13 +796,15 @@ class Client:
                  curve_server_key: bytes | str | None = None,
                  curve_keypair: tuple[bytes, bytes] | str | None = None,
                  connect: bool = True, context: zmq.Context | None = None,
-                 rdma: Any = None) -> None:
+                 rdma: Any = None, token: bytes | None = None,
+                 token_file: str | None = None) -> None:
         if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
             raise ValueError(f"timeout must be > 0, got {timeout}")
         self.address = address
         self._base_endpoint = endpoint_of(address)
         check_resolvable(self._base_endpoint)
-        self._session = _Session(transport, lazy_commit, rdma)
+        self._session = _Session(transport, lazy_commit, rdma,
+                                 _door_token(self._base_endpoint, token, token_file))
         self._chan = Channel(self._base_endpoint, timeout, context=context,
                              socket_setup=_curve_setup(curve_server_key, curve_keypair),
                              label=address)
@@ -610,15 +819,26 @@ class Client:
 
     def _hello_locked(self) -> None:
         s = self._session
+        s.check_owner()
         s.need_hello = True
         self._chan.reset(self._base_endpoint)
-        rid, st, body, frames = self._chan.request(Op.HELLO, s.hello_body())
-        s.apply_hello(_Reply(rid, st, body, frames), self.address)
-        if s.rdma is not None and s.rdma.take_hello_again():
-            # transport="auto": the server offers RDMA and this host has a device; say
-            # HELLO again, this time with a QP (see docs/RDMA.md)
-            rid, st, body, frames = self._chan.request(Op.HELLO, s.hello_body())
-            s.apply_hello(_Reply(rid, st, body, frames), self.address)
+        for _ in range(4):
+            rid = s.new_id()
+            # the queued settle lists ride on it: applied to the old session first
+            hb = s.hello_body()
+            body = s.take_piggyback(hb) if s.epoch else hb
+            try:
+                rid, st, rbody, frames = self._chan.request(Op.HELLO, body, req_id=rid,
+                                                            epoch=s.epoch)
+            except BaseException:
+                if body is not hb:
+                    s.requeue(body)
+                raise
+            s.apply_hello(_Reply(rid, st, rbody, frames), self.address)
+            # a same-host client proves its liveness file; transport="auto" with RDMA on
+            # both sides offers a QP (docs/RDMA.md): each is one more HELLO
+            if not s.hello_again():
+                break
         ipc = s.hello.get("ipc")
         if (s.mover is not None and s.mover.name == "shm" and ipc
                 and self._base_endpoint.startswith("tcp://")):
@@ -626,48 +846,74 @@ class Client:
             if os.path.exists(path):
                 self._chan.reset(ipc)
 
-    def _roundtrip(self, req: _Req) -> _Reply:
+    def _roundtrip(self, drive: _Drive, req: _Req) -> _Reply:
         if self._closed:
             raise KvshmError("client is closed")
         s = self._session
         with self._chan.lock:
-            try:
+            for attempt in range(3):
                 if s.need_hello:
                     self._hello_locked()
-                body = s.take_piggyback(req.body)
-                rid, st, rbody, frames = self._chan.request(req.op, body, req.frames,
-                                                            epoch=s.epoch)
-                if st == Status.STALE_EPOCH and req.stateful:
-                    self._hello_locked()
-                    if not req.retry_stale:
-                        raise _Restarted(f"kvshm server at {self.address} restarted "
-                                         "during the operation")
-                    rid, st, rbody, frames = self._chan.request(req.op, req.body, req.frames,
-                                                                epoch=s.epoch)
-                s.note_reply(rbody)
-            except ServerUnavailable:
-                s.need_hello = True
-                raise
-        return _Reply(rid, st, rbody, frames)
+                rid, body = drive.prepare(req)
+                try:
+                    rid, st, rbody, frames = self._chan.request(
+                        req.op, body, req.frames, req_id=rid, epoch=s.epoch)
+                except BaseException:
+                    # timed out, send failed, interrupted: the server may hold what this
+                    # request made; RELEASE/ABORT it with the next request
+                    drive.failed()
+                    s.need_hello = True
+                    raise
+                reply = _Reply(rid, st, rbody, frames)
+                what = drive.after(req, reply)
+                if what == _DONE:
+                    return reply
+                self._hello_locked()
+                if what == _HELLO_THROW:
+                    raise _Restarted(f"kvshm server at {self.address} restarted during "
+                                     "the operation")
+        raise ServerUnavailable(f"kvshm server at {self.address} keeps forgetting this "
+                                "client's session; retry")
+
+    def run_op(self, gen: OpGen) -> Any:
+        """Drive an operation generator (``kvshm.client._Session.op_*``, or one of
+        :mod:`kvshm.paged`, :mod:`kvshm.layerwise`, :mod:`kvshm.integrations`) to its
+        result: the public seam for code that composes operations. Every grant the
+        operation made is settled on every error path."""
+        return self._run(gen)
+
+    @property
+    def session(self) -> "_Session":
+        """The protocol state the operation generators take (keys, limits, movers)."""
+        return self._session
 
     def _run(self, gen: OpGen) -> Any:
-        if self._session.need_hello and not self._closed:
-            # HELLO before the operation starts (it picks its mover first): after an RDMA
-            # completion error this makes the next call run on a fresh connection
-            with self._chan.lock:
-                if self._session.need_hello:
-                    self._hello_locked()
+        s = self._session
         try:
-            req = next(gen)
-            while True:
+            s.check_owner()
+            if s.need_hello and not self._closed:
+                # HELLO before the operation starts (it picks its mover first): after an
+                # RDMA completion error this makes the next call run on a fresh connection
+                with self._chan.lock:
+                    if s.need_hello:
+                        self._hello_locked()
+        except BaseException:
+            gen.close()
+            raise
+        drive = _Drive(s, gen)
+        try:
+            done, val = drive.start()
+            while not done:
                 try:
-                    reply = self._roundtrip(req)
+                    reply = self._roundtrip(drive, val)
                 except _Restarted as exc:
-                    req = gen.throw(exc)
+                    done, val = drive.step(gen.throw, exc)
                     continue
-                req = gen.send(reply)
-        except StopIteration as stop:
-            return stop.value
+                except BaseException:
+                    drive.close()
+                    raise
+                done, val = drive.step(gen.send, reply)
+            return val
         finally:
             self._arm_idle_flush()
 
@@ -751,15 +997,6 @@ class Client:
         from kvshm import handoff as h
 
         return self._run(h.op_unpin(self._session, handoff))  # type: ignore[no-any-return]
-
-    def run_op(self, gen: OpGen) -> Any:
-        """Drive an operation generator (see the module docstring) on this connection."""
-        return self._run(gen)
-
-    @property
-    def session(self) -> _Session:
-        """Protocol state of this connection (limits, epoch, the server's HELLO)."""
-        return self._session
 
     # ---------------------------------------------------------------- reads
 
@@ -975,6 +1212,14 @@ class Client:
 
     def __repr__(self) -> str:
         return f"<kvshm.Client {self.address} transport={self.transport}>"
+
+
+def _door_token(endpoint: str, token: bytes | None, token_file: str | None) -> bytes | None:
+    if token is not None:
+        return token
+    from kvshm.security import find_token
+
+    return find_token(endpoint, token_file)
 
 
 def _curve_setup(server_key: bytes | str | None,

@@ -196,7 +196,7 @@ class LayerWriter:
                 if self.lazy_commit:
                     from kvshm.paged import op_put_pages
 
-                    self.client._run(op_put_pages(self.client._session, keys, data, ids,
+                    self.client.run_op(op_put_pages(self.client.session, keys, data, ids,
                                                   layout, lazy=True))
                 else:
                     self.client.put_pages(keys, data, ids, layout=layout)
@@ -205,7 +205,7 @@ class LayerWriter:
 
             def fn() -> None:
                 if self.lazy_commit:
-                    self.client._run(self.client._session.op_put_batch(
+                    self.client.run_op(self.client.session.op_put_batch(
                         keys, values, False, lazy=True))
                 else:
                     self.client.put_batch(keys, values)

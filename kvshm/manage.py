@@ -1,5 +1,10 @@
 """The management HTTP port: /selftest, /stats, /metrics (Prometheus), POST /purge.
 
+Doors: POST /purge and /selftest (which change data) ask for the server's door token as
+``Authorization: Bearer <hex>`` (the token file's content; 401 without it). /stats,
+/metrics and /healthz reveal no key and stay open on a loopback address only; on any
+other address every endpoint asks for the token.
+
 It runs in its own thread with the standard library's ThreadingHTTPServer and talks to
 the store only through a regular :class:`kvshm.Client` on the service socket, so the
 store keeps its single owner thread and /selftest checks the real request path.
@@ -7,6 +12,7 @@ store keeps its single owner thread and /selftest checks the real request path.
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import os
@@ -71,6 +77,10 @@ _GAUGES = (
     ("pins", "Pins held"),
     ("largest_free_run", "Longest run of free blocks"),
 )
+
+
+#: Endpoints that change or reveal data: the door token is asked for even on loopback.
+_GUARDED = frozenset({"/purge", "/selftest"})
 
 
 class StoreCollector:
@@ -161,9 +171,12 @@ class ManageServer:
     """
 
     def __init__(self, host: str, port: int, service: str, *,
-                 context: zmq.Context | None = None) -> None:
+                 context: zmq.Context | None = None, token: bytes | None = None,
+                 open_reads: bool = True) -> None:
         self._service = service
         self._ctx = context
+        self._token = token
+        self._open_reads = open_reads
         self._client: Any = None
         self._client_lock = threading.Lock()
         self.registry = CollectorRegistry(auto_describe=False)
@@ -188,8 +201,38 @@ class ManageServer:
                 self._send(code, json.dumps(obj, default=str).encode() + b"\n",
                            "application/json")
 
+            def _authorized(self, path: str) -> bool:
+                tok = owner._token
+                if tok is None:
+                    return True
+                if owner._open_reads and path not in _GUARDED:
+                    return True
+                h = self.headers.get("Authorization", "")
+                scheme, _, value = h.partition(" ")
+                ok = False
+                if scheme.lower() == "bearer":
+                    try:
+                        ok = hmac.compare_digest(bytes.fromhex(value.strip()), tok)
+                    except ValueError:
+                        ok = False
+                if not ok:
+                    body = json.dumps({"error": "this endpoint needs the server's door token: "
+                                       "Authorization: Bearer <token file content>"}).encode()
+                    self.send_response(401)
+                    self.send_header("WWW-Authenticate", 'Bearer realm="kvshm"')
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                return ok
+
             def do_GET(self) -> None:  # noqa: N802 (http.server naming)
                 path = self.path.split("?", 1)[0]
+                if path == "/purge":
+                    self._json(405, {"error": "use POST /purge"})
+                    return
+                if not self._authorized(path):
+                    return
                 try:
                     if path == "/stats":
                         self._json(200, owner.client().stats(verify="verify" in self.path))
@@ -211,6 +254,8 @@ class ManageServer:
 
             def do_POST(self) -> None:  # noqa: N802
                 path = self.path.split("?", 1)[0]
+                if not self._authorized(path):
+                    return
                 try:
                     if path == "/purge":
                         self._json(200, {"purged": owner.client().purge()})
@@ -242,7 +287,8 @@ class ManageServer:
             if self._client is None:
                 from kvshm.client import Client
 
-                self._client = Client(self._service, timeout=5.0, context=self._ctx)
+                self._client = Client(self._service, timeout=5.0, context=self._ctx,
+                                      token=self._token)
             return self._client
 
     def start(self) -> None:

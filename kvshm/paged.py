@@ -450,7 +450,7 @@ def put_pages(client: Any, keys: Sequence[Any], kv: Any, page_ids: Any, *,
         As :meth:`Client.put_batch <kvshm.Client.put_batch>` (pages that could be placed
         are stored even when others fail).
     """
-    return client._run(op_put_pages(client._session, keys, kv, page_ids, layout))
+    return client.run_op(op_put_pages(client.session, keys, kv, page_ids, layout))
 
 
 def get_pages_into(client: Any, keys: Sequence[Any], kv: Any, page_ids: Any, *,
@@ -486,4 +486,4 @@ def get_pages_into(client: Any, keys: Sequence[Any], kv: Any, page_ids: Any, *,
     TypeError
         As :func:`put_pages`, or a read-only array.
     """
-    return client._run(op_get_pages_into(client._session, keys, kv, page_ids, layout))
+    return client.run_op(op_get_pages_into(client.session, keys, kv, page_ids, layout))

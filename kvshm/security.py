@@ -1,4 +1,15 @@
-"""Who may talk to a server: loopback by default, CurveZMQ for other hosts.
+"""Who may talk to a server: a door token on the host, CurveZMQ for other hosts.
+
+Door token. Every server makes a random secret at start-up and writes it, mode 0600, to
+its token file: by default ``/dev/shm/kvshm-run-<uid>/<port>.token`` (a 0700 directory of
+the server's user, in the same scope as the pool, so a container sharing /dev/shm finds
+it), and ``token`` in the server's private ipc directory. A HELLO must carry it (or come
+over a CURVE-authenticated connection); a client of the same user finds it by itself
+(:func:`find_token`), another user is given access with ``--token-file PATH`` (the
+server also writes the token there, mode 0640: give that file to the user's group) and
+the client's ``token_file=`` or ``$KVSHM_TOKEN_FILE``. The management port asks for the
+same token (``Authorization: Bearer <hex>``) on every endpoint that changes or reveals
+data.
 
 A server bound to a non-loopback address must either run with CurveZMQ
 (``--curve-secret-key``: traffic encrypted, and only clients that know the server's
@@ -13,12 +24,14 @@ import ipaddress
 import logging
 import os
 import socket
+import stat
 from typing import Any
 
 import zmq
 import zmq.auth
 
-__all__ = ["is_loopback", "keygen", "load_keypair", "load_public_key", "CurveServer"]
+__all__ = ["is_loopback", "keygen", "load_keypair", "load_public_key", "CurveServer",
+           "DoorToken", "find_token", "token_path", "TOKEN_ENV"]
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +104,141 @@ def load_public_key(key: bytes | str) -> bytes:
     return public
 
 
+#: Environment variable naming a token file for clients (another user's server).
+TOKEN_ENV = "KVSHM_TOKEN_FILE"
+_RUN_DIR = "/dev/shm"
+
+
+def run_dir(uid: int | None = None) -> str:
+    """The per-user directory of token files (``/dev/shm/kvshm-run-<uid>``)."""
+    return os.path.join(_RUN_DIR, f"kvshm-run-{os.getuid() if uid is None else uid}")
+
+
+def token_path(endpoint: str, uid: int | None = None) -> str | None:
+    """Default token file of the server at ``endpoint`` (``tcp://h:port`` or
+    ``ipc:///dir/service.sock``); None for inproc."""
+    if endpoint.startswith("ipc://"):
+        return os.path.join(os.path.dirname(endpoint[len("ipc://"):]), "token")
+    if endpoint.startswith("tcp://"):
+        port = endpoint.rsplit(":", 1)[-1]
+        if port.isdigit():
+            return os.path.join(run_dir(uid), f"{port}.token")
+    return None
+
+
+def _read_private(path: str) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > 256:
+            raise ValueError(f"{path} is not a kvshm token file")
+        data = os.read(fd, 256).strip()
+    finally:
+        os.close(fd)
+    try:
+        return bytes.fromhex(data.decode())
+    except (UnicodeDecodeError, ValueError):
+        raise ValueError(f"{path} is not a kvshm token file") from None
+
+
+def find_token(endpoint: str, token_file: str | None = None) -> bytes | None:
+    """The door token for ``endpoint``: from ``token_file``, ``$KVSHM_TOKEN_FILE``, or
+    the default place of a server of this user. None when none is readable (the server
+    then refuses the HELLO, saying so).
+
+    Raises
+    ------
+    ValueError
+        ``token_file`` (given explicitly) cannot be read.
+    """
+    explicit = token_file or os.environ.get(TOKEN_ENV)
+    if explicit:
+        try:
+            return _read_private(explicit)
+        except OSError as exc:
+            raise ValueError(f"cannot read the kvshm token file {explicit}: {exc}") from None
+    path = token_path(endpoint)
+    if path is None:
+        return None
+    try:
+        return _read_private(path)
+    except (OSError, ValueError):
+        return None
+
+
+class DoorToken:
+    """The server's door token and the files it is written to (removed at :meth:`close`).
+
+    Parameters
+    ----------
+    endpoints : list of str
+        The bound service endpoints (a token file for each tcp port / ipc directory).
+    extra_file : str, optional
+        ``--token-file``: also write it there (mode 0640), for another user or group.
+    """
+
+    def __init__(self, endpoints: list[str], extra_file: str | None = None) -> None:
+        self.token = os.urandom(32)
+        self.hex = self.token.hex()
+        self.files: list[str] = []
+        try:
+            for ep in endpoints:
+                path = token_path(ep)
+                if path is None:
+                    continue
+                if path.startswith(run_dir() + os.sep):
+                    _private_dir(run_dir())
+                self._write(path, 0o600)
+            if extra_file:
+                self._write(extra_file, 0o640)
+        except BaseException:
+            self.close()
+            raise
+
+    def _write(self, path: str, mode: int) -> None:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                     | os.O_CLOEXEC, mode)
+        try:
+            os.fchmod(fd, mode)
+            os.write(fd, self.hex.encode() + b"\n")
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        self.files.append(path)
+
+    def check(self, presented: Any) -> bool:
+        import hmac
+
+        if isinstance(presented, str):
+            try:
+                presented = bytes.fromhex(presented.strip())
+            except ValueError:
+                return False
+        return type(presented) is bytes and hmac.compare_digest(presented, self.token)
+
+    def close(self) -> None:
+        for path in self.files:
+            try:
+                if _read_private(path) == self.token:     # not a newer server's
+                    os.unlink(path)
+            except (OSError, ValueError):
+                pass
+        self.files.clear()
+
+
+def _private_dir(path: str) -> None:
+    """Make ``path`` a 0700 directory of this user, or refuse one that is not."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"{path} must be a directory of this user with mode 0700 "
+                              "(someone else made it?); remove it or pass --token-file")
+
+
 class CurveServer:
     """CurveZMQ set-up of a server's ROUTER socket, and the ZAP handler when client keys
     are restricted.
@@ -101,6 +249,8 @@ class CurveServer:
         The server's ``.key_secret`` file.
     allowed_clients : str, optional
         Directory of client ``.key`` files; when given, other client keys are refused.
+        None: any key is let in (the server's config needs ``--curve-allow-any`` for
+        that), each a principal of its own.
     context : zmq.Context
     """
 
@@ -108,14 +258,16 @@ class CurveServer:
                  context: zmq.Context) -> None:
         self.public, self.secret = load_keypair(secret_key_file)
         self._auth: Any = None
-        if allowed_clients is not None:
-            if not os.path.isdir(allowed_clients):
-                raise ValueError(f"{allowed_clients} is not a directory of client keys")
-            from zmq.auth.thread import ThreadAuthenticator
+        if allowed_clients is not None and not os.path.isdir(allowed_clients):
+            raise ValueError(f"{allowed_clients} is not a directory of client keys")
+        from zmq.auth.thread import ThreadAuthenticator
 
-            self._auth = ThreadAuthenticator(context, log=log)
-            self._auth.start()
-            self._auth.configure_curve(domain="*", location=allowed_clients)
+        # Always through ZAP, so that each message carries the client's key (User-Id):
+        # the principal its limits are counted by.
+        self._auth = ThreadAuthenticator(context, log=log)
+        self._auth.start()
+        self._auth.configure_curve(domain="*", location=allowed_clients
+                                   if allowed_clients is not None else zmq.auth.CURVE_ALLOW_ANY)
 
     def setup(self, sock: zmq.Socket) -> None:
         sock.curve_secretkey = self.secret

@@ -9,6 +9,7 @@ open file, not to a pid, so pid reuse and pid namespaces cannot fool it.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import logging
 import os
 import shutil
@@ -16,8 +17,10 @@ import socket
 import stat
 import tempfile
 import time
+from typing import Any
 
-__all__ = ["SHM_DIR", "hold", "is_held", "list_segments", "cleanup", "DEFAULT_PREFIX"]
+__all__ = ["SHM_DIR", "hold", "is_held", "list_segments", "cleanup", "DEFAULT_PREFIX",
+           "ClientProof", "Liveness", "proof_name", "token_digest"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +73,162 @@ def is_held(name: str) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+# ---------------------------------------------------------------- client liveness
+#
+# A same-host client proves two things with one small file next to the segment:
+# that it attached the pool (the file's name is a keyed hash of its nonce under the
+# pool's secret token, which only a process that read the 0600 segment's header knows;
+# the server never sends the token), and that it is alive (it holds an flock on the file
+# for as long as it lives; the kernel drops the lock when the last process holding the
+# open file exits, whatever its pid or UTS namespace). The server tests the lock; it
+# never looks at pids or hostnames. The file's owner is the client's uid, as the kernel
+# recorded it.
+
+_PROOF_TAG = ".c-"
+
+
+def token_digest(token: bytes) -> bytes:
+    """What the server tells clients about its pool's token: enough to check that the
+    segment they attached is the server's, not enough to make a proof."""
+    return hashlib.blake2b(token, digest_size=16, person=b"kvshm-pool-id").digest()
+
+
+def proof_name(pool_name: str, token: bytes, nonce: bytes) -> str:
+    """Name of the liveness file of the client with ``nonce`` in /dev/shm."""
+    mac = hashlib.blake2b(nonce, key=token, digest_size=16, person=b"kvshm-live").hexdigest()
+    return f"{pool_name.lstrip('/')}{_PROOF_TAG}{mac}"
+
+
+class ClientProof:
+    """The client's side: create and lock its liveness file (see above).
+
+    Parameters
+    ----------
+    pool_name, token
+        The attached pool's name and the token read from its header.
+    nonce : bytes
+        The client's session nonce (sent in HELLO).
+
+    Raises
+    ------
+    OSError
+        /dev/shm not writable, or the name is taken.
+    """
+
+    def __init__(self, pool_name: str, token: bytes, nonce: bytes) -> None:
+        self.name = proof_name(pool_name, token, nonce)
+        self.path = _path(self.name)
+        self._pid = os.getpid()
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                     | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            os.unlink(self.path)
+            raise
+        self._fd = fd
+
+    def close(self) -> None:
+        """Drop the proof: unlink the file and release the lock. Idempotent; a forked
+        child never removes its parent's proof."""
+        fd, self._fd = self._fd, -1
+        if fd < 0:
+            return
+        if os.getpid() == self._pid:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+        os.close(fd)
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", -1) >= 0:
+            self.close()
+
+
+class Liveness:
+    """The server's side: a client's proof, tested by its lock.
+
+    Made by :meth:`verify`; :meth:`alive` is True while some process still holds the
+    lock on that very file (same inode); :attr:`uid` is the file's owner.
+    """
+
+    def __init__(self, path: str, dev: int, ino: int, uid: int) -> None:
+        self.path = path
+        self._id = (dev, ino)
+        self.uid = uid
+
+    @classmethod
+    def verify(cls, pool_name: str, token: bytes, nonce: Any) -> "Liveness | None":
+        """The proof of the client with ``nonce``, or None when there is none (no such
+        file, not a regular file, or nobody holds its lock)."""
+        if type(nonce) is not bytes or not 8 <= len(nonce) <= 64:
+            return None
+        path = _path(proof_name(pool_name, token, nonce))
+        st = _locked_stat(path)
+        if st is None:
+            return None
+        return cls(path, st.st_dev, st.st_ino, st.st_uid)
+
+    def alive(self) -> bool:
+        st = _locked_stat(self.path)
+        return st is not None and (st.st_dev, st.st_ino) == self._id
+
+    def remove(self) -> None:
+        """Unlink the file of a dead client (when this user may)."""
+        try:
+            st = os.lstat(self.path)
+            if (st.st_dev, st.st_ino) == self._id:
+                os.unlink(self.path)
+        except OSError:
+            pass
+
+
+def _locked_stat(path: str) -> os.stat_result | None:
+    """stat of ``path`` when it is a regular file whose flock someone holds, else None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return st             # held (exclusively) by the live client
+        except OSError:
+            return None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None               # nobody holds it: its client is gone
+    finally:
+        os.close(fd)
+
+
+def cleanup_proofs(dry_run: bool = False) -> list[str]:
+    """Unlink client liveness files nobody holds whose pool segment is gone (a client
+    killed after its server). Returns the names removed."""
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return []
+    removed = []
+    for n in names:
+        pool, sep, _ = n.partition(_PROOF_TAG)
+        if not sep or not n.startswith(DEFAULT_PREFIX) or os.path.exists(_path(pool)):
+            continue
+        if _locked_stat(_path(n)) is None and os.path.isfile(_path(n)):
+            if not dry_run:
+                try:
+                    os.unlink(_path(n))
+                except OSError:
+                    continue
+            removed.append(n)
+    return removed
 
 
 def _magic(name: str) -> bytes:

@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 
 KiB = 1024
 GiB = 1024 ** 3
+#: Largest value by default (and so, plus 1 MiB, the largest message): the pool, at most.
+MAX_VALUE_DEFAULT = 256 << 20
 
 
 class ConfigError(ValueError):
@@ -87,6 +89,15 @@ class ServerConfig:
         public key.
     curve_allowed_clients : str, optional
         Directory of client public ``.key`` files; with it, only those clients get in.
+    curve_allow_any : bool
+        With ``curve_secret_key`` and no ``curve_allowed_clients``: let any client key
+        in (an explicit choice, logged as a warning); each key is its own principal.
+    token_file : str, optional
+        Also write the door token here (mode 0640) for another user or group; same-user
+        clients find the default one by themselves (:mod:`kvshm.security`).
+    max_value_bytes : int, optional
+        Largest value; None: the pool, at most 256 MiB. The largest message the server
+        accepts follows from it (plus 1 MiB), never from the pool size alone.
     insecure : bool
         Serve a non-loopback ``host`` without CURVE (an explicit choice).
     manage_host : str, optional
@@ -153,6 +164,9 @@ class ServerConfig:
     max_client_pinned_bytes: int | None = None
     curve_secret_key: str | None = None
     curve_allowed_clients: str | None = None
+    curve_allow_any: bool = False
+    token_file: str | None = None
+    max_value_bytes: int | None = None
     insecure: bool = False
     manage_host: str | None = None
     dev_name: str | None = None
@@ -234,6 +248,11 @@ class ServerConfig:
                 load_keypair(self.curve_secret_key)
             except ValueError as exc:
                 raise ConfigError("curve_secret_key", str(exc)) from None
+            if self.curve_allowed_clients is None and not self.curve_allow_any:
+                raise ConfigError("curve_allowed_clients",
+                                  "CURVE without an allow-list admits any client key that "
+                                  "knows the server's public key: give a directory of "
+                                  "client keys, or --curve-allow-any to choose that")
         elif self.curve_allowed_clients is not None:
             raise ConfigError("curve_allowed_clients", "needs --curve-secret-key")
         if self.curve_allowed_clients is not None and not os.path.isdir(
@@ -251,6 +270,9 @@ class ServerConfig:
             if not bare or "/" in bare or "\0" in bare or len(bare) > 250:
                 raise ConfigError("shm_name", f"{self.shm_name!r} is not a valid POSIX "
                                               "shared-memory name (1-250 characters, no '/')")
+        if self.max_value_bytes is not None and (type(self.max_value_bytes) is not int
+                                                 or self.max_value_bytes < 1):
+            raise ConfigError("max_value_bytes", "must be an int >= 1")
         if self.max_key_bytes < 1:
             raise ConfigError("max_key_bytes", "must be >= 1")
         if self.max_batch < 1:
@@ -358,6 +380,7 @@ class Server:
         self.rdma: Any = None    # kvshm.rdma.server.ServerEndpoint with dev_name
         self.shared_index: Any = None   # kvshm._shmindex.IndexWriter with shared_index
         self._rdma_backend = rdma_backend   # a verbs double; tests only (never the CLI)
+        self.door: Any = None    # kvshm.security.DoorToken
         self._started = False
         self._stopped = False
         self._clean_stop = False    # the loop returned (not a failed start-up)
@@ -387,10 +410,16 @@ class Server:
                 self._curve = CurveServer(cfg.curve_secret_key, cfg.curve_allowed_clients,
                                           self._ctx)
                 socket_setup = self._curve.setup
+            if cfg.curve_secret_key is not None and cfg.curve_allowed_clients is None:
+                log.warning("CURVE without --curve-allowed-clients (--curve-allow-any): any "
+                            "client that knows this server's public key gets in")
+            # The largest message taken follows from the largest value, not the pool: a
+            # peer cannot make the server buffer a pool's worth of one message.
+            max_value = cfg.max_value_bytes or min(cfg.pool_bytes, MAX_VALUE_DEFAULT)
+            max_message = max(max_value, 64 << 20) + (1 << 20)
             # Bind the service port first, so a taken port fails before the pool (and
             # the RDMA registration) cost anything.
-            self._router = make_router(self._ctx, socket_setup,
-                                       max(cfg.pool_bytes, 256 << 20) + (1 << 20),
+            self._router = make_router(self._ctx, socket_setup, max_message,
                                        ipv6=":" in cfg.host)
             try:
                 bound = [bind(self._router, f"tcp://{_bracket(cfg.host)}:{cfg.service_port}")]
@@ -399,7 +428,7 @@ class Server:
                                          f"{cfg.service_port}; 0 picks a free port)") from None
             store_cfg = StoreConfig(
                 lease_timeout=cfg.lease_timeout,
-                limits=Limits(cfg.max_key_bytes, cfg.max_batch, 0),
+                limits=Limits(cfg.max_key_bytes, cfg.max_batch, max_value),
                 tier_wait=cfg.ssd_wait,
             )
             if cfg.dev_name is not None:   # before the pool: a bad device fails fast
@@ -425,13 +454,16 @@ class Server:
                 self._shared_index_create()
             hello = {
                 "version": PROTOCOL_VERSION,
+                # the token's digest, never the token: a same-host client proves it
+                # attached the pool with the token it read from the 0600 segment
                 "pool": {"name": self.pool.name, "size": self.pool.size,
-                         "block_size": self.pool.block_size, "token": self.pool.token},
+                         "block_size": self.pool.block_size,
+                         "token_digest": segments.token_digest(self.pool.token)},
                 "limits": store_cfg.limits.to_wire(),
                 "lease_timeout": cfg.lease_timeout,
                 "server": {"pid": os.getpid(), "host": socket.gethostname()},
                 "ipc": None,
-                "max_message": max(cfg.pool_bytes, 256 << 20) + (1 << 20),
+                "max_message": max_message,
             }
             if self._curve is not None:
                 hello["curve_public_key"] = self._curve.public
@@ -441,8 +473,11 @@ class Server:
                 self._ipc_dir = tempfile.mkdtemp(prefix="kvshm-ipc-")
                 bound.append(bind(self._router, f"ipc://{self._ipc_dir}/service.sock"))
             # The management port's own client comes in over inproc, which CURVE does
-            # not apply to (and which no other process can reach).
+            # not apply to (and which no other process can reach); it shows the token.
             bound.append(bind(self._router, f"inproc://kvshm-service-{self.epoch}"))
+            from kvshm.security import DoorToken
+
+            self.door = DoorToken(bound, cfg.token_file)
             periodic = None
             if cfg.enable_periodic_evict:
                 periodic = (cfg.evict_interval, cfg.evict_min_threshold,
@@ -452,10 +487,13 @@ class Server:
                                     hello_hook=(self.rdma.hello_hook
                                                 if self.rdma is not None else None),
                                     log_handshakes=socket_setup is not None,
-                                    sock=self._router, bound=bound)
+                                    sock=self._router, bound=bound,
+                                    door_token=self.door.token)
             self._router = None           # the loop owns it now
             if self.rdma is not None:
-                self.store.reclaim_hook = self.rdma.drop
+                rdma_ep = self.rdma
+                # every QP of the client, retired ones too (keyed by its session nonce)
+                self.store.reclaim_hook = lambda sess: rdma_ep.drop(sess.nonce)
             if self.tier is not None:
                 self.tier.notify = self.loop.wake
             if cfg.ipc:
@@ -473,8 +511,12 @@ class Server:
                     if mhost != cfg.host:
                         log.info("management port bound to 127.0.0.1 (HTTP has no keys; "
                                  "--manage-host sets another address)")
+                if not is_loopback(mhost):
+                    log.warning("management port on %s (not loopback): every endpoint asks "
+                                "for the door token, which HTTP carries in clear", mhost)
                 self.manage = ManageServer(mhost, cfg.manage_port, self.loop.endpoints[-1],
-                                           context=self._ctx)
+                                           context=self._ctx, token=self.door.token,
+                                           open_reads=is_loopback(mhost))
                 self.manage.start()
         except BaseException:
             self._teardown()
@@ -625,6 +667,9 @@ class Server:
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
+        if self.door is not None:
+            self.door.close()
+            self.door = None
         if self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
             self._ipc_dir = None

@@ -4,12 +4,22 @@ One thread owns a :class:`Store` (the server's loop); movers and sockets never t
 Every public method takes already-decoded Python values and returns plain values, so the
 ZeroMQ loop, the management port and the tests drive the same code.
 
-Grants
-------
-An ALLOC or a LOOKUP creates a *grant* named ``(client, req_id)``: the pending entries of
-the ALLOC, or the pins of the LOOKUP. COMMIT / ABORT / RELEASE name grants by request id.
-A grant not settled within ``lease_timeout`` seconds expires: pending entries are freed,
-pins dropped. So a client that dies mid-write or mid-read loses only its own work.
+Sessions and grants
+-------------------
+A client's HELLO opens a :class:`Session` (:meth:`Store.open_session`); an ALLOC or a
+LOOKUP creates a *grant* of that session named by its request id: the pending entries of
+the ALLOC, or the pins of the LOOKUP. COMMIT / ABORT / RELEASE name grants by request id
+within the session. A grant not settled within ``lease_timeout`` seconds expires: pending
+entries are freed, pins dropped, unless the session proves its process is alive and
+attached to the pool (``Session.alive``, the kernel-held lock of
+:class:`kvshm.segments.Liveness`): such a stalled client may still be copying, so its
+grants stay *held* (never reused, still counted against it) until it settles them or its
+proof goes. A session whose proof is gone, or that is closed, is settled whole at once
+(:meth:`Store.close_session`).
+
+Limits count blocks actually held (a zero-byte value holds one block), per *principal*
+(the uid the kernel reports for a same-host client, the CURVE key or the door token of
+another), never per connection: all sessions of one principal share one quota.
 
 Tiers
 -----
@@ -41,7 +51,7 @@ from kvshm.index import DEAD, LIVE, MAX_EXTENTS, Entry, Index
 from kvshm.tiers.ssd import MAX_JOB_BYTES, SPILL_BUSY, SPILL_REFUSED, SPILL_STARTED, WRITING
 from kvshm.zmq_ctrl.protocol import Limits, Status
 
-__all__ = ["Store", "StoreConfig", "QUOTA_REFUSED", "ReadHold"]
+__all__ = ["Store", "StoreConfig", "QUOTA_REFUSED", "ReadHold", "Session"]
 
 #: LOOKUP size of a key refused by the per-client pin limit.
 QUOTA_REFUSED = -2
@@ -70,9 +80,11 @@ class StoreConfig:
     limits : Limits
         Key, batch and value limits.
     max_client_pending_bytes : int
-        Bytes one client may hold in pending writes at once (0: no limit).
+        Bytes of blocks one principal may hold in pending writes at once, all its
+        sessions together (0: no limit). Counted in whole blocks actually held.
     max_client_pinned_bytes : int
-        Bytes one client may hold pinned at once (0: no limit).
+        Bytes of blocks one principal may hold pinned at once, LOOKUP pins and GET
+        replies not yet sent together (0: no limit). Counted in whole blocks.
     tier_wait : float
         With a tier: seconds a request may be parked waiting for spills (to make room) or
         a promotion before it is answered anyway (dirty entries dropped, or misses).
@@ -94,15 +106,18 @@ class StoreConfig:
 
 
 class _Grant:
-    __slots__ = ("kind", "client", "entries", "deadline", "nbytes", "held")
+    __slots__ = ("kind", "session", "rid", "entries", "deadline", "nbytes", "nblocks",
+                 "held")
 
-    def __init__(self, kind: int, client: bytes, entries: list[Entry], deadline: float,
-                 nbytes: int) -> None:
+    def __init__(self, kind: int, session: "Session", rid: int, entries: list[Entry],
+                 deadline: float, nbytes: int, nblocks: int) -> None:
         self.kind = kind
-        self.client = client
+        self.session = session
+        self.rid = rid
         self.entries = entries
         self.deadline = deadline
-        self.nbytes = nbytes
+        self.nbytes = nbytes        # value bytes (counters)
+        self.nblocks = nblocks      # blocks held (limits)
         self.held = False        # lease ran out, but its live client may still copy
 
 
@@ -130,14 +145,44 @@ def _copy_runs(pool: Pool, src: tuple[tuple[int, int], ...],
         size -= k
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:     # alive, another user's
-        return True
-    return True
+class _Quota:
+    """What one principal holds, all its sessions together (in blocks)."""
+
+    __slots__ = ("pending", "pinned", "sending", "sessions")
+
+    def __init__(self) -> None:
+        self.pending = 0        # blocks of pending writes
+        self.pinned = 0         # blocks pinned by LOOKUP grants
+        self.sending = 0        # blocks pinned by GET replies not yet sent
+        self.sessions = 0
+
+
+class Session:
+    """One HELLO's worth of state on the server: the grants it made, its principal.
+
+    Made by :meth:`Store.open_session`. ``alive`` (None for a remote client) tells
+    whether the process behind the session still holds its liveness proof; ``id`` is
+    issued by the server and ``nonce`` chosen by the client (a new HELLO with the same
+    nonce replaces the session: :meth:`Store.replace_session`).
+    """
+
+    __slots__ = ("id", "principal", "nonce", "alive", "grants", "quota", "closed",
+                 "label", "local", "__weakref__")
+
+    def __init__(self, sid: int, principal: Any, nonce: bytes, alive: Callable[[], bool] | None,
+                 quota: _Quota, label: str = "") -> None:
+        self.id = sid
+        self.principal = principal
+        self.nonce = nonce
+        self.alive = alive
+        self.local = alive is not None
+        self.grants: dict[int, _Grant] = {}
+        self.quota = quota
+        self.closed = False
+        self.label = label
+
+    def __repr__(self) -> str:
+        return f"<Session {self.id} {self.label or self.principal!r}>"
 
 
 class ReadHold:
@@ -164,15 +209,6 @@ class _Promotion:
         self.holds: list[ReadHold] = []
 
 
-class _ClientState:
-    __slots__ = ("pending_bytes", "pinned_bytes", "grants")
-
-    def __init__(self) -> None:
-        self.pending_bytes = 0
-        self.pinned_bytes = 0
-        self.grants = 0
-
-
 class Store:
     """Key -> value store over a :class:`~kvshm.Pool`.
 
@@ -193,9 +229,12 @@ class Store:
         self.alloc = BitmapAllocator(pool.num_blocks)
         self.index = Index()
         self._clock = clock
-        self._grants: dict[tuple[bytes, int], _Grant] = {}
-        self._leases: deque[tuple[float, tuple[bytes, int]]] = deque()
-        self._clients: dict[bytes, _ClientState] = {}
+        self._ngrants = 0
+        self._leases: deque[tuple[float, _Grant]] = deque()
+        self._quotas: dict[Any, _Quota] = {}        # principal -> what it holds
+        self._sessions: dict[int, Session] = {}
+        self._named: dict[Any, Session] = {}         # implicit sessions (session_for)
+        self._next_sid = int.from_bytes(os.urandom(4), "little") << 16
         self._pending = 0           # entries in state PENDING
         self._dead: set[Entry] = set()   # replaced/deleted while pinned
         self._pinned_entries = 0    # entries with pins > 0
@@ -211,10 +250,10 @@ class Store:
         # Called with each entry about to be evicted (without a tier); the entry's
         # blocks are freed after the hook returns.
         self.evict_hook: Callable[[Entry], None] | None = None
-        # Called with a client id before its expired grants are reclaimed (the RDMA
-        # endpoint drops that client's QP); local clients' pids (register_client).
-        self.reclaim_hook: Callable[[bytes], Any] | None = None
-        self._local_pids: dict[bytes, int] = {}
+        # Called with a session before its grants are reclaimed (lease run out on a
+        # client without a liveness proof, or the session closed): the RDMA endpoint
+        # cuts every QP of that client so a late one-sided WRITE fails at the NIC.
+        self.reclaim_hook: Callable[[Session], Any] | None = None
         self._held = 0
         # A tier below the pool (attach_tier); None: evicted entries are dropped.
         self.tier: Any = None
@@ -237,11 +276,22 @@ class Store:
 
     # ------------------------------------------------------------------ helpers
 
-    def _client(self, client: bytes) -> _ClientState:
-        st = self._clients.get(client)
-        if st is None:
-            st = self._clients[client] = _ClientState()
-        return st
+    def _as_session(self, session: "Session | bytes") -> Session:
+        """``session``, or the implicit session named by a bytes id (tests, tools that
+        drive a Store without a HELLO): principal = that id, no liveness proof."""
+        if type(session) is Session:
+            return session
+        return self.session_for(session)  # type: ignore[arg-type]
+
+    def session_for(self, name: Any) -> Session:
+        """The implicit session named ``name`` (made on first use; principal ``name``)."""
+        s = self._named.get(name)
+        if s is None or s.closed:
+            s = self._named[name] = self.open_session(name, label=repr(name))
+        return s
+
+    def _limit_blocks(self, nbytes: int) -> int:
+        return max(1, nbytes // self.block_size) if nbytes else 0
 
     def _check_key(self, key: Any) -> int:
         if type(key) is not bytes:
@@ -556,11 +606,12 @@ class Store:
                 st = Status.TOO_LARGE
                 too_large += 1
             elif budget is not None:
-                if size > budget:
+                nb = self._nblocks(size)         # blocks it holds (a 0-byte value: one)
+                if nb > budget:
                     st = Status.QUOTA_EXCEEDED
                     quota += 1
                 else:
-                    budget -= size
+                    budget -= nb
             statuses[i] = st
             if st == Status.OK:
                 want.append(self._nblocks(size))
@@ -603,36 +654,34 @@ class Store:
             if e.meta is None:
                 self._dirty[e.key] = e
 
-    def _add_grant(self, kind: int, client: bytes, req_id: int, entries: list[Entry],
+    def _add_grant(self, kind: int, session: Session, req_id: int, entries: list[Entry],
                    nbytes: int) -> None:
-        gkey = (client, req_id)
-        prev = self._grants.get(gkey)
+        prev = session.grants.get(req_id)
         if prev is not None:          # a reused request id: settle the old grant first
-            self._settle(gkey, prev, commit=False)
+            self._settle(prev, commit=False)
         deadline = self._clock() + self.config.lease_timeout
-        self._grants[gkey] = _Grant(kind, client, entries, deadline, nbytes)
-        self._leases.append((deadline, gkey))
-        st = self._client(client)
-        st.grants += 1
+        nblocks = sum(e.nblocks for e in entries)
+        g = _Grant(kind, session, req_id, entries, deadline, nbytes, nblocks)
+        session.grants[req_id] = g
+        self._ngrants += 1
+        self._leases.append((deadline, g))
+        q = session.quota
         if kind == _ALLOC:
-            st.pending_bytes += nbytes
+            q.pending += nblocks
         else:
-            st.pinned_bytes += nbytes
+            q.pinned += nblocks
 
-    def _settle(self, gkey: tuple[bytes, int], g: _Grant, commit: bool) -> None:
-        del self._grants[gkey]
+    def _settle(self, g: _Grant, commit: bool) -> None:
+        session = g.session
+        if session.grants.get(g.rid) is not g:
+            return                      # settled already
+        del session.grants[g.rid]
+        self._ngrants -= 1
         if g.held:
             self._held -= 1
-        st = self._clients.get(g.client)
-        if st is not None:
-            st.grants -= 1
-            if g.kind == _ALLOC:
-                st.pending_bytes -= g.nbytes
-            else:
-                st.pinned_bytes -= g.nbytes
-            if st.grants == 0:
-                del self._clients[g.client]
+        q = session.quota
         if g.kind == _ALLOC:
+            q.pending -= g.nblocks
             for e in g.entries:
                 self._pending -= 1
                 if commit:
@@ -640,12 +689,13 @@ class Store:
                 else:
                     self._free(e)
         else:
+            q.pinned -= g.nblocks
             for e in g.entries:
                 self._unpin(e)
 
     # ------------------------------------------------------------------ write path
 
-    def alloc_entries(self, client: bytes, req_id: int, keys: Sequence[Any],
+    def alloc_entries(self, session: Session | bytes, req_id: int, keys: Sequence[Any],
                       sizes: Sequence[Any], sums: Sequence[Any] | None = None, *,
                       defer: bool = False, drop: bool = False
                       ) -> tuple[list[int], list[int]] | None:
@@ -664,11 +714,11 @@ class Store:
         may make room (ask again after :meth:`service` made progress); ``drop`` makes
         room by dropping dirty entries instead of waiting for them to be spilled.
         """
+        session = self._as_session(session)
         budget = None
-        if self.config.max_client_pending_bytes:
-            st = self._clients.get(client)
-            used = st.pending_bytes if st else 0
-            budget = max(0, self.config.max_client_pending_bytes - used)
+        limit = self._limit_blocks(self.config.max_client_pending_bytes)
+        if limit:
+            budget = max(0, limit - session.quota.pending)
         r = self._new_entries(keys, sizes, sums, budget, defer, drop)
         if r is None:
             return None
@@ -679,7 +729,7 @@ class Store:
                    else e.byte_extents(bs) for e in entries]
         if granted:
             self._pending += len(granted)
-            self._add_grant(_ALLOC, client, req_id, granted, sum(e.size for e in granted))
+            self._add_grant(_ALLOC, session, req_id, granted, sum(e.size for e in granted))
         return offsets, statuses
 
     def place(self, e: Entry) -> int | list[list[int]]:
@@ -689,31 +739,31 @@ class Store:
             return e.start * self.block_size
         return e.byte_extents(self.block_size)
 
-    def commit(self, client: bytes, req_ids: Sequence[int]) -> list[int]:
+    def commit(self, session: Session | bytes, req_ids: Sequence[int]) -> list[int]:
         """COMMIT: make the pending entries of these ALLOC grants visible.
 
         Returns the request ids whose grant no longer exists (lease expired, or unknown).
         """
+        grants = self._as_session(session).grants
         failed = []
         for rid in req_ids:
-            gkey = (client, rid)
-            g = self._grants.get(gkey)
+            g = grants.get(rid)
             if g is None or g.kind != _ALLOC:
                 failed.append(rid)
                 continue
-            self._settle(gkey, g, commit=True)
+            self._settle(g, commit=True)
             self.counters["commits"] += 1
             self.counters["puts"] += len(g.entries)
             self.counters["bytes_in"] += g.nbytes
         return failed
 
-    def abort(self, client: bytes, req_ids: Sequence[int]) -> None:
+    def abort(self, session: Session | bytes, req_ids: Sequence[int]) -> None:
         """Free the pending entries of these ALLOC grants (a failed or cancelled write)."""
+        grants = self._as_session(session).grants
         for rid in req_ids:
-            gkey = (client, rid)
-            g = self._grants.get(gkey)
+            g = grants.get(rid)
             if g is not None and g.kind == _ALLOC:
-                self._settle(gkey, g, commit=False)
+                self._settle(g, commit=False)
                 self.counters["aborts"] += 1
 
     def put(self, keys: Sequence[Any], values: Sequence[Any],
@@ -757,7 +807,7 @@ class Store:
 
     # ------------------------------------------------------------------ read path
 
-    def lookup(self, client: bytes, req_id: int, keys: Sequence[Any],
+    def lookup(self, session: Session | bytes, req_id: int, keys: Sequence[Any],
                hold: ReadHold | None = None
                ) -> tuple[list[int], list[int], list[int | None]]:
         """LOOKUP: pin each hit and refresh its LRU position.
@@ -770,7 +820,7 @@ class Store:
         offsets, sizes : list
             Per key as :meth:`alloc_entries` (an int offset, or byte extents of a value
             of several runs); -1 for a miss; a size of ``QUOTA_REFUSED`` (-2) for a key that is present but
-            would take the client over ``max_client_pinned_bytes`` (not pinned).
+            would take the principal over ``max_client_pinned_bytes`` (not pinned).
         checksums : list of int or None
         """
         n = len(keys)
@@ -783,19 +833,23 @@ class Store:
         bs = self.block_size
         nbytes = 0
         tier = self.tier
-        limit = self.config.max_client_pinned_bytes
+        session = self._as_session(session)
+        limit = self._limit_blocks(self.config.max_client_pinned_bytes)
+        budget = 0
         if limit:
-            st = self._clients.get(client)
-            budget = limit - (st.pinned_bytes if st else 0)
+            q = session.quota
+            budget = limit - q.pinned - q.sending
         for i in range(n):
             k = keys[i]
             e = d.get(k) if type(k) is bytes else None
             if e is None:
                 continue
-            if limit and e.size > budget - nbytes:
-                self.counters["quota_refusals"] += 1
-                sizes[i] = QUOTA_REFUSED     # present, but over this client's pin limit
-                continue
+            if limit:
+                if e.nblocks > budget:
+                    self.counters["quota_refusals"] += 1
+                    sizes[i] = QUOTA_REFUSED     # present, but over this principal's limit
+                    continue
+                budget -= e.nblocks
             d.move_to_end(k)
             if tier is not None:
                 self._touch(e, hold)
@@ -809,18 +863,18 @@ class Store:
         self.counters["hits"] += hits
         self.counters["misses"] += n - hits
         if pinned:
-            self._add_grant(_PIN, client, req_id, pinned, nbytes)
+            self._add_grant(_PIN, session, req_id, pinned, nbytes)
             self.counters["gets"] += hits
             self.counters["bytes_out"] += nbytes
         return offsets, sizes, sums
 
-    def release(self, client: bytes, req_ids: Sequence[int]) -> None:
+    def release(self, session: Session | bytes, req_ids: Sequence[int]) -> None:
         """RELEASE: drop the pins of these LOOKUP grants."""
+        grants = self._as_session(session).grants
         for rid in req_ids:
-            gkey = (client, rid)
-            g = self._grants.get(gkey)
+            g = grants.get(rid)
             if g is not None and g.kind == _PIN:
-                self._settle(gkey, g, commit=False)
+                self._settle(g, commit=False)
 
     def pin_for_send(self, keys: Sequence[Any], hold: ReadHold | None = None
                      ) -> tuple[list[Entry | None], list[int | None]]:
@@ -860,6 +914,27 @@ class Store:
             self._pin(e)
 
     def unpin(self, entries: Sequence[Entry]) -> None:
+        for e in entries:
+            self._unpin(e)
+
+    def send_budget(self, session: Session) -> int | None:
+        """Blocks ``session``'s principal may still hold in GET replies not yet sent
+        (None: no limit); LOOKUP pins count against the same limit."""
+        limit = self._limit_blocks(self.config.max_client_pinned_bytes)
+        if not limit:
+            return None
+        q = session.quota
+        return max(0, limit - q.pinned - q.sending)
+
+    def sending(self, session: Session, nblocks: int) -> None:
+        """``nblocks`` of a GET reply to ``session`` are queued, not yet sent (zero-copy
+        pins, or the server's copy): counted against its principal until :meth:`sent`."""
+        session.quota.sending += nblocks
+
+    def sent(self, session: Session, nblocks: int, entries: Sequence[Entry] = ()) -> None:
+        """A GET reply left (or was dropped): unpin its zero-copy ``entries`` and stop
+        counting its ``nblocks``."""
+        session.quota.sending -= nblocks
         for e in entries:
             self._unpin(e)
 
@@ -1284,69 +1359,155 @@ class Store:
 
     # ------------------------------------------------------------------ leases
 
-    def register_client(self, client: bytes, pid: int | None) -> None:
-        """A client on this host said HELLO with its pid (None: remote, or unknown).
+    def open_session(self, principal: Any, *, nonce: bytes = b"",
+                     alive: Callable[[], bool] | None = None, label: str = "") -> Session:
+        """A new session of ``principal`` (any hashable: ``("uid", 1000)``, a CURVE key).
 
-        Lease expiry then reclaims that client's grants only once its process is gone:
-        a client that is merely stalled (a GC pause, SIGSTOP, a starved CPU) may still be
-        copying into or out of those blocks through its mapping of the pool, and reusing
-        them would hand its late bytes to another key. Its grants stay held (not visible,
-        not reused, counted in ``held_grants``) until it settles them or exits.
+        ``alive``: the session's liveness proof (a same-host client that attached the
+        pool); None for a remote client, whose grants are reclaimed at lease expiry.
         """
-        if pid is None:
-            self._local_pids.pop(client, None)
+        self._next_sid += 1
+        q = self._quotas.get(principal)
+        if q is None:
+            q = self._quotas[principal] = _Quota()
+        q.sessions += 1
+        sess = Session(self._next_sid, principal, nonce, alive, q, label)
+        self._sessions[sess.id] = sess
+        return sess
+
+    def replace_session(self, old: Session, new: Session) -> None:
+        """A new HELLO of the same process (same nonce): ``old`` ends, and its grants
+        (still being copied by that live process, or lazily committed) move to ``new``.
+        Request ids are never reused by one client, so they stay unique in ``new``."""
+        if old.closed or old is new:
+            return
+        for rid, g in old.grants.items():
+            g.session = new
+            prev = new.grants.get(rid)
+            if prev is not None:
+                self._settle(prev, commit=False)
+            new.grants[rid] = g
+            n = g.nblocks
+            if old.quota is not new.quota:
+                if g.kind == _ALLOC:
+                    old.quota.pending -= n
+                    new.quota.pending += n
+                else:
+                    old.quota.pinned -= n
+                    new.quota.pinned += n
+        old.grants = {}
+        self._end(old)
+
+    def close_session(self, session: Session, why: str = "closed") -> int:
+        """Settle every grant of ``session`` now (its process is gone, or it said so):
+        pending writes freed, pins dropped. Idempotent. Returns the grants settled."""
+        if session.closed:
+            return 0
+        n = len(session.grants)
+        if n:
+            if self.reclaim_hook is not None:
+                try:
+                    self.reclaim_hook(session)
+                except Exception:
+                    log.exception("reclaim hook failed for %r", session)
+            log.info("session %s %s: %d grants reclaimed", session.label or session.id, why,
+                     n)
+            for g in list(session.grants.values()):
+                self._count_reclaim(g)
+                self._settle(g, commit=False)
+        self._end(session)
+        return n
+
+    def _end(self, session: Session) -> None:
+        session.closed = True
+        self._sessions.pop(session.id, None)
+        q = session.quota
+        q.sessions -= 1
+        if q.sessions <= 0 and not (q.pending or q.pinned or q.sending):
+            self._quotas.pop(session.principal, None)
+
+    def drop_client(self, session: Session | bytes) -> None:
+        """Settle every grant of a session now (it is known to be gone)."""
+        self.close_session(self._as_session(session), "dropped")
+
+    def check_sessions(self) -> int:
+        """Close every same-host session whose liveness proof is gone (the process
+        died, whatever its namespace): its grants are reclaimed at once, not at lease
+        expiry. Returns how many were closed."""
+        dead = []
+        for sess in self._sessions.values():
+            if sess.alive is not None and sess.grants:
+                if not self._alive(sess):
+                    dead.append(sess)
+        for sess in dead:
+            self.close_session(sess, "ended (its liveness lock is gone)")
+        return len(dead)
+
+    @staticmethod
+    def _alive(sess: Session) -> bool:
+        try:
+            return bool(sess.alive())  # type: ignore[misc]
+        except Exception:
+            log.exception("liveness check of %r failed; treating it as alive", sess)
+            return True
+
+    def _count_reclaim(self, g: _Grant) -> None:
+        if g.kind == _ALLOC:
+            self.counters["lease_expired_writes"] += 1
         else:
-            self._local_pids[client] = pid
-            while len(self._local_pids) > 100_000:        # forget the oldest clients
-                self._local_pids.pop(next(iter(self._local_pids)))
+            self.counters["lease_expired_pins"] += 1
 
     def expire(self, now: float | None = None) -> float | None:
-        """Reclaim grants whose lease ran out. Returns the next deadline, or None."""
+        """Reclaim grants whose lease ran out. Returns the next deadline, or None.
+
+        A grant of a session with a liveness proof is reclaimed only once the proof is
+        gone (then the whole session is): a live client merely stalled (a GC pause,
+        SIGSTOP, a starved CPU) may still be copying into or out of those blocks
+        through its mapping of the pool, and reusing them would hand its late bytes to
+        another key. Its grants stay held (not visible, not reused, counted against its
+        principal and in ``held_grants``) until it settles them or exits.
+        """
         if now is None:
             now = self._clock()
         leases = self._leases
         while leases:
-            deadline, gkey = leases[0]
-            g = self._grants.get(gkey)
-            if g is None or g.deadline != deadline:
+            deadline, g = leases[0]
+            if g.deadline != deadline or g.session.grants.get(g.rid) is not g:
                 leases.popleft()          # settled already (or re-granted later)
                 continue
             if deadline > now:
                 return deadline
             leases.popleft()
-            pid = self._local_pids.get(g.client)
-            if pid is not None and _pid_alive(pid):
-                if not g.held:
-                    g.held = True
-                    self._held += 1
-                    log.warning("lease expired for %d entries of live client %s (pid %d): "
-                                "held, not reused, until it settles them or exits",
-                                len(g.entries), g.client.hex(), pid)
-                g.deadline = now + self.config.lease_timeout    # look again later
-                leases.append((g.deadline, gkey))
+            sess = g.session
+            if sess.alive is not None:
+                if self._alive(sess):
+                    if not g.held:
+                        g.held = True
+                        self._held += 1
+                        log.warning("lease expired for %d entries of live client %s: held, "
+                                    "not reused, until it settles them or exits",
+                                    len(g.entries), sess.label or sess.id)
+                    g.deadline = now + self.config.lease_timeout    # look again later
+                    leases.append((g.deadline, g))
+                else:
+                    self.close_session(sess, "ended (its liveness lock is gone)")
                 continue
             if self.reclaim_hook is not None:
-                # a remote one-sided client (RDMA): cut its QP before its blocks are
+                # a remote one-sided client (RDMA): cut its QPs before its blocks are
                 # reused, so a late WRITE or READ fails at the NIC instead of landing
                 try:
-                    self.reclaim_hook(g.client)
+                    self.reclaim_hook(sess)
                 except Exception:
-                    log.exception("reclaim hook failed for client %s", g.client.hex())
+                    log.exception("reclaim hook failed for %r", sess)
+            self._count_reclaim(g)
             if g.kind == _ALLOC:
-                self.counters["lease_expired_writes"] += 1
-                log.warning("lease expired: pending write of %d entries from client %s "
-                            "reclaimed", len(g.entries), g.client.hex())
+                log.warning("lease expired: pending write of %d entries from %s reclaimed",
+                            len(g.entries), sess.label or sess.id)
             else:
-                self.counters["lease_expired_pins"] += 1
-                log.info("lease expired: %d pins of client %s dropped",
-                         len(g.entries), g.client.hex())
-            self._settle(gkey, g, commit=False)
+                log.info("lease expired: %d pins of %s dropped", len(g.entries),
+                         sess.label or sess.id)
+            self._settle(g, commit=False)
         return None
-
-    def drop_client(self, client: bytes) -> None:
-        """Settle every grant of a client now (it is known to be gone)."""
-        for gkey in [k for k, g in self._grants.items() if g.client == client]:
-            self._settle(gkey, self._grants[gkey], commit=False)
 
     # ------------------------------------------------------------------ stats
 
@@ -1360,7 +1521,8 @@ class Store:
         Keys (all ints unless noted): used_bytes, capacity_bytes, num_keys, pending,
         pinned (entries with a pin), pins (total pins), dead (replaced but still
         pinned), block_size, num_blocks, free_blocks, largest_free_run (blocks),
-        usage (float 0..1), clients (with open grants) and the counters: hits, misses,
+        usage (float 0..1), clients (principals holding blocks), sessions (open),
+        grants, held_grants (lease run out, client alive) and the counters: hits, misses,
         evictions, evicted_bytes, bytes_in, bytes_out, puts, gets, commits, aborts,
         lease_expired_writes, lease_expired_pins, deletes, purged, pool_full, too_large,
         invalid_keys, quota_refusals, replaced_early, alloc_evictions (evictions made to
@@ -1398,8 +1560,10 @@ class Store:
             "free_blocks": a.num_free,
             "largest_free_run": a.largest_free_run,
             "usage": a.num_used / a.num_blocks,
-            "clients": len(self._clients),
-            "grants": len(self._grants),
+            "clients": sum(1 for q in self._quotas.values()
+                           if q.pending or q.pinned or q.sending),
+            "sessions": len(self._sessions),
+            "grants": self._ngrants,
             "held_grants": self._held,
         }
         s.update(self.counters)
@@ -1407,7 +1571,8 @@ class Store:
             s["shared_index"] = self.index.shared.stats()
         if verify:
             blocks = sum(e.nblocks for e in self.index.lru())
-            blocks += sum(e.nblocks for g in self._grants.values() if g.kind == _ALLOC
+            blocks += sum(e.nblocks for sess in self._sessions.values()
+                          for g in sess.grants.values() if g.kind == _ALLOC
                           for e in g.entries)
             blocks += sum(e.nblocks for e in self._dead)
             blocks += sum(p.entry.nblocks for p in self._promoting.values())

@@ -24,6 +24,38 @@ _READY = re.compile(r"kvshm ready: service tcp://(?P<host>[^,]+):(?P<port>\d+)"
                     r"(?:, ipc (?P<ipc>[^,]+))?(?:, manage http://[^:]+:(?P<mport>\d+))?")
 
 
+def raw_hello(sock: Any, address: str, token: bytes | None = None) -> dict[str, Any]:
+    """Say HELLO on a raw DEALER socket connected to ``address`` (nonce, and the door
+    token found as a client finds it); returns the reply body (``epoch``, ``session``)."""
+    import msgpack
+
+    from kvshm.security import find_token
+    from kvshm.zmq_ctrl.channel import endpoint_of
+    from kvshm.zmq_ctrl.protocol import PROTOCOL_VERSION, Op, decode_reply
+
+    if token is None:
+        token = find_token(endpoint_of(address))
+    body: dict[str, Any] = {"nonce": os.urandom(16)}
+    if token is not None:
+        body["token"] = token
+    sock.send(msgpack.packb([PROTOCOL_VERSION, Op.HELLO, 0, 0, body], use_bin_type=True))
+    assert sock.poll(5000), "no reply to HELLO"
+    st, _, reply = decode_reply(sock.recv_multipart()[0])
+    assert st == 0, reply
+    return reply
+
+
+def bearer(address: str) -> dict[str, str]:
+    """The management port's Authorization header for the server at ``address`` (its
+    door token, found as a client of the same user finds it)."""
+    from kvshm.security import find_token
+    from kvshm.zmq_ctrl.channel import endpoint_of
+
+    tok = find_token(endpoint_of(address))
+    assert tok is not None, f"no token file for {address}"
+    return {"Authorization": f"Bearer {tok.hex()}"}
+
+
 def unique_shm_name(tag: str = "") -> str:
     return f"{TEST_PREFIX}{os.getpid()}-{tag}{uuid.uuid4().hex[:8]}"
 

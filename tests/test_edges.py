@@ -20,7 +20,7 @@ import zmq
 import kvshm
 from kvshm import Client
 from kvshm.zmq_ctrl.protocol import PROTOCOL_VERSION, Op
-from servers import ServerProcess
+from servers import ServerProcess, raw_hello
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +66,7 @@ def test_lazy_commit_refused_late_is_reported(tmp_path):
                 assert s.poll(5000)
                 return msgpack.unpackb(s.recv())
 
-            with Client(srv.address) as probe:
-                epoch = probe.server_info["epoch"]
-            call(Op.HELLO, {}, 1)
+            epoch = raw_hello(s, srv.address)["epoch"]
             r = call(Op.ALLOC, {"keys": [b"lazy"], "sizes": [10]}, 2)
             assert r[3]["st"] == [0]
             time.sleep(0.8)                               # the lease runs out
@@ -125,6 +123,7 @@ def test_unread_zero_copy_replies_cannot_pin_the_pool():
         s.setsockopt(zmq.RCVBUF, 4096)
         s.connect(f"tcp://{srv.address}")
         try:
+            raw_hello(s, srv.address)
             for r in range(20):         # GETs whose replies are never read
                 s.send(msgpack.packb([PROTOCOL_VERSION, Op.GET, r + 1, 0,
                                       {"keys": [f"v{i}".encode() for i in range(n)]}]))

@@ -24,7 +24,7 @@ import pytest
 
 import kvshm
 from kvshm import Client, ServerUnavailable
-from servers import ServerProcess, segment_exists, unique_shm_name
+from servers import ServerProcess, bearer, segment_exists, unique_shm_name
 
 HERE = os.path.dirname(__file__)
 
@@ -260,8 +260,9 @@ def test_in_process_server_and_client_leave_no_threads():
     srv = kvshm.Server(service_port=0, manage_port=0, prealloc_size=0.05,
                        shm_name=unique_shm_name("thr-")).start()
     import urllib.request
-    with urllib.request.urlopen(f"http://127.0.0.1:{srv.manage_port}/selftest",
-                                timeout=10) as r:
+    req = urllib.request.Request(f"http://127.0.0.1:{srv.manage_port}/selftest",
+                                 headers=bearer(srv.address))
+    with urllib.request.urlopen(req, timeout=10) as r:
         assert json.loads(r.read())["ok"]
     with Client(srv.address) as c:
         c.put("t", b"t")

@@ -15,7 +15,7 @@ import zmq
 
 import kvshm
 from kvshm.security import is_loopback, keygen, load_public_key
-from servers import ServerProcess
+from servers import ServerProcess, bearer
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +77,9 @@ def test_curve_server_takes_only_clients_with_its_key(keys):
         with pytest.raises(kvshm.AuthenticationFailed):
             kvshm.Client(srv.address, transport="tcp", timeout=5,
                          curve_server_key=zmq.curve_keypair()[0])
-        with urllib.request.urlopen(f"http://127.0.0.1:{srv.manage_port}/selftest",
-                                    timeout=10) as r:
+        req = urllib.request.Request(f"http://127.0.0.1:{srv.manage_port}/selftest",
+                                     headers=bearer(srv.address))
+        with urllib.request.urlopen(req, timeout=10) as r:
             assert json.loads(r.read())["ok"] is True
     assert srv.stderr_text.count("refused a client connection") >= 2
 

@@ -19,7 +19,7 @@ import zmq
 import kvshm
 from kvshm import Client, InvalidKey, KeyNotFound, ValueTooLarge
 from kvshm.zmq_ctrl.protocol import PROTOCOL_VERSION, Op, Status, decode_reply
-from servers import ServerProcess, segment_exists
+from servers import ServerProcess, bearer, raw_hello, segment_exists
 
 TRANSPORTS = ["shm", "tcp"]
 
@@ -103,7 +103,7 @@ def test_overwrite_while_reader_holds_pin(server):
         s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.connect(f"tcp://{server.address}")
-        epoch = writer.server_info["epoch"]
+        epoch = raw_hello(s, server.address)["epoch"]
         s.send_multipart([msgpack.packb([PROTOCOL_VERSION, Op.LOOKUP, 1, epoch,
                                          {"keys": [b"ow"]}])])
         assert s.poll(5000)
@@ -319,6 +319,7 @@ def _raw(server, frames, timeout=5000):
     s.setsockopt(zmq.LINGER, 0)
     s.connect(f"tcp://{server.address}")
     try:
+        raw_hello(s, server.address)
         s.send_multipart(frames)
         assert s.poll(timeout), f"no reply to {frames!r}"
         reply = s.recv_multipart()
@@ -389,10 +390,17 @@ def test_management_port(server):
         c.put("m", b"1" * 1000)
         c.get("m")
 
-    def fetch(path, method="GET"):
-        req = urllib.request.Request(base + path, method=method)
+    def fetch(path, method="GET", auth=True):
+        req = urllib.request.Request(base + path, method=method,
+                                     headers=bearer(server.address) if auth else {})
         with urllib.request.urlopen(req, timeout=10) as r:
             return r.read()
+
+    for path, method in (("/selftest", "GET"), ("/purge", "POST")):   # the door token
+        with pytest.raises(urllib.error.HTTPError) as ei:
+            fetch(path, method, auth=False)
+        assert ei.value.code == 401
+        ei.value.close()
 
     rep = json.loads(fetch("/selftest"))
     assert rep["ok"] is True and rep["transport"] == "shm"
@@ -533,9 +541,11 @@ def test_per_client_limits_hold_one_greedy_client_back(no_local_reads):
         with pytest.raises(kvshm.QuotaExceeded):
             greedy.get_batch([f"g{i}" for i in range(6)])
         assert len(greedy.get_batch([f"g{i}" for i in range(3)])) == 3
+        # greedy and other are one principal (this uid): they share one quota, so
+        # other can read 3 MiB only once greedy's pins are released
+        greedy.flush()
         other.put("o", b"o" * (3 << 20))
         assert other.get("o") == b"o" * (3 << 20)
-        greedy.flush()
         st = other.stats(verify=True)
         assert st["pinned"] == 0 and st["pending"] == 0 and st["accounting_ok"]
 

@@ -364,7 +364,7 @@ def put_pieces(client: Any, keys: Sequence[Any], pieces: Sequence[Sequence[Any]]
     ------
     As :meth:`kvshm.Client.put_batch` (``ValueTooLarge`` for a value over the limit).
     """
-    s = client._session
+    s = client.session
 
     def op() -> Any:
         bkeys = s.keys(keys)
@@ -380,7 +380,7 @@ def put_pieces(client: Any, keys: Sequence[Any], pieces: Sequence[Sequence[Any]]
                                     f"at most {limit}")
         return (yield from s.op_put_batch(bkeys, (), False, source=src))
 
-    client._run(op())
+    client.run_op(op())
 
 
 def put_framed(client: Any, keys: Sequence[Any], headers: Sequence[bytes],
@@ -486,7 +486,7 @@ def get_pieces_into(client: Any, keys: Sequence[Any], outs: Sequence[Sequence[me
     list of bool
         Whether each key was found (and its pieces filled).
     """
-    s = client._session
+    s = client.session
     if len(outs) != len(keys):
         raise ValueError(f"{len(keys)} keys but {len(outs)} destinations")
 
@@ -497,7 +497,7 @@ def get_pieces_into(client: Any, keys: Sequence[Any], outs: Sequence[Sequence[me
             yield from s.op_lookup_copy(bkeys, None, False, sink=sink)
         return sink.found
 
-    return client._run(op())  # type: ignore[no-any-return]
+    return client.run_op(op())  # type: ignore[no-any-return]
 
 
 # allocate(header, index) -> (owner object, writable 1-D byte view of >= payload bytes),
@@ -642,7 +642,7 @@ def get_framed(client: Any, keys: Sequence[Any], allocate: Allocator,
     ------
     As :meth:`kvshm.Client.get_batch` (destinations allocated so far are released first).
     """
-    s = client._session
+    s = client.session
     bkeys = list(keys)
     out: list[Any] = [None] * len(bkeys)
     todo = list(range(len(bkeys)))
@@ -658,7 +658,7 @@ def get_framed(client: Any, keys: Sequence[Any], allocate: Allocator,
             return (yield from s.op_lookup_copy(ks, None, False, sink=sink))
 
         try:
-            client._run(op())
+            client.run_op(op())
         except BaseException:
             sink.release_all()
             for o in out:

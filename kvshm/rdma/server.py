@@ -7,9 +7,18 @@ and the server's NIC answers. A client's QP is set up inside its HELLO (see
 ``docs/RDMA.md``): :meth:`ServerEndpoint.hello_hook` is the ServiceLoop's ``hello_hook``.
 It runs in the loop thread, which owns this object.
 
-Connections are dropped when the same client (ZeroMQ routing id) says HELLO with a new QP
+Connections are dropped when the same client (its session nonce) says HELLO with a new QP
 (the previous one is kept ``grace`` seconds so transfers already in flight on it finish),
-when there are more than ``max_connections`` (the oldest goes), and at :meth:`close`.
+when there are more than ``max_connections`` (the oldest goes), when the store reclaims
+the client's grants (:meth:`ServerEndpoint.drop`: every QP of the client, retired ones
+too, so a late WRITE fails at the NIC instead of landing in reused blocks), and at
+:meth:`close`.
+
+What a QP grants: the pool's rkey covers the whole pool (one memory region, registered
+once), so an authenticated remote client with a connected QP can READ and WRITE any
+byte of the pool, not only the blocks it was granted. RDMA is therefore offered only to
+clients the server lets in (CURVE with an allow-list for other hosts; docs/RDMA.md), and
+a reclaimed client loses every QP at once.
 """
 
 from __future__ import annotations
@@ -81,7 +90,7 @@ class ServerEndpoint:
         self.pool_size = 0
         self.responder_depth = max(1, min(port.caps.max_qp_rd_atom, 16))
         self._conns: "OrderedDict[bytes, _Conn]" = OrderedDict()
-        self._retired: list[tuple[float, _Conn]] = []
+        self._retired: list[tuple[float, bytes, _Conn]] = []
         self.accepted = 0
         self.refused = 0
         self._closed = False
@@ -162,12 +171,14 @@ class ServerEndpoint:
 
     # ------------------------------------------------------------------ HELLO
 
-    def hello_hook(self, client_id: bytes, body: dict[str, Any]) -> dict[str, Any]:
-        """ServiceLoop ``hello_hook``: the ``rdma`` part of the HELLO reply.
+    def hello_hook(self, session: Any, body: dict[str, Any]) -> dict[str, Any]:
+        """ServiceLoop ``hello_hook``: the ``rdma`` part of the HELLO reply (``session``:
+        the client's :class:`kvshm.store.Session`; its QPs are keyed by its nonce).
 
         Without ``body["rdma"]["qp"]``: only the offer. With it: the server's QP info,
         the pool's address, rkey and size, or ``error`` saying why not.
         """
+        client_id = session.nonce if not isinstance(session, bytes) else session
         out: dict[str, Any] = {"offer": self.offer()}
         req = body.get("rdma")
         if isinstance(req, dict) and "qp" in req:
@@ -199,7 +210,7 @@ class ServerEndpoint:
         self.reap(now)
         old = self._conns.pop(client_id, None)
         if old is not None:
-            self._retired.append((now + self.grace, old))
+            self._retired.append((now + self.grace, client_id, old))
         p = self.port
         qp = self.pd.create_qp(self.cq, QpCaps(max_send_wr=1, max_send_sge=1))
         try:
@@ -225,22 +236,32 @@ class ServerEndpoint:
                 "size": self.pool_size}
 
     def drop(self, client_id: bytes) -> bool:
-        """Destroy ``client_id``'s QP now. Returns whether it had one."""
+        """Destroy every QP of ``client_id`` now: its current one and those retired by
+        a newer HELLO (still in their grace period). Returns whether it had any."""
+        found = False
         c = self._conns.pop(client_id, None)
-        if c is None:
-            return False
-        c.close()
-        return True
+        if c is not None:
+            c.close()
+            found = True
+        keep = []
+        for deadline, cid, rc in self._retired:
+            if cid == client_id:
+                rc.close()
+                found = True
+            else:
+                keep.append((deadline, cid, rc))
+        self._retired = keep
+        return found
 
     def reap(self, now: float | None = None) -> None:
         """Destroy replaced QPs whose grace period is over."""
         now = time.monotonic() if now is None else now
         keep = []
-        for deadline, c in self._retired:
-            if deadline <= now:
-                c.close()
+        for item in self._retired:
+            if item[0] <= now:
+                item[2].close()
             else:
-                keep.append((deadline, c))
+                keep.append(item)
         self._retired = keep
 
     @property
@@ -261,7 +282,7 @@ class ServerEndpoint:
         for c in list(self._conns.values()):
             c.close()
         self._conns.clear()
-        for _, c in self._retired:
+        for _, _, c in self._retired:
             c.close()
         self._retired.clear()
         steps: list[tuple[str, Any]] = []

@@ -152,7 +152,7 @@ class ClusterOps:
 
     # ------------------------------------------------------------------ handlers
 
-    def _on_view(self, client: Any, req_id: int, body: dict[str, Any], frames: list[Any],
+    def _on_view(self, session: Any, req_id: int, body: dict[str, Any], frames: list[Any],
                  on_sent: list[Any]) -> Reply:
         self.counters["view_requests"] += 1
         since = body.get("since", -1)
@@ -172,7 +172,7 @@ class ClusterOps:
     def _ttl(self, body: dict[str, Any]) -> float:
         return check_ttl(body.get("ttl"))
 
-    def _on_pin(self, client, req_id, body, frames, on_sent) -> Reply:
+    def _on_pin(self, session, req_id, body, frames, on_sent) -> Reply:
         keys = body.get("keys")
         if not isinstance(keys, list) or not keys:
             return Status.INVALID_REQUEST, {"error": "PIN takes a non-empty list keys"}, []
@@ -219,7 +219,7 @@ class ClusterOps:
             return pid, None, None       # another server instance: a clean miss
         return pid, self._pins.get(pid), None
 
-    def _on_renew(self, client, req_id, body, frames, on_sent) -> Reply:
+    def _on_renew(self, session, req_id, body, frames, on_sent) -> Reply:
         pid, p, err = self._pin_of(body)
         if err:
             return Status.INVALID_REQUEST, {"error": err}, []
@@ -234,7 +234,7 @@ class ClusterOps:
         self.counters["renewed"] += 1
         return Status.OK, {"ok": True, "ttl": ttl, "epoch": self.epoch}, []
 
-    def _on_unpin(self, client, req_id, body, frames, on_sent) -> Reply:
+    def _on_unpin(self, session, req_id, body, frames, on_sent) -> Reply:
         pid, p, err = self._pin_of(body)
         if err:
             return Status.INVALID_REQUEST, {"error": err}, []
@@ -244,7 +244,7 @@ class ClusterOps:
         self.counters["unpinned"] += 1
         return Status.OK, {"ok": True, "epoch": self.epoch}, []
 
-    def _on_drain(self, client, req_id, body, frames, on_sent) -> Reply:
+    def _on_drain(self, session, req_id, body, frames, on_sent) -> Reply:
         if self._drain is None:
             return Status.UNSUPPORTED, {"error": "this server is not in a cluster"}, []
         after = body.get("leave_after")

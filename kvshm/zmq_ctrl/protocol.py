@@ -11,9 +11,18 @@ Wire format (ZeroMQ multipart, DEALER client -> ROUTER server)::
     reply header:   [PROTOCOL_VERSION, status, req_id, body]
 
 * ``op`` is an :class:`Op`, ``status`` a :class:`Status`.
-* ``req_id`` is chosen by the client (unique per connection, increasing); the reply echoes
-  it, so many requests can be in flight on one connection. Grants (pins and pending
-  writes) are named by ``(client routing id, req_id)``.
+* ``req_id`` is chosen by the client (unique per client, increasing, never reused); the
+  reply echoes it, so many requests can be in flight on one connection. Grants (pins and
+  pending writes) are named by ``(session, req_id)``.
+* HELLO opens a *session* (``session`` in its reply, issued by the server) for the
+  client's ``nonce`` (8-64 random bytes, one per client object). It must carry the
+  server's door ``token`` (bytes, read from the server's token file) unless the
+  connection is CURVE-authenticated; otherwise it is answered ``Status.UNAUTHORIZED`` and
+  no other request of that connection is served (``STALE_EPOCH``, "say HELLO"). A
+  same-host client that attached the pool sends a second HELLO with ``proof: true``
+  after it created and locked its liveness file (:mod:`kvshm.segments`); the reply's
+  ``local`` says whether the server saw the proof. The HELLO reply names the pool with
+  ``pool.token_digest``, never the pool's token itself.
 * ``epoch`` is the server instance number the client learnt in HELLO. ALLOC, LOOKUP and
   COMMIT/RELEASE/ABORT lists are refused with ``Status.STALE_EPOCH`` when it does not
   match: the server restarted, and the offsets the client holds point into a dead
@@ -57,7 +66,8 @@ __all__ = [
 ]
 
 #: Bumped on any incompatible change of the header or a body.
-PROTOCOL_VERSION = 1
+#: 2: HELLO opens a session (nonce, door token, liveness proof); token_digest.
+PROTOCOL_VERSION = 2
 
 
 class Op(enum.IntEnum):
@@ -103,6 +113,7 @@ class Status(enum.IntEnum):
     INTERNAL = 12          # a server bug; the server logs it and goes on
     UNSUPPORTED = 13       # the server does not offer what was asked (e.g. RDMA)
     CORRUPT = 14           # a stored checksum did not match
+    UNAUTHORIZED = 15      # HELLO without the server's token (or CURVE key)
 
 
 class DecodeError(ValueError):
@@ -121,7 +132,9 @@ class Limits:
         Most keys in one request (default 1,000,000: room for a 10,000-key prefix match
         a hundred times over, small enough that one message stays below ~4 GiB of keys).
     max_value_bytes : int
-        Largest value in bytes (0: the pool size).
+        Largest value in bytes (0: the pool size). A server sets it (``kvshm serve``:
+        the pool, at most 256 MiB) so that the largest message it accepts is bounded by
+        it, not by the pool.
     """
 
     max_key_bytes: int = 4096
@@ -220,6 +233,7 @@ def _errors() -> dict[int, type[Exception]]:
         Status.INTERNAL: e.KvshmError,
         Status.UNSUPPORTED: e.TransportError,
         Status.CORRUPT: e.CorruptValue,
+        Status.UNAUTHORIZED: e.AuthenticationFailed,
     }
 
 

@@ -13,12 +13,29 @@ are applied already, as for any request) and attempted again each time the store
 progress. Its reply goes out when an attempt succeeds, or unconditionally (``force``)
 once it waited ``StoreConfig.tier_wait`` seconds. Replies to one client may thus leave in
 another order than its requests came; clients match them by request id, and grants are
-named by request id, so COMMIT/RELEASE stay exact.
+named by request id, so COMMIT/RELEASE stay exact. A RELEASE or ABORT that names a
+parked request (its client gave up on it) cancels it: the grant it would make is never
+made.
+
+Sessions. HELLO opens a :class:`~kvshm.store.Session` of the store (its ``session`` id is
+in the reply); every later request of that connection (ZeroMQ routing id) belongs to it,
+and every handler gets ``(session, req_id, body, frames, on_sent)``; ``session.principal``
+is who it is, proven, not claimed: the uid owning the client's liveness file (a
+same-host client that attached the pool, :class:`kvshm.segments.Liveness`), the CURVE
+key of an authenticated peer, or the holder of the server's door token. Without the
+door token or a CURVE key a HELLO is refused and no other request is served. A new
+HELLO with the same client ``nonce`` replaces the old session (its grants move over);
+a session whose liveness proof is gone is closed and its grants reclaimed at once.
+
+Nothing a client sends may raise out of the loop: every handler runs under a catch-all
+that answers INTERNAL, and the store's lease and liveness checks never raise.
 """
 
 from __future__ import annotations
 
+import collections
 import errno
+import hmac
 import logging
 import os
 import time
@@ -27,7 +44,8 @@ from typing import Any, Callable, Sequence
 
 import zmq
 
-from kvshm.store import Store
+from kvshm.segments import Liveness
+from kvshm.store import QUOTA_REFUSED, Session, Store
 from kvshm.zmq_ctrl.frames import PACK_BELOW, FrameLayoutError
 from kvshm.zmq_ctrl.frames import plan as plan_frames
 from kvshm.zmq_ctrl.frames import unpack as unpack_frames
@@ -69,13 +87,15 @@ class _Defer(Exception):
 
 
 class _Parked:
-    __slots__ = ("ident", "req_id", "op", "attempt", "cleanup", "extra", "on_sent", "t0",
-                 "deadline")
+    __slots__ = ("ident", "session", "req_id", "op", "attempt", "cleanup", "extra",
+                 "on_sent", "t0", "deadline", "cancelled")
 
-    def __init__(self, ident: bytes, req_id: int, op: int, d: _Defer,
+    def __init__(self, ident: bytes, session: Session, req_id: int, op: int, d: _Defer,
                  extra: dict[str, Any], on_sent: list[Any], t0: float,
                  deadline: float) -> None:
         self.ident = ident
+        self.session = session
+        self.cancelled = False
         self.req_id = req_id
         self.op = op
         self.attempt = d.attempt
@@ -145,10 +165,17 @@ class ServiceLoop:
     periodic_evict : tuple (interval_s, min_ratio, max_ratio) or None
     socket_setup : callable, optional
         Called with the ROUTER socket before bind (CURVE options, ...).
-    handlers : dict, optional
-        Extra ``op -> handler(client, req_id, body, frames)`` (the RDMA mover's
-        connection set-up, for one); a handler returns ``(status, body, frames)``.
+    hello_hook : callable, optional
+        ``hook(session, body) -> dict`` merged into the HELLO reply (the RDMA mover's
+        connection set-up).
+    door_token : bytes, optional
+        The secret a HELLO must carry (``body["token"]``) unless its connection is
+        CURVE-authenticated; None: no door (in-process tests), every peer gets an
+        implicit session.
     """
+
+    #: Sessions kept at most; beyond, the oldest without grants are closed.
+    MAX_SESSIONS = 65536
 
     def __init__(self, store: Store, endpoints: list[str], hello: dict[str, Any],
                  epoch: int, *, periodic_evict: tuple[float, float, float] | None = None,
@@ -156,15 +183,20 @@ class ServiceLoop:
                  hello_hook: Callable[[bytes, dict[str, Any]], dict[str, Any]] | None = None,
                  context: zmq.Context | None = None, max_frame_bytes: int = -1,
                  log_handshakes: bool = False, sock: zmq.Socket | None = None,
-                 bound: Sequence[str] = ()) -> None:
+                 bound: Sequence[str] = (), door_token: bytes | None = None) -> None:
         self.store = store
         self.epoch = epoch
         self.hello = dict(hello)
-        # Bytes one peer may have pinned in zero-copy GET replies not yet sent (a peer
-        # that stops reading must not pin the pool): beyond it, replies are copied.
-        pinned_cap = store.config.max_client_pinned_bytes
-        self.zero_copy_cap = min(pinned_cap or store.pool.size, store.pool.size // 4)
-        self._zc_out: dict[bytes, int] = {}
+        # Blocks one principal may hold in GET replies not yet sent (a peer that stops
+        # reading must not pin the pool nor grow this process): beyond it, hits are
+        # refused (QUOTA_REFUSED), and a peer whose replies stay unsent past the lease
+        # loses them and its connection.
+        self.send_cap_blocks = max(1, store.alloc.num_blocks // 4)
+        self.door_token = door_token
+        self._by_ident: dict[bytes, Session] = {}
+        self._by_nonce: dict[bytes, Session] = {}
+        self._order: "collections.OrderedDict[int, Session]" = collections.OrderedDict()
+        self._next_check = 0.0
         self.hello_hook = hello_hook
         self._periodic = periodic_evict
         self._ctx = context or zmq.Context.instance()
@@ -178,6 +210,13 @@ class ServiceLoop:
         except OSError:
             self._sock.close(0)
             raise
+        # A private inproc endpoint: connecting to it with a peer's routing id hands its
+        # connection over (ROUTER_HANDOVER), which drops that peer's unsent replies.
+        self._cut_endpoint = f"inproc://kvshm-cut-{id(self):x}-{os.urandom(4).hex()}"
+        try:
+            self._sock.bind(self._cut_endpoint)
+        except zmq.ZMQError:
+            self._cut_endpoint = ""
         self._monitor: zmq.Socket | None = None
         if log_handshakes:
             self._monitor = self._sock.get_monitor_socket(
@@ -190,7 +229,10 @@ class ServiceLoop:
         self._parked: list[_Parked] = []
         self._seen_progress = -1
         self._tier_deadline: float | None = None
-        self._sending: list[tuple[zmq.MessageTracker, list[Any], bytes]] = []
+        # (tracker, zero-copy entries, blocks counted, session, ident, since)
+        self._sending: list[tuple[zmq.MessageTracker, list[Any], int, Session, bytes,
+                                  float]] = []
+        self._parked_by: dict[tuple[int, int], _Parked] = {}
         self.latency = {op: [0] * len(LATENCY_BUCKETS) for op in Op}
         self.latency_sum = {op: 0.0 for op in Op}
         self.errors: dict[str, int] = {}
@@ -243,8 +285,8 @@ class ServiceLoop:
 
     def close(self) -> None:
         """Close the socket (after :meth:`run` returned). Unpins entries still in flight."""
-        for _, entries, _ in self._sending:
-            self.store.unpin(entries)
+        for _, entries, nblocks, sess, _, _ in self._sending:
+            self.store.sent(sess, nblocks, entries)
         self._sending.clear()
         for p in self._parked:
             if p.cleanup is not None:
@@ -293,7 +335,7 @@ class ServiceLoop:
                         break
                     self._handle(msg)
             now = time.monotonic()
-            self.store.expire(now)
+            self._housekeep(now)
             self._tier_deadline = self.store.service(now)
             if self._ticks:
                 self._tick_deadline = min((d for d in (t(now) for t in self._ticks)
@@ -301,7 +343,7 @@ class ServiceLoop:
             if self._parked:
                 self._retry_parked(now)
             if self._sending:
-                self._reap_sends()
+                self._reap_sends(now)
             if next_evict is not None and now >= next_evict:
                 assert self._periodic is not None
                 n = self.store.periodic_evict(self._periodic[1], self._periodic[2])
@@ -309,11 +351,38 @@ class ServiceLoop:
                     log.info("periodic eviction freed %d entries", n)
                 next_evict = now + self._periodic[0]
 
+    def _housekeep(self, now: float) -> None:
+        """Leases and liveness proofs. Never raises: a bug here must not end the loop
+        (and with it the cache)."""
+        try:
+            self.store.expire(now)
+            if now >= self._next_check:
+                # same-host sessions whose proof is gone: reclaim at once, not at lease
+                self._next_check = now + min(1.0, self.store.config.lease_timeout / 4)
+                if self.store.check_sessions():
+                    self._forget_closed()
+        except Exception:
+            log.exception("internal error in lease/liveness housekeeping")
+            self._count_error("internal")
+
+    def _forget_closed(self) -> None:
+        for d in (self._by_ident, self._by_nonce):
+            for k in [k for k, v in d.items() if v.closed]:
+                del d[k]
+        for sid in [sid for sid, v in self._order.items() if v.closed]:
+            del self._order[sid]
+
     def _next_timeout(self, next_evict: float | None) -> int | None:
         deadlines = []
-        nd = self.store.expire()
+        try:
+            nd = self.store.expire()
+        except Exception:
+            log.exception("internal error in lease expiry")
+            nd = None
         if nd is not None:
             deadlines.append(nd)
+        if self._by_nonce:
+            deadlines.append(self._next_check)
         if next_evict is not None:
             deadlines.append(next_evict)
         if self._tier_deadline is not None:
@@ -359,6 +428,13 @@ class ServiceLoop:
         parked, self._parked = self._parked, []
         for p in parked:
             force = now >= p.deadline
+            if p.cancelled or p.session.closed:
+                # its client gave up on it (RELEASE/ABORT of its id) or is gone: make no
+                # grant it would never settle
+                self._parked_by.pop((p.session.id, p.req_id), None)
+                if p.cleanup is not None:
+                    p.cleanup()
+                continue
             try:
                 r = p.attempt(force)
                 if r is None and force:
@@ -372,26 +448,48 @@ class ServiceLoop:
             if r is None:
                 self._parked.append(p)
                 continue
+            self._parked_by.pop((p.session.id, p.req_id), None)
             status, rbody, frames = r
-            self._reply(p.ident, p.req_id, p.op, status, rbody, frames, p.extra, p.on_sent,
-                        p.t0)
+            self._reply(p.ident, p.session, p.req_id, p.op, status, rbody, frames, p.extra,
+                        p.on_sent, p.t0)
         # Progress the attempts made themselves (their own evictions) is no reason to
         # attempt again; the next completion or free is.
         self._seen_progress = self.store.progress
 
-    def _reap_sends(self) -> None:
+    def _reap_sends(self, now: float) -> None:
         keep = []
-        for tracker, entries, ident in self._sending:
+        stuck: set[bytes] = set()
+        lease = self.store.config.lease_timeout
+        for item in self._sending:
+            tracker, entries, nblocks, sess, ident, since = item
             if tracker.done:
-                self.store.unpin(entries)
-                left = self._zc_out.get(ident, 0) - sum(e.size for e in entries)
-                if left > 0:
-                    self._zc_out[ident] = left
-                else:
-                    self._zc_out.pop(ident, None)
+                self.store.sent(sess, nblocks, entries)
             else:
-                keep.append((tracker, entries, ident))
+                keep.append(item)
+                if now - since > lease:
+                    stuck.add(ident)
         self._sending = keep
+        for ident in stuck:
+            self._cut(ident)
+
+    def _cut(self, ident: bytes) -> None:
+        """A peer has not read its replies within the lease: drop its connection (and
+        with it the unsent replies, whose pins then go)."""
+        if not self._cut_endpoint:
+            return
+        log.warning("peer %s has not read its replies within the lease (%g s): its "
+                    "connection is dropped", ident.hex(), self.store.config.lease_timeout)
+        self._count_error("unread_replies")
+        s = self._ctx.socket(zmq.DEALER)
+        try:
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.ROUTING_ID, ident)
+            s.connect(self._cut_endpoint)
+            # the handover happens when the ROUTER processes the new pipe: now
+            self._sock.getsockopt(zmq.EVENTS)
+        finally:
+            s.close(0)
+        self._sock.getsockopt(zmq.EVENTS)
 
     # ------------------------------------------------------------------ dispatch
 
@@ -399,6 +497,13 @@ class ServiceLoop:
         self.errors[what] = self.errors.get(what, 0) + 1
 
     def _handle(self, msg: list[zmq.Frame]) -> None:
+        try:
+            self._dispatch(msg)
+        except Exception:      # a bug outside the handlers: log it, keep serving
+            log.exception("internal error dispatching a request")
+            self._count_error("internal")
+
+    def _dispatch(self, msg: list[zmq.Frame]) -> None:
         t0 = time.perf_counter()
         ident = msg[0].bytes
         req_id = 0
@@ -412,6 +517,11 @@ class ServiceLoop:
         except DecodeError as exc:
             self._count_error("malformed")
             self._send(ident, encode_reply(Status.MALFORMED, 0, {"error": str(exc)}))
+            return
+        if not -(2**63) <= req_id < 2**64:
+            self._count_error("malformed")
+            self._send(ident, encode_reply(Status.MALFORMED, 0,
+                                           {"error": "req_id out of range"}))
             return
         if version != PROTOCOL_VERSION:
             self._count_error("bad_version")
@@ -431,17 +541,40 @@ class ServiceLoop:
         status: int
         rbody: dict[str, Any]
         frames: list[Any]
+        session = self._session_of(ident)
+        if op == Op.HELLO:
+            try:
+                if fresh and session is not None:
+                    self._piggyback(session, body, reply_extra)
+                status, rbody, frames, session = self._hello(ident, msg[1], body, session)
+            except _Malformed as exc:
+                self._count_error("malformed")
+                status, rbody, frames = Status.MALFORMED, {"error": str(exc)}, []
+            except Exception as exc:
+                log.exception("internal error handling HELLO")
+                self._count_error("internal")
+                status, rbody, frames = Status.INTERNAL, {"error": f"internal error: {exc!r}"}, []
+            self._reply(ident, session, req_id, op, status, rbody, frames, reply_extra, [], t0)
+            return
+        if session is None:
+            self._count_error("no_session")
+            self._send(ident, encode_reply(Status.STALE_EPOCH, req_id, {
+                "error": "no session: say HELLO (with the server's token) first",
+                "epoch": self.epoch}))
+            return
         try:
             if fresh:
-                self._piggyback(ident, body, reply_extra)
+                self._piggyback(session, body, reply_extra)
             if op in self._stateful and not fresh:
                 status, rbody, frames = Status.STALE_EPOCH, {
                     "error": "server restarted; say HELLO again", "epoch": self.epoch}, []
             else:
-                status, rbody, frames = handler(ident, req_id, body, msg[2:], on_sent)
+                status, rbody, frames = handler(session, req_id, body, msg[2:], on_sent)
         except _Defer as d:
-            self._parked.append(_Parked(ident, req_id, op, d, reply_extra, on_sent, t0,
-                                        time.monotonic() + self.store.config.tier_wait))
+            p = _Parked(ident, session, req_id, op, d, reply_extra, on_sent, t0,
+                        time.monotonic() + self.store.config.tier_wait)
+            self._parked.append(p)
+            self._parked_by[(session.id, req_id)] = p
             return
         except _Malformed as exc:
             self._count_error("malformed")
@@ -452,22 +585,117 @@ class ServiceLoop:
             log.exception("internal error handling op %s", op)
             self._count_error("internal")
             status, rbody, frames = Status.INTERNAL, {"error": f"internal error: {exc!r}"}, []
-        self._reply(ident, req_id, op, status, rbody, frames, reply_extra, on_sent, t0)
+        self._reply(ident, session, req_id, op, status, rbody, frames, reply_extra, on_sent,
+                    t0)
 
-    def _reply(self, ident: bytes, req_id: int, op: int, status: int, rbody: dict[str, Any],
-               frames: list[Any], reply_extra: dict[str, Any], on_sent: list[Any],
-               t0: float) -> None:
+    def _session_of(self, ident: bytes) -> Session | None:
+        sess = self._by_ident.get(ident)
+        if sess is not None and sess.closed:
+            del self._by_ident[ident]
+            sess = None
+        if sess is None and self.door_token is None:
+            # no door (a Store served in-process, tests): an implicit session per peer
+            sess = self._open(ident, ("peer", ident), os.urandom(16), None, ident.hex())
+        return sess
+
+    def _open(self, ident: bytes, principal: Any, nonce: bytes, alive: Any,
+              label: str) -> Session:
+        sess = self.store.open_session(principal, nonce=nonce, alive=alive, label=label)
+        old = self._by_nonce.get(nonce)
+        if old is not None:
+            # the same client again (a new HELLO: reconnect, ping, a new mover): the old
+            # session ends, its grants move over (that process may still be copying)
+            self.store.replace_session(old, sess)
+            self._order.pop(old.id, None)
+        prev = self._by_ident.get(ident)
+        if prev is not None and prev is not old and not prev.grants:
+            self.store.close_session(prev)         # another client on this routing id
+            self._order.pop(prev.id, None)
+            if self._by_nonce.get(prev.nonce) is prev:
+                del self._by_nonce[prev.nonce]
+        self._by_ident[ident] = sess
+        self._by_nonce[nonce] = sess
+        self._order[sess.id] = sess
+        if len(self._order) > self.MAX_SESSIONS:
+            self._trim_sessions()
+        return sess
+
+    def _trim_sessions(self) -> None:
+        for sid, sess in list(self._order.items()):
+            if len(self._order) <= self.MAX_SESSIONS * 3 // 4:
+                break
+            if not sess.grants:
+                self.store.close_session(sess, "forgotten (too many sessions)")
+                del self._order[sid]
+        self._forget_closed()
+
+    def _hello(self, ident: bytes, frame: zmq.Frame, body: dict[str, Any],
+               current: Session | None
+               ) -> tuple[int, dict[str, Any], list[Any], Session | None]:
+        """HELLO: who is this (proven), is it on this host (proven), open its session."""
+        nonce = body.get("nonce")
+        if type(nonce) is not bytes or not 8 <= len(nonce) <= 64:
+            if self.door_token is not None or nonce is not None:
+                raise _Malformed("HELLO needs a nonce of 8-64 bytes")
+            nonce = os.urandom(16)      # no door: an old-style HELLO in tests
+        principal: Any = None
+        try:
+            user = frame.get("User-Id")
+        except (zmq.ZMQError, AttributeError):
+            user = ""
+        if user and user != "anonymous":
+            principal = ("curve", user)            # the CURVE key ZAP authenticated
+        elif self.door_token is None:
+            principal = ("peer", ident)
+        else:
+            tok = body.get("token")
+            if type(tok) is bytes and hmac.compare_digest(tok, self.door_token):
+                principal = ("door",)
+        if principal is None:
+            self._count_error("auth_refused")
+            log.warning("HELLO from %s refused: no valid token", ident.hex())
+            return Status.UNAUTHORIZED, {
+                "error": "this server needs its token in HELLO (same-host clients read it "
+                         "from the server's token file; see docs/RELIABILITY.md, 'Doors')"
+            }, [], current
+        alive = None
+        local = False
+        if body.get("proof") is True:
+            proof = Liveness.verify(self.store.pool.name, self.store.pool.token, nonce)
+            if proof is not None:
+                alive = proof.alive
+                local = True
+                if principal[0] != "curve":
+                    principal = ("uid", proof.uid)    # as the kernel recorded it
+        label = f"{principal[0]}:{principal[1] if len(principal) > 1 else ''}"
+        if isinstance(principal[-1], bytes):
+            label = f"{principal[0]}:{principal[-1].hex()[:12]}"
+        sess = self._open(ident, principal, nonce, alive, label)
+        reply = dict(self.hello)
+        reply["epoch"] = self.epoch
+        reply["session"] = sess.id
+        reply["local"] = local
+        if self.hello_hook is not None:
+            reply.update(self.hello_hook(sess, body))
+        return Status.OK, reply, [], sess
+
+    def _reply(self, ident: bytes, session: Session | None, req_id: int, op: int,
+               status: int, rbody: dict[str, Any], frames: list[Any],
+               reply_extra: dict[str, Any], on_sent: list[Any], t0: float) -> None:
         if reply_extra:
             rbody.update(reply_extra)
+        track = bool(on_sent) and session is not None
         tracker = self._send(ident, encode_reply(status, req_id, rbody), frames,
-                             track=bool(on_sent))
-        if on_sent:
+                             track=track)
+        if track:
+            assert session is not None
+            entries = [e for e in on_sent if not isinstance(e, int)]
+            nblocks = sum(e for e in on_sent if isinstance(e, int))
             if tracker is None:
-                self.store.unpin(on_sent)
+                self.store.sent(session, nblocks, entries)
             else:
-                self._sending.append((tracker, on_sent, ident))
-                self._zc_out[ident] = (self._zc_out.get(ident, 0)
-                                       + sum(e.size for e in on_sent))
+                self._sending.append((tracker, entries, nblocks, session, ident,
+                                      time.monotonic()))
         dt = time.perf_counter() - t0
         self.latency[Op(op)][bisect_left(LATENCY_BUCKETS, dt)] += 1
         self.latency_sum[Op(op)] += dt
@@ -476,8 +704,7 @@ class ServiceLoop:
               track: bool = False) -> zmq.MessageTracker | None:
         try:
             if track:
-                parts = [zmq.Frame(f, track=True) if isinstance(f, memoryview) else f
-                         for f in frames]
+                parts = [zmq.Frame(f, track=True) for f in frames]
                 trackers = [p.tracker for p in parts if isinstance(p, zmq.Frame)]
                 self._sock.send_multipart([ident, header, *parts], copy=False)
                 return zmq.MessageTracker(*trackers)
@@ -487,18 +714,33 @@ class ServiceLoop:
             self._count_error("send_failed")
         return None
 
-    def _piggyback(self, client: bytes, body: dict[str, Any], extra: dict[str, Any]) -> None:
+    def _piggyback(self, session: Session, body: dict[str, Any],
+                   extra: dict[str, Any]) -> None:
         rel = body.get("release")
         if rel:
-            self.store.release(client, _list(body, "release", ints=True))
+            rel = _list(body, "release", ints=True)
+            self.store.release(session, rel)
+            self._cancel_parked(session, rel)
         ab = body.get("abort")
         if ab:
-            self.store.abort(client, _list(body, "abort", ints=True))
+            ab = _list(body, "abort", ints=True)
+            self.store.abort(session, ab)
+            self._cancel_parked(session, ab)
         com = body.get("commit")
         if com:
-            failed = self.store.commit(client, _list(body, "commit", ints=True))
+            failed = self.store.commit(session, _list(body, "commit", ints=True))
             if failed:
                 extra["commit_failed"] = failed
+
+    def _cancel_parked(self, session: Session, rids: list[int]) -> None:
+        # RELEASE/ABORT of a request still parked: its client gave up (cancelled, timed
+        # out); the grant it would make must never be made
+        if self._parked_by:
+            for rid in rids:
+                p = self._parked_by.pop((session.id, rid), None)
+                if p is not None:
+                    p.cancelled = True
+                    self._seen_progress = -1      # look at it on the next turn
 
     def _keys(self, body: dict[str, Any]) -> list[Any]:
         keys = _list(body, "keys")
@@ -511,18 +753,10 @@ class ServiceLoop:
 
     # ------------------------------------------------------------------ handlers
 
-    def _on_hello(self, client: bytes, req_id: int, body: dict[str, Any], frames: list[Any],
-                  on_sent: list[Any]) -> tuple[int, dict[str, Any], list[Any]]:
-        reply = dict(self.hello)
-        reply["epoch"] = self.epoch
-        pid, host = body.get("pid"), body.get("host")
-        local = type(pid) is int and pid > 0 and host == self.hello.get("server", {}).get("host")
-        self.store.register_client(client, pid if local else None)
-        if self.hello_hook is not None:
-            reply.update(self.hello_hook(client, body))
-        return Status.OK, reply, []
+    def _on_hello(self, session, req_id, body, frames, on_sent):
+        raise AssertionError("HELLO is handled by _hello")   # pragma: no cover
 
-    def _on_alloc(self, client, req_id, body, frames, on_sent):
+    def _on_alloc(self, session, req_id, body, frames, on_sent):
         keys = _list(body, "keys")
         sizes = _list(body, "sizes")
         if len(keys) != len(sizes):
@@ -533,12 +767,12 @@ class ServiceLoop:
         self._check_batch(keys)
         store = self.store
         if store.tier is None:
-            offsets, statuses = store.alloc_entries(client, req_id, keys, sizes,  # type: ignore[misc]
+            offsets, statuses = store.alloc_entries(session, req_id, keys, sizes,  # type: ignore[misc]
                                                     sums)
             return Status.OK, {"offsets": offsets, "st": statuses}, []
 
         def attempt(force: bool) -> tuple[int, dict[str, Any], list[Any]] | None:
-            r = store.alloc_entries(client, req_id, keys, sizes, sums, defer=not force,
+            r = store.alloc_entries(session, req_id, keys, sizes, sums, defer=not force,
                                     drop=force)
             if r is None:
                 return None
@@ -546,26 +780,26 @@ class ServiceLoop:
 
         return _attempt_now(attempt)
 
-    def _on_commit(self, client, req_id, body, frames, on_sent):
+    def _on_commit(self, session, req_id, body, frames, on_sent):
         # the commit/abort lists were applied by _piggyback; report what failed
         return Status.OK, {}, []
 
-    def _on_lookup(self, client, req_id, body, frames, on_sent):
+    def _on_lookup(self, session, req_id, body, frames, on_sent):
         keys = self._keys(body)
-        return self._read(keys, lambda hold: self._lookup_reply(client, req_id, keys, hold))
+        return self._read(keys, lambda hold: self._lookup_reply(session, req_id, keys, hold))
 
-    def _lookup_reply(self, client: bytes, req_id: int, keys: list[Any], hold: Any
+    def _lookup_reply(self, session: Session, req_id: int, keys: list[Any], hold: Any
                       ) -> tuple[int, dict[str, Any], list[Any]]:
-        offsets, sizes, sums = self.store.lookup(client, req_id, keys, hold)
+        offsets, sizes, sums = self.store.lookup(session, req_id, keys, hold)
         rbody: dict[str, Any] = {"offsets": offsets, "sizes": sizes}
         if any(s is not None for s in sums):
             rbody["sums"] = sums
         return Status.OK, rbody, []
 
-    def _on_release(self, client, req_id, body, frames, on_sent):
+    def _on_release(self, session, req_id, body, frames, on_sent):
         return Status.OK, {}, []
 
-    def _on_put(self, client, req_id, body, frames, on_sent):
+    def _on_put(self, session, req_id, body, frames, on_sent):
         keys = _list(body, "keys")
         counts = body.get("counts")
         if counts is not None:            # packed small values (kvshm.zmq_ctrl.frames)
@@ -593,9 +827,9 @@ class ServiceLoop:
 
         return _attempt_now(attempt)
 
-    def _on_get(self, client, req_id, body, frames, on_sent):
+    def _on_get(self, session, req_id, body, frames, on_sent):
         keys = self._keys(body)
-        return self._read(keys, lambda hold: self._get_reply(keys, on_sent, hold, client))
+        return self._read(keys, lambda hold: self._get_reply(keys, on_sent, hold, session))
 
     def _read(self, keys: list[Any], reply: Callable[[Any], tuple[int, dict[str, Any],
                                                                   list[Any]]]
@@ -617,38 +851,59 @@ class ServiceLoop:
 
         return _attempt_now(attempt, lambda: store.release_hold(hold))
 
-    def _get_reply(self, keys: list[Any], on_sent: list[Any], hold: Any, client: bytes
+    def _get_reply(self, keys: list[Any], on_sent: list[Any], hold: Any, session: Session
                    ) -> tuple[int, dict[str, Any], list[Any]]:
-        entries, sums = self.store.pin_for_send(keys, hold)
+        """GET: the hits' bytes as frames, large ones zero-copy (pinned until sent),
+        small ones packed into one copy. Every block queued (pinned or copied) counts
+        against the principal until the frame is sent; hits beyond its budget are
+        refused (size QUOTA_REFUSED), so a peer that does not read cannot pin the pool
+        nor grow this process."""
+        store = self.store
+        entries, sums = store.pin_for_send(keys, hold)
         sizes = [e.size if e is not None else -1 for e in entries]
+        budget = store.send_budget(session)
+        cap = self.send_cap_blocks - session.quota.sending
+        budget = cap if budget is None else min(budget, cap)
+        refused = []
+        if any(e is not None for e in entries):
+            for i, e in enumerate(entries):
+                if e is None:
+                    continue
+                if e.nblocks > budget:
+                    refused.append(e)
+                    entries[i] = None
+                    sizes[i] = QUOTA_REFUSED
+                    sums[i] = None
+                else:
+                    budget -= e.nblocks
+        if refused:
+            store.counters["quota_refusals"] += len(refused)
+            store.unpin(refused)
         hits = [e for e in entries if e is not None]
         out: list[Any] = []
         counts: list[int] = []
         small: list[Any] = []
-        bs = self.store.block_size
-        budget = self.zero_copy_cap - self._zc_out.get(client, 0)
+        bs = store.block_size
+        queued = 0
         for first, count in plan_frames([e.size for e in hits]):
             group = hits[first:first + count]
             e = group[0]
-            if count == 1 and e.size >= PACK_BELOW and e.size <= budget:
+            if count == 1 and e.size >= PACK_BELOW:
                 # zero-copy, pinned until sent; a value of several runs in one frame per
                 # run, the runs after the first with a count of 0 (frames.unpack)
                 if len(e.extents) == 1:
-                    out.append(self.store.view(e))
+                    out.append(store.view(e))
                     counts.append(1)
                 else:
-                    views = self.store.views(e)
+                    views = store.views(e)
                     out.extend(views)
                     counts.extend([1] + [0] * (len(views) - 1))
                 on_sent.append(e)
-                budget -= e.size
+                queued += e.nblocks
                 continue
-            if count == 1 and e.size >= PACK_BELOW:
-                # this peer has too much unsent: copy (its replies then wait in memory,
-                # bounded by the socket's high-water mark, not in the pool)
-                buf = bytearray(e.size)
-            else:                                           # small values: one packed copy
-                buf = bytearray(sum(e.size for e in group))
+            # small values: one packed copy
+            n = sum(g.size for g in group)
+            buf = bytearray(n)
             offs: list[int] = []
             lens: list[int] = []
             for g in group:
@@ -659,35 +914,39 @@ class ServiceLoop:
                     for o, k in g.byte_extents(bs):
                         offs.append(o)
                         lens.append(k)
-            self.store.pool.gather(offs, lens, buf)
+            store.pool.gather(offs, lens, buf)
             out.append(buf)
             small.extend(group)
+            queued += -(-n // bs)
             counts.append(count)
-        self.store.unpin(small)
+        store.unpin(small)
+        if queued:
+            store.sending(session, queued)
+            on_sent.append(queued)
         rbody: dict[str, Any] = {"sizes": sizes, "counts": counts}
         if any(s is not None for s in sums):
             rbody["sums"] = sums
         return Status.OK, rbody, out
 
-    def _on_exists(self, client, req_id, body, frames, on_sent):
+    def _on_exists(self, session, req_id, body, frames, on_sent):
         keys = self._keys(body)
         return Status.OK, {"found": self.store.exists(keys)}, []
 
-    def _on_match_prefix(self, client, req_id, body, frames, on_sent):
+    def _on_match_prefix(self, session, req_id, body, frames, on_sent):
         keys = self._keys(body)
         return Status.OK, {"n": self.store.match_prefix(keys)}, []
 
-    def _on_delete(self, client, req_id, body, frames, on_sent):
+    def _on_delete(self, session, req_id, body, frames, on_sent):
         keys = self._keys(body)
         return Status.OK, {"n": self.store.delete(keys)}, []
 
-    def _on_evict(self, client, req_id, body, frames, on_sent):
+    def _on_evict(self, session, req_id, body, frames, on_sent):
         ratio = body.get("ratio")
         if type(ratio) not in (int, float) or not 0.0 <= ratio <= 1.0:
             return Status.INVALID_REQUEST, {"error": "ratio must be a number in [0, 1]"}, []
         return Status.OK, {"n": self.store.evict(float(ratio))}, []
 
-    def _on_stats(self, client, req_id, body, frames, on_sent):
+    def _on_stats(self, session, req_id, body, frames, on_sent):
         s = self.store.stats(verify=bool(body.get("verify")))
         s["errors"] = sum(self.errors.values())
         s["error_kinds"] = dict(self.errors)
@@ -699,7 +958,7 @@ class ServiceLoop:
                             for op in Op if sum(self.latency[op])}
         return Status.OK, {"stats": s}, []
 
-    def _on_list(self, client, req_id, body, frames, on_sent):
+    def _on_list(self, session, req_id, body, frames, on_sent):
         prefix = body.get("prefix", b"")
         start = body.get("start", 0)
         limit = body.get("limit", 1000)
@@ -711,7 +970,7 @@ class ServiceLoop:
         keys, more = self.store.list_keys(prefix, start, limit)
         return Status.OK, {"keys": keys, "more": more}, []
 
-    def _on_purge(self, client, req_id, body, frames, on_sent):
+    def _on_purge(self, session, req_id, body, frames, on_sent):
         return Status.OK, {"n": self.store.purge()}, []
 
 
