@@ -123,12 +123,14 @@ class _Session:
     """
 
     def __init__(self, transport: str, lazy_commit: bool, rdma: Any = None,
-                 token: bytes | None = None) -> None:
+                 token: "bytes | Callable[[], bytes | None] | None" = None) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.transport = transport
         self.nonce = os.urandom(16)
-        self.token = token          # the server's door token (kvshm.security.find_token)
+        # the server's door token, or how to read it (again at each HELLO: a restarted
+        # server has a new one)
+        self.token = token
         self.session_id = 0
         self.pid = os.getpid()
         self._ids = itertools.count(1)
@@ -252,8 +254,9 @@ class _Session:
     def hello_body(self) -> dict[str, Any]:
         body: dict[str, Any] = {"version": PROTOCOL_VERSION, "transport": self.transport,
                                 "nonce": self.nonce}
-        if self.token is not None:
-            body["token"] = self.token
+        tok = self.token() if callable(self.token) else self.token
+        if tok is not None:
+            body["token"] = tok
         if self._unproven is not None:
             body["proof"] = True        # the liveness file is locked: look at it
         elif self.transport in ("rdma", "auto"):
@@ -1214,12 +1217,21 @@ class Client:
         return f"<kvshm.Client {self.address} transport={self.transport}>"
 
 
-def _door_token(endpoint: str, token: bytes | None, token_file: str | None) -> bytes | None:
+def _door_token(endpoint: str, token: bytes | None, token_file: str | None
+                ) -> "bytes | Callable[[], bytes | None] | None":
     if token is not None:
         return token
     from kvshm.security import find_token
 
-    return find_token(endpoint, token_file)
+    find_token(endpoint, token_file)      # an explicit file that cannot be read: now
+
+    def read() -> bytes | None:
+        try:
+            return find_token(endpoint, token_file)
+        except ValueError:
+            return None
+
+    return read
 
 
 def _curve_setup(server_key: bytes | str | None,

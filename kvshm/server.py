@@ -398,6 +398,7 @@ class Server:
         _tune_malloc()
         removed = segments.cleanup()
         segments.cleanup_ipc_dirs()
+        segments.cleanup_proofs()
         if removed:
             log.info("removed %d segment(s) left by dead servers: %s", len(removed),
                      ", ".join(removed))

@@ -11,7 +11,7 @@ LOOKUP creates a *grant* of that session named by its request id: the pending en
 the ALLOC, or the pins of the LOOKUP. COMMIT / ABORT / RELEASE name grants by request id
 within the session. A grant not settled within ``lease_timeout`` seconds expires: pending
 entries are freed, pins dropped, unless the session proves its process is alive and
-attached to the pool (``Session.alive``, the kernel-held lock of
+attached to the pool (``Session.proof``, the kernel-held lock of
 :class:`kvshm.segments.Liveness`): such a stalled client may still be copying, so its
 grants stay *held* (never reused, still counted against it) until it settles them or its
 proof goes. A session whose proof is gone, or that is closed, is settled whole at once
@@ -160,22 +160,24 @@ class _Quota:
 class Session:
     """One HELLO's worth of state on the server: the grants it made, its principal.
 
-    Made by :meth:`Store.open_session`. ``alive`` (None for a remote client) tells
-    whether the process behind the session still holds its liveness proof; ``id`` is
-    issued by the server and ``nonce`` chosen by the client (a new HELLO with the same
-    nonce replaces the session: :meth:`Store.replace_session`).
+    Made by :meth:`Store.open_session`. ``proof`` (None for a remote client) is its
+    liveness proof: ``proof.alive()`` tells whether the process behind the session still
+    holds it, ``proof.remove()`` clears it away once it is dead
+    (:class:`kvshm.segments.Liveness`); ``id`` is issued by the server and ``nonce``
+    chosen by the client (a new HELLO with the same nonce replaces the session:
+    :meth:`Store.replace_session`).
     """
 
-    __slots__ = ("id", "principal", "nonce", "alive", "grants", "quota", "closed",
+    __slots__ = ("id", "principal", "nonce", "proof", "grants", "quota", "closed",
                  "label", "local", "__weakref__")
 
-    def __init__(self, sid: int, principal: Any, nonce: bytes, alive: Callable[[], bool] | None,
+    def __init__(self, sid: int, principal: Any, nonce: bytes, proof: Any,
                  quota: _Quota, label: str = "") -> None:
         self.id = sid
         self.principal = principal
         self.nonce = nonce
-        self.alive = alive
-        self.local = alive is not None
+        self.proof = proof
+        self.local = proof is not None
         self.grants: dict[int, _Grant] = {}
         self.quota = quota
         self.closed = False
@@ -1359,19 +1361,20 @@ class Store:
 
     # ------------------------------------------------------------------ leases
 
-    def open_session(self, principal: Any, *, nonce: bytes = b"",
-                     alive: Callable[[], bool] | None = None, label: str = "") -> Session:
+    def open_session(self, principal: Any, *, nonce: bytes = b"", proof: Any = None,
+                     label: str = "") -> Session:
         """A new session of ``principal`` (any hashable: ``("uid", 1000)``, a CURVE key).
 
-        ``alive``: the session's liveness proof (a same-host client that attached the
-        pool); None for a remote client, whose grants are reclaimed at lease expiry.
+        ``proof``: the session's liveness proof (a same-host client that attached the
+        pool; ``alive()``, ``remove()``); None for a remote client, whose grants are
+        reclaimed at lease expiry.
         """
         self._next_sid += 1
         q = self._quotas.get(principal)
         if q is None:
             q = self._quotas[principal] = _Quota()
         q.sessions += 1
-        sess = Session(self._next_sid, principal, nonce, alive, q, label)
+        sess = Session(self._next_sid, principal, nonce, proof, q, label)
         self._sessions[sess.id] = sess
         return sess
 
@@ -1436,17 +1439,23 @@ class Store:
         expiry. Returns how many were closed."""
         dead = []
         for sess in self._sessions.values():
-            if sess.alive is not None and sess.grants:
-                if not self._alive(sess):
-                    dead.append(sess)
+            if sess.proof is not None and not self._alive(sess):
+                dead.append(sess)
         for sess in dead:
-            self.close_session(sess, "ended (its liveness lock is gone)")
+            self._dead_session(sess)
         return len(dead)
+
+    def _dead_session(self, sess: Session) -> None:
+        self.close_session(sess, "ended (its liveness lock is gone)")
+        try:
+            sess.proof.remove()
+        except Exception:
+            log.exception("removing the liveness file of %r failed", sess)
 
     @staticmethod
     def _alive(sess: Session) -> bool:
         try:
-            return bool(sess.alive())  # type: ignore[misc]
+            return bool(sess.proof.alive())
         except Exception:
             log.exception("liveness check of %r failed; treating it as alive", sess)
             return True
@@ -1479,7 +1488,7 @@ class Store:
                 return deadline
             leases.popleft()
             sess = g.session
-            if sess.alive is not None:
+            if sess.proof is not None:
                 if self._alive(sess):
                     if not g.held:
                         g.held = True
@@ -1490,7 +1499,7 @@ class Store:
                     g.deadline = now + self.config.lease_timeout    # look again later
                     leases.append((g.deadline, g))
                 else:
-                    self.close_session(sess, "ended (its liveness lock is gone)")
+                    self._dead_session(sess)
                 continue
             if self.reclaim_hook is not None:
                 # a remote one-sided client (RDMA): cut its QPs before its blocks are

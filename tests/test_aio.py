@@ -424,7 +424,8 @@ def test_curve_keys(tmp_path):
     from kvshm.security import keygen
 
     public, secret = keygen(str(tmp_path), "server")
-    with ServerProcess("--curve-secret-key", secret, prealloc_size=0.0625) as s:
+    with ServerProcess("--curve-secret-key", secret, "--curve-allow-any",
+                       prealloc_size=0.0625) as s:
         async def main():
             async with AsyncClient(s.address, curve_server_key=public) as c:
                 await c.put("secret", b"s")

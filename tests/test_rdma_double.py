@@ -290,7 +290,7 @@ def test_read_error_names_the_key(server, cverbs):
 def test_server_dropping_the_qp_gives_retry_exceeded(server, cverbs):
     with rdma_client(server, cverbs) as c:
         c.put("k", b"v" * 1000)
-        assert server.rdma.drop(c._chan.routing_id)
+        assert server.rdma.drop(c.session.nonce)
         with pytest.raises(CompletionError, match="RETRY_EXC_ERR"):
             c.get("k")
         assert c.get("k") == b"v" * 1000

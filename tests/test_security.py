@@ -62,8 +62,15 @@ def test_bad_key_file_is_a_usage_error(tmp_path):
     assert r.returncode == 2 and "--curve-secret-key" in r.stderr
 
 
+def test_curve_without_allow_list_needs_an_explicit_flag(keys):
+    r = subprocess.run([sys.executable, "-m", "kvshm", "serve", "--service-port", "0",
+                        "--no-manage", "--curve-secret-key", keys["server_sec"]],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--curve-allow-any" in r.stderr
+
+
 def test_curve_server_takes_only_clients_with_its_key(keys):
-    with ServerProcess("--curve-secret-key", keys["server_sec"],
+    with ServerProcess("--curve-secret-key", keys["server_sec"], "--curve-allow-any",
                        "--log-level", "WARNING") as srv:
         assert "curve public key" in srv.ready_line
         with kvshm.Client(srv.address, curve_server_key=keys["server_pub"]) as c:
@@ -82,6 +89,7 @@ def test_curve_server_takes_only_clients_with_its_key(keys):
         with urllib.request.urlopen(req, timeout=10) as r:
             assert json.loads(r.read())["ok"] is True
     assert srv.stderr_text.count("refused a client connection") >= 2
+    assert "any client that knows this server's public key" in srv.stderr_text
 
 
 def test_allowed_clients_only(keys):

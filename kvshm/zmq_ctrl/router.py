@@ -598,9 +598,9 @@ class ServiceLoop:
             sess = self._open(ident, ("peer", ident), os.urandom(16), None, ident.hex())
         return sess
 
-    def _open(self, ident: bytes, principal: Any, nonce: bytes, alive: Any,
+    def _open(self, ident: bytes, principal: Any, nonce: bytes, proof: Any,
               label: str) -> Session:
-        sess = self.store.open_session(principal, nonce=nonce, alive=alive, label=label)
+        sess = self.store.open_session(principal, nonce=nonce, proof=proof, label=label)
         old = self._by_nonce.get(nonce)
         if old is not None:
             # the same client again (a new HELLO: reconnect, ping, a new mover): the old
@@ -658,19 +658,16 @@ class ServiceLoop:
                 "error": "this server needs its token in HELLO (same-host clients read it "
                          "from the server's token file; see docs/RELIABILITY.md, 'Doors')"
             }, [], current
-        alive = None
-        local = False
+        proof = None
         if body.get("proof") is True:
             proof = Liveness.verify(self.store.pool.name, self.store.pool.token, nonce)
-            if proof is not None:
-                alive = proof.alive
-                local = True
-                if principal[0] != "curve":
-                    principal = ("uid", proof.uid)    # as the kernel recorded it
+            if proof is not None and principal[0] != "curve":
+                principal = ("uid", proof.uid)    # as the kernel recorded it
+        local = proof is not None
         label = f"{principal[0]}:{principal[1] if len(principal) > 1 else ''}"
         if isinstance(principal[-1], bytes):
             label = f"{principal[0]}:{principal[-1].hex()[:12]}"
-        sess = self._open(ident, principal, nonce, alive, label)
+        sess = self._open(ident, principal, nonce, proof, label)
         reply = dict(self.hello)
         reply["epoch"] = self.epoch
         reply["session"] = sess.id
