@@ -88,12 +88,13 @@ class _Defer(Exception):
 
 class _Parked:
     __slots__ = ("ident", "session", "req_id", "op", "attempt", "cleanup", "extra",
-                 "on_sent", "t0", "deadline", "cancelled")
+                 "on_sent", "t0", "deadline", "cancelled", "src")
 
     def __init__(self, ident: bytes, session: Session, req_id: int, op: int, d: _Defer,
                  extra: dict[str, Any], on_sent: list[Any], t0: float,
-                 deadline: float) -> None:
+                 deadline: float, src: Any = None) -> None:
         self.ident = ident
+        self.src = src
         self.session = session
         self.cancelled = False
         self.req_id = req_id
@@ -210,13 +211,6 @@ class ServiceLoop:
         except OSError:
             self._sock.close(0)
             raise
-        # A private inproc endpoint: connecting to it with a peer's routing id hands its
-        # connection over (ROUTER_HANDOVER), which drops that peer's unsent replies.
-        self._cut_endpoint = f"inproc://kvshm-cut-{id(self):x}-{os.urandom(4).hex()}"
-        try:
-            self._sock.bind(self._cut_endpoint)
-        except zmq.ZMQError:
-            self._cut_endpoint = ""
         self._monitor: zmq.Socket | None = None
         if log_handshakes:
             self._monitor = self._sock.get_monitor_socket(
@@ -229,9 +223,10 @@ class ServiceLoop:
         self._parked: list[_Parked] = []
         self._seen_progress = -1
         self._tier_deadline: float | None = None
-        # (tracker, zero-copy entries, blocks counted, session, ident, since)
+        # (tracker, zero-copy entries, blocks counted, session, ident, since, the
+        # request's frame: it names the peer's socket)
         self._sending: list[tuple[zmq.MessageTracker, list[Any], int, Session, bytes,
-                                  float]] = []
+                                  float, Any]] = []
         self._parked_by: dict[tuple[int, int], _Parked] = {}
         self.latency = {op: [0] * len(LATENCY_BUCKETS) for op in Op}
         self.latency_sum = {op: 0.0 for op in Op}
@@ -285,7 +280,7 @@ class ServiceLoop:
 
     def close(self) -> None:
         """Close the socket (after :meth:`run` returned). Unpins entries still in flight."""
-        for _, entries, nblocks, sess, _, _ in self._sending:
+        for _, entries, nblocks, sess, *_ in self._sending:
             self.store.sent(sess, nblocks, entries)
         self._sending.clear()
         for p in self._parked:
@@ -451,45 +446,60 @@ class ServiceLoop:
             self._parked_by.pop((p.session.id, p.req_id), None)
             status, rbody, frames = r
             self._reply(p.ident, p.session, p.req_id, p.op, status, rbody, frames, p.extra,
-                        p.on_sent, p.t0)
+                        p.on_sent, p.t0, p.src)
         # Progress the attempts made themselves (their own evictions) is no reason to
         # attempt again; the next completion or free is.
         self._seen_progress = self.store.progress
 
     def _reap_sends(self, now: float) -> None:
         keep = []
-        stuck: set[bytes] = set()
+        stuck: dict[bytes, Any] = {}
         lease = self.store.config.lease_timeout
         for item in self._sending:
-            tracker, entries, nblocks, sess, ident, since = item
+            tracker, entries, nblocks, sess, ident, since, frame = item
             if tracker.done:
                 self.store.sent(sess, nblocks, entries)
             else:
                 keep.append(item)
-                if now - since > lease:
-                    stuck.add(ident)
+                if now - since > lease and ident not in stuck:
+                    stuck[ident] = frame
+                    # once: its connection goes now; a new one starts a new count
+                    keep[-1] = (*item[:5], now, frame)
         self._sending = keep
-        for ident in stuck:
-            self._cut(ident)
+        for ident, frame in stuck.items():
+            self._cut(ident, frame)
 
-    def _cut(self, ident: bytes) -> None:
-        """A peer has not read its replies within the lease: drop its connection (and
-        with it the unsent replies, whose pins then go)."""
-        if not self._cut_endpoint:
-            return
+    def _cut(self, ident: bytes, frame: Any) -> None:
+        """A peer has not read its replies within the lease: shut its connection down
+        (libzmq then drops the unsent replies, and their pins go when their trackers
+        say so). ``frame``: a request frame of that peer, naming its socket."""
         log.warning("peer %s has not read its replies within the lease (%g s): its "
                     "connection is dropped", ident.hex(), self.store.config.lease_timeout)
         self._count_error("unread_replies")
-        s = self._ctx.socket(zmq.DEALER)
         try:
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.ROUTING_ID, ident)
-            s.connect(self._cut_endpoint)
-            # the handover happens when the ROUTER processes the new pipe: now
-            self._sock.getsockopt(zmq.EVENTS)
+            fd = frame.get(zmq.SRCFD)
+            peer = frame.get("Peer-Address")
+        except (zmq.ZMQError, AttributeError, TypeError):
+            return
+        if type(fd) is not int or fd < 0:
+            return
+        import socket as _socket
+
+        try:
+            s = _socket.socket(fileno=os.dup(fd))
+        except OSError:
+            return
+        try:
+            if s.family in (_socket.AF_INET, _socket.AF_INET6):
+                if s.getpeername()[0] != peer:
+                    return                  # that fd is someone else's by now
+            elif s.family != _socket.AF_UNIX:
+                return
+            s.shutdown(_socket.SHUT_RDWR)
+        except OSError:
+            pass
         finally:
-            s.close(0)
-        self._sock.getsockopt(zmq.EVENTS)
+            s.close()
 
     # ------------------------------------------------------------------ dispatch
 
@@ -572,7 +582,7 @@ class ServiceLoop:
                 status, rbody, frames = handler(session, req_id, body, msg[2:], on_sent)
         except _Defer as d:
             p = _Parked(ident, session, req_id, op, d, reply_extra, on_sent, t0,
-                        time.monotonic() + self.store.config.tier_wait)
+                        time.monotonic() + self.store.config.tier_wait, msg[1])
             self._parked.append(p)
             self._parked_by[(session.id, req_id)] = p
             return
@@ -586,7 +596,7 @@ class ServiceLoop:
             self._count_error("internal")
             status, rbody, frames = Status.INTERNAL, {"error": f"internal error: {exc!r}"}, []
         self._reply(ident, session, req_id, op, status, rbody, frames, reply_extra, on_sent,
-                    t0)
+                    t0, msg[1])
 
     def _session_of(self, ident: bytes) -> Session | None:
         sess = self._by_ident.get(ident)
@@ -678,7 +688,8 @@ class ServiceLoop:
 
     def _reply(self, ident: bytes, session: Session | None, req_id: int, op: int,
                status: int, rbody: dict[str, Any], frames: list[Any],
-               reply_extra: dict[str, Any], on_sent: list[Any], t0: float) -> None:
+               reply_extra: dict[str, Any], on_sent: list[Any], t0: float,
+               src: Any = None) -> None:
         if reply_extra:
             rbody.update(reply_extra)
         track = bool(on_sent) and session is not None
@@ -692,7 +703,7 @@ class ServiceLoop:
                 self.store.sent(session, nblocks, entries)
             else:
                 self._sending.append((tracker, entries, nblocks, session, ident,
-                                      time.monotonic()))
+                                      time.monotonic(), src))
         dt = time.perf_counter() - t0
         self.latency[Op(op)][bisect_left(LATENCY_BUCKETS, dt)] += 1
         self.latency_sum[Op(op)] += dt
