@@ -43,6 +43,10 @@ GiB = 1024 ** 3
 MAX_VALUE_DEFAULT = 256 << 20
 
 
+class _StopRequested(Exception):
+    """stop() was called (SIGTERM/SIGINT) while the server was still starting."""
+
+
 class ConfigError(ValueError):
     """A bad server option; ``option`` names it (the CLI flag is ``--`` + dashes)."""
 
@@ -383,6 +387,7 @@ class Server:
         self.door: Any = None    # kvshm.security.DoorToken
         self._started = False
         self._stopped = False
+        self._stop_requested = False    # stop() during start-up: checked between steps
         self._clean_stop = False    # the loop returned (not a failed start-up)
         self.epoch = int.from_bytes(os.urandom(6), "little") | 1
         self.cluster_ops: Any = None   # kvshm.zmq_ctrl.ops_cluster.ClusterOps
@@ -439,7 +444,9 @@ class Server:
                     cfg.dev_name, pool_bytes=cfg.pool_bytes, ib_port=cfg.ib_port,
                     link_type=cfg.link_type, gid_index=cfg.gid_index, host=cfg.host,
                     backend=self._rdma_backend)
-            self._pool_create()
+            self._check_stop()
+            self._pool_create()         # seconds for a large pool (fallocate, populate)
+            self._check_stop()
             assert self.pool is not None
             pool_bytes = self.pool.size
             if self.rdma is not None:
@@ -451,6 +458,7 @@ class Server:
             self.store = Store(self.pool, store_cfg)
             if cfg.ssd_path is not None:
                 self._tier_create()
+                self._check_stop()
             if cfg.shared_index:
                 self._shared_index_create()
             hello = {
@@ -497,6 +505,7 @@ class Server:
                 self.store.reclaim_hook = lambda sess: rdma_ep.drop(sess.nonce)
             if self.tier is not None:
                 self.tier.notify = self.loop.wake
+            self._check_stop()
             if cfg.ipc:
                 self.loop.hello["ipc"] = self.loop.endpoints[1]
             from kvshm.cluster.config import attach
@@ -523,12 +532,40 @@ class Server:
             self._teardown()
             raise
 
+    def _check_stop(self) -> None:
+        if self._stop_requested:
+            log.info("stop requested during start-up: tearing down")
+            raise _StopRequested()
+
     def _pool_create(self) -> None:
         cfg = self.config
         name = cfg.shm_name or (f"{segments.DEFAULT_PREFIX}{cfg.service_port}-{os.getpid()}-"
                                 f"{os.urandom(4).hex()}")
         # Pool.create holds the segment's liveness lock until unlink (see segments.py).
-        self.pool = Pool.create(name, cfg.pool_bytes, cfg.block_size * KiB)
+        # It takes seconds for a large pool (fallocate, then populate), in C: it runs in
+        # a helper thread so that a SIGTERM/SIGINT is handled at once; then the segment
+        # is unlinked by name and start-up ends (the helper's work is thrown away).
+        box: dict[str, Any] = {}
+
+        def make() -> None:
+            try:
+                box["pool"] = Pool.create(name, cfg.pool_bytes, cfg.block_size * KiB)
+            except BaseException as exc:   # handed to the starting thread
+                box["error"] = exc
+
+        t = threading.Thread(target=make, name="kvshm-pool-create", daemon=True)
+        t.start()
+        while t.is_alive():
+            t.join(0.05)
+            if self._stop_requested:
+                try:
+                    os.unlink(os.path.join(segments.SHM_DIR, name.lstrip("/")))
+                except OSError:
+                    pass
+                raise _StopRequested()
+        if "error" in box:
+            raise box["error"]
+        self.pool = box["pool"]
 
     def _shared_index_create(self) -> None:
         from kvshm._shmindex import IndexWriter, default_slots
@@ -581,8 +618,12 @@ class Server:
     def serve_forever(self, ready: Any = None) -> None:
         """Set up and serve in this thread until :meth:`stop` (e.g. from a signal
         handler); tears everything down before returning. ``ready`` is called once
-        serving."""
-        self._setup()
+        serving. A :meth:`stop` during set-up (SIGTERM while a large pool is being
+        reserved) ends it after the current step, leaving no segment."""
+        try:
+            self._setup()
+        except _StopRequested:
+            return              # _setup tore everything down
         assert self.loop is not None
         # A process-directed signal may land on any thread (zmq's I/O threads, the
         # management thread); the wakeup fd makes it also wake this thread's poll so the
@@ -591,7 +632,9 @@ class Server:
         if threading.current_thread() is threading.main_thread():
             prev_fd = signal.set_wakeup_fd(self.loop.wake_fd)
         try:
-            if ready is not None:
+            if self._stop_requested:        # a signal between set-up and here
+                self.loop.stop()
+            elif ready is not None:
                 ready(self)
             self.loop.run()
             self._clean_stop = True
@@ -602,7 +645,9 @@ class Server:
 
     def stop(self) -> None:
         """Stop serving, unlink the segment, close every socket. Idempotent; safe from a
-        signal handler when serving with :meth:`serve_forever`."""
+        signal handler when serving with :meth:`serve_forever` (also while it is still
+        starting)."""
+        self._stop_requested = True
         if self.loop is not None:
             self.loop.stop()
         if self._thread is not None:

@@ -22,7 +22,8 @@ from kvshm.zmq_ctrl.protocol import PROTOCOL_VERSION, Limits, Op, Status, decode
 from kvshm.zmq_ctrl.router import ServiceLoop
 
 FIELDS = ["keys", "sizes", "counts", "sums", "commit", "abort", "release", "ratio", "verify",
-          "latency", "client", "version", "transport", "rdma"]
+          "latency", "client", "version", "transport", "rdma", "nonce", "token", "proof",
+          "pid", "host", "session", "prefix", "start", "limit"]
 
 scalars = (st.none() | st.booleans() | st.integers(min_value=-(2**63), max_value=2**64 - 1)
            | st.floats(allow_nan=True) | st.binary(max_size=40) | st.text(max_size=12))
@@ -33,8 +34,12 @@ values = st.recursive(
     max_leaves=25)
 
 # Plausible field values: the right shape with wrong contents, huge or negative numbers.
+absurd_ints = st.sampled_from([2**40, 2**63 - 1, 2**63, 2**64 - 1, -(2**63), -1, 0, 1])
 field_values = st.one_of(
     values,
+    absurd_ints,
+    st.lists(absurd_ints, max_size=8),
+    st.lists(st.integers(min_value=0, max_value=40), min_size=200, max_size=2000),
     st.lists(st.binary(min_size=0, max_size=70), max_size=12),
     st.lists(st.integers(min_value=-(2**63), max_value=2**63 - 1), max_size=12),
     st.lists(st.integers(min_value=-5, max_value=5), max_size=12),
@@ -76,7 +81,8 @@ class FuzzServer:
     """A Store and its ServiceLoop serving inproc in a background thread."""
 
     def __init__(self, pool_bytes: int = 4 << 20, block: int = 4096,
-                 lease_timeout: float = 30.0) -> None:
+                 lease_timeout: float = 30.0, door_token: bytes | None = None) -> None:
+        self.door_token = door_token
         self.ctx = zmq.Context()
         self.pool = Pool.create(f"kvshm-test-fuzz-{uuid.uuid4().hex[:8]}", pool_bytes, block)
         self.store = Store(self.pool, StoreConfig(lease_timeout=lease_timeout,
@@ -90,12 +96,21 @@ class FuzzServer:
                  "limits": self.store.config.limits.to_wire(), "lease_timeout": 30.0,
                  "server": {}, "ipc": None}
         self.loop = ServiceLoop(self.store, [self.endpoint], hello, self.epoch,
-                                context=self.ctx)
+                                context=self.ctx, door_token=door_token)
         self.thread = threading.Thread(target=self.loop.run, daemon=True)
         self.thread.start()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(self.endpoint)
+        if door_token is not None:
+            self.hello()
+
+    def hello(self) -> dict:
+        """A valid HELLO (with the door token): this socket has a session again."""
+        body = {"nonce": uuid.uuid4().bytes, "token": self.door_token}
+        st_, _, reply = self.send([_pack([PROTOCOL_VERSION, Op.HELLO, 0, 0, body])])
+        assert st_ == Status.OK, reply
+        return reply
 
     def send(self, frames: list[bytes], timeout_ms: int = 5000) -> tuple[int, int, dict]:
         """Send frames; return the decoded reply. AssertionError if none comes."""
@@ -108,6 +123,9 @@ class FuzzServer:
 
     def check_healthy(self) -> dict:
         """The server answers and its accounting is exact. Returns stats."""
+        assert self.thread.is_alive(), "the server loop ended"
+        if self.door_token is not None:
+            self.hello()           # a hostile HELLO may have replaced this socket's
         st_, _, body = self.send([_pack([PROTOCOL_VERSION, Op.STATS, 1, self.epoch,
                                          {"verify": True}])])
         assert st_ == Status.OK

@@ -955,6 +955,24 @@ class ServiceLoop:
         return Status.OK, {"n": self.store.evict(float(ratio))}, []
 
     def _on_stats(self, session, req_id, body, frames, on_sent):
+        if self._sending:
+            # This peer's earlier GET replies leave before this one (one pipe, in
+            # order) and it is reading: let their zero-copy pins go first, so that its
+            # own figures do not count sends it has already received.
+            # (Bounded: only replies queued within the last second, 0.1 s in all; a
+            # peer that does not read gains no more than that per second.)
+            now = time.monotonic()
+            deadline = now + 0.1
+            for tracker, _, _, sess, _, since, _ in self._sending:
+                if sess is session and not tracker.done and now - since < 1.0:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    try:
+                        tracker.wait(left)
+                    except zmq.NotDone:
+                        break
+            self._reap_sends(time.monotonic())
         s = self.store.stats(verify=bool(body.get("verify")))
         s["errors"] = sum(self.errors.values())
         s["error_kinds"] = dict(self.errors)
