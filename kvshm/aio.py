@@ -147,6 +147,7 @@ class _Conn:
     async def _watch(self) -> None:
         from zmq.utils.monitor import parse_monitor_message
 
+        closed_in_handshake = 0
         while True:
             try:
                 ev = parse_monitor_message(await self.monitor.recv_multipart())
@@ -156,6 +157,13 @@ class _Conn:
                 return
             where = self.client._where(self.endpoint)
             event = ev["event"]
+            if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                # the peer closed mid-handshake: a dying server (a DISCONNECTED follows),
+                # or a CURVE server refusing a wrong server key (it happens again on the
+                # reconnect): as kvshm.zmq_ctrl.channel.Channel
+                closed_in_handshake += 1
+                if closed_in_handshake < 2:
+                    continue
             if event == zmq.EVENT_DISCONNECTED:
                 self.fail(ServerUnavailable, f"lost the connection to kvshm server at "
                           f"{where} (server gone?)")

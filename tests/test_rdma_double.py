@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -482,3 +483,32 @@ def test_server_in_another_process(fabric, tmp_path, cverbs):
 
 def test_version_exports():
     assert kvshm.TransportError is TransportError
+
+
+def test_lease_reclaim_cuts_every_qp_of_the_client_retired_ones_too(fabric, shm_name,
+                                                                     cverbs):
+    """A newer HELLO retires the client's QP for a grace period; lease reclaim cut only
+    the current one, so the retired QP kept REMOTE_WRITE to the whole pool."""
+    from kvshm.client import _Req
+    from kvshm.zmq_ctrl.protocol import Op
+
+    srv, sv = start_server(fabric, shm_name, lease_timeout=0.5)
+    try:
+        with rdma_client(srv, cverbs) as c:
+            c.put("k", b"v" * 1000)
+            c.ping()                                   # a new QP; the old one retired
+            assert srv.rdma.stats()["retired"] == 1 and srv.rdma.connections == 1
+
+            def alloc_only():                          # a write that never commits
+                r = yield _Req(Op.ALLOC, {"keys": [b"x"], "sizes": [10]}, stateful=True)
+                return r.body["st"]
+
+            assert c.run_op(alloc_only()) == [0]
+            deadline = time.monotonic() + 20
+            while c.stats()["pending"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            st = srv.rdma.stats()
+            assert st["connections"] == 0 and st["retired"] == 0, st
+    finally:
+        srv.stop()
+        sv.close()

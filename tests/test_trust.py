@@ -607,3 +607,42 @@ def test_signal_during_startup_of_a_large_pool_exits_leaving_no_segment(sig):
         p.stderr.close()
         if os.path.exists(f"/dev/shm/{name}"):
             os.unlink(f"/dev/shm/{name}")
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_peer_closing_during_curve_handshake_is_server_unavailable(kind):
+    """A server that dies during the CURVE handshake was reported as AuthenticationFailed
+    (which the integrations treat as permanent)."""
+    import asyncio
+    import socket
+    import threading
+
+    ls = socket.socket()
+    ls.bind(("127.0.0.1", 0))
+    ls.listen(4)
+    port = ls.getsockname()[1]
+
+    def dying_server():
+        c, _ = ls.accept()
+        c.send(b"\xff" + b"\0" * 8 + b"\x7f\x03")    # a ZMTP greeting, cut short
+        c.close()
+        ls.close()                                  # and the server is gone
+
+    t = threading.Thread(target=dying_server, daemon=True)
+    t.start()
+    key = zmq.curve_keypair()[0]
+    with pytest.raises(kvshm.ServerUnavailable) as ei:
+        if kind == "sync":
+            Client(f"127.0.0.1:{port}", transport="tcp", timeout=2, curve_server_key=key,
+                   token=b"t")
+        else:
+            async def main():
+                c = kvshm.AsyncClient(f"127.0.0.1:{port}", transport="tcp", timeout=2,
+                                      curve_server_key=key, token=b"t")
+                try:
+                    await c.connect()
+                finally:
+                    await c.close()
+            asyncio.run(main())
+    assert not isinstance(ei.value, kvshm.AuthenticationFailed)
+    t.join(5)

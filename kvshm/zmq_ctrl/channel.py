@@ -98,6 +98,7 @@ class Channel:
         self._monitor: zmq.Socket | None = None
         self._poller: zmq.Poller | None = None
         self._next_id = 1
+        self._hs_failed = 0         # handshakes the peer closed (see _handshake_failed)
         self.lock = threading.Lock()
         self._pid = os.getpid()
 
@@ -185,11 +186,13 @@ class Channel:
             raise
         deadline = time.monotonic() + wait
         assert self._poller is not None
+        self._hs_failed = 0
         while True:
             left = deadline - time.monotonic()
             events = dict(self._poller.poll(max(1, int(left * 1000)))) if left > 0 else {}
             if self._monitor is not None and self._monitor in events:
                 self._handshake_failed()
+                continue
             if sock not in events:
                 if time.monotonic() < deadline:
                     continue
@@ -207,10 +210,23 @@ class Channel:
             return rid, status, rbody, msg[1:]
 
     def _handshake_failed(self) -> None:
+        """A security handshake failed. The server refusing this client's key (AUTH) or
+        speaking another mechanism (PROTOCOL) is final: AuthenticationFailed. The peer
+        closing the connection mid-handshake (NO_DETAIL) is what a dying server does, and
+        also what a CURVE server does with a client that has the wrong server key: only
+        when it happens again on the reconnect is it taken for a refusal; otherwise the
+        wait goes on (and ends in ServerUnavailable if the server is gone)."""
         from zmq.utils.monitor import recv_monitor_message
 
         assert self._monitor is not None
-        ev = recv_monitor_message(self._monitor)
+        try:
+            ev = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        if ev["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            self._hs_failed += 1
+            if self._hs_failed < 2:
+                return
         where = self._where()
         self.reset()
         if ev["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
