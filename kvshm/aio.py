@@ -165,6 +165,8 @@ class _Conn:
                 if closed_in_handshake < 2:
                     continue
             if event == zmq.EVENT_DISCONNECTED:
+                if closed_in_handshake:
+                    continue     # the reconnect tells which (else the timeout ends it)
                 self.fail(ServerUnavailable, f"lost the connection to kvshm server at "
                           f"{where} (server gone?)")
             elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:

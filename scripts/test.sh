@@ -34,7 +34,28 @@ fi
 # Engine integrations (LMCache, SGLang, vLLM) run in their own venv, made by
 # scripts/integration-env.sh (.ci/run makes it; it is reused when already there).
 ivenv=${KVSHM_INTEGRATION_VENV:-/root/.cache/kvshm-ci/integration-venv}
+# Only a complete venv: integration-env.sh writes its marker (the sha256 of that script
+# and the Python version) last, and holds "$ivenv.lock" while it builds; wait for a
+# build in progress (a shared lock), then require a marker that matches this checkout.
+ienv_ok=
 if [ -x "$ivenv/bin/python" ]; then
+    if command -v flock >/dev/null 2>&1 && [ -e "$ivenv.lock" ]; then
+        exec 8<"$ivenv.lock"
+        flock -s 8 || { echo "test.sh: cannot lock $ivenv.lock" >&2; exit 1; }
+    fi
+    want=$( { cat scripts/integration-env.sh; "${PYTHON:-python3}" --version 2>&1; } \
+            | sha256sum | cut -d' ' -f1)
+    if [ -f "$ivenv/.kvshm-integration-env" ] && \
+            [ "$(cat "$ivenv/.kvshm-integration-env")" = "$want" ]; then
+        ienv_ok=1
+    else
+        echo "test.sh: $ivenv is partial or built by another version of" \
+             "scripts/integration-env.sh (no matching marker): engine integration tests" \
+             "not run; run scripts/integration-env.sh" >&2
+        [ "$rc" -eq 0 ] && rc=1
+    fi
+fi
+if [ -n "$ienv_ok" ]; then
     echo "test.sh: engine integrations in $ivenv"
     set +e
     PYTHONPATH="$PWD" "$ivenv/bin/python" -m pytest tests/integrations -m integration -q -ra \
