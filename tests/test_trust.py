@@ -633,12 +633,11 @@ def test_peer_closing_during_curve_handshake_is_server_unavailable(kind):
     key = zmq.curve_keypair()[0]
     with pytest.raises(kvshm.ServerUnavailable) as ei:
         if kind == "sync":
-            Client(f"127.0.0.1:{port}", transport="tcp", timeout=2, curve_server_key=key,
-                   token=b"t")
+            Client(f"127.0.0.1:{port}", transport="tcp", timeout=2, curve_server_key=key)
         else:
             async def main():
                 c = kvshm.AsyncClient(f"127.0.0.1:{port}", transport="tcp", timeout=2,
-                                      curve_server_key=key, token=b"t")
+                                      curve_server_key=key)
                 try:
                     await c.connect()
                 finally:
@@ -646,3 +645,65 @@ def test_peer_closing_during_curve_handshake_is_server_unavailable(kind):
             asyncio.run(main())
     assert not isinstance(ei.value, kvshm.AuthenticationFailed)
     t.join(5)
+
+
+def test_async_get_cancelled_while_its_lookup_is_parked_leaves_no_pin(tmp_path,
+                                                                        monkeypatch):
+    """With an SSD tier, an async get cancelled while its LOOKUP was parked (waiting
+    for a promotion) sent RELEASE before the grant existed; the grant made later was
+    never released (held for ever: the client is alive and local)."""
+    import asyncio
+    import threading
+
+    import numpy as np
+
+    from kvshm.tiers import ssd as ssd_mod
+    from servers import unique_shm_name
+
+    srv = kvshm.Server(service_port=0, manage_port=None, ipc=False, prealloc_size=1 / 16,
+                       shm_name=unique_shm_name("park-"), ssd_path=str(tmp_path / "ssd"),
+                       ssd_size=0.25, ssd_wait=60.0, lease_timeout=1.0).start()
+    try:
+        with Client(srv.address, transport="tcp", timeout=30) as probe:
+            for i in range(100):            # 100 MiB through a 64 MiB pool: spilled
+                probe.put(f"e{i}", np.full(1 << 20, i % 251, np.uint8))
+            deadline = time.monotonic() + 30
+            while probe.exists_batch(["e0"]) != [True] or \
+                    probe.stats()["tiers"]["pool"]["entries"] >= 100:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            reading, gate = threading.Event(), threading.Event()
+            real = ssd_mod._preadv_all
+
+            def stalled(*a):
+                reading.set()
+                gate.wait(60)
+                return real(*a)
+
+            monkeypatch.setattr(ssd_mod, "_preadv_all", stalled)
+
+            async def main():
+                async with kvshm.AsyncClient(srv.address, transport="shm",
+                                             timeout=30) as c:
+                    task = asyncio.ensure_future(c.get("e0"))
+                    loop = asyncio.get_running_loop()
+                    assert await loop.run_in_executor(None, reading.wait, 30)
+                    task.cancel()                   # its LOOKUP waits for the disk
+                    with pytest.raises(asyncio.CancelledError):
+                        await task
+                    await c.flush()                 # the RELEASE reaches the server
+                    gate.set()                      # now the promotion completes
+                    t = time.monotonic()
+                    while probe.stats()["tiers"]["pool"]["promoting"]:
+                        assert time.monotonic() - t < 30
+                        await asyncio.sleep(0.05)
+                    await asyncio.sleep(1.2)        # past the lease
+                    st = probe.stats(verify=True)
+                    assert st["pins"] == 0 and st["held_grants"] == 0, st
+                    assert st["accounting_ok"]
+                    assert await c.get("e0") == bytes([0]) * (1 << 20)
+
+            asyncio.run(main())
+    finally:
+        gate.set()
+        srv.stop()
