@@ -598,6 +598,12 @@ class Store:
         budget = pending_budget
         bad_keys = too_large = quota = 0
         for i in range(n):
+            if budget == 0:
+                # the principal's quota is spent: every key left holds at least one
+                # block, so it is refused (cheaply: a 1 M-key request costs its quota)
+                statuses[i:] = [Status.QUOTA_EXCEEDED] * (n - i)
+                quota += n - i
+                break
             st: int = self._check_key(keys[i])
             size = sizes[i]
             if st != Status.OK:
