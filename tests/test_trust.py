@@ -657,7 +657,7 @@ def test_async_get_cancelled_while_its_lookup_is_parked_leaves_no_pin(tmp_path,
 
     import numpy as np
 
-    from kvshm.tiers import ssd as ssd_mod
+    from kvshm.tiers.ssd import workers as ssd_io
     from servers import unique_shm_name
 
     srv = kvshm.Server(service_port=0, manage_port=None, ipc=False, prealloc_size=1 / 16,
@@ -673,14 +673,14 @@ def test_async_get_cancelled_while_its_lookup_is_parked_leaves_no_pin(tmp_path,
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
             reading, gate = threading.Event(), threading.Event()
-            real = ssd_mod._preadv_all
+            real = ssd_io.preadv_all
 
             def stalled(*a):
                 reading.set()
                 gate.wait(60)
                 return real(*a)
 
-            monkeypatch.setattr(ssd_mod, "_preadv_all", stalled)
+            monkeypatch.setattr(ssd_io, "preadv_all", stalled)
 
             async def main():
                 async with kvshm.AsyncClient(srv.address, transport="shm",
