@@ -288,6 +288,9 @@ class _Session:
             self.releases.clear()
         self._close_local()
         unproven, self._unproven = self._unproven, None
+        if unproven is not None and not same_server:
+            unproven.close()            # proof of another server's pool: start again
+            unproven = None
         if unproven is not None:          # the answer to the HELLO with the proof
             if h.get("local") is True:
                 self.mover = unproven

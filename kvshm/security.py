@@ -158,12 +158,37 @@ def find_token(endpoint: str, token_file: str | None = None) -> bytes | None:
         except OSError as exc:
             raise ValueError(f"cannot read the kvshm token file {explicit}: {exc}") from None
     path = token_path(endpoint)
-    if path is None:
-        return None
+    if path is None or not _on_this_host(endpoint):
+        return None     # never hand a local server's token to another host
     try:
         return _read_private(path)
     except (OSError, ValueError):
         return None
+
+
+def _on_this_host(endpoint: str) -> bool:
+    """True for ipc endpoints and tcp endpoints whose address is one of this host's."""
+    if not endpoint.startswith("tcp://"):
+        return True
+    host = endpoint[len("tcp://"):].rpartition(":")[0].strip("[]")
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_UDP)
+    except OSError:
+        return False
+    for family, _, _, _, addr in infos:
+        try:
+            if ipaddress.ip_address(addr[0]).is_loopback:
+                continue
+        except ValueError:
+            return False
+        probe = socket.socket(family, socket.SOCK_DGRAM)
+        try:
+            probe.bind((addr[0], 0))       # only an address of this host binds
+        except OSError:
+            return False
+        finally:
+            probe.close()
+    return bool(infos)
 
 
 class DoorToken:

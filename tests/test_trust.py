@@ -707,3 +707,13 @@ def test_async_get_cancelled_while_its_lookup_is_parked_leaves_no_pin(tmp_path,
     finally:
         gate.set()
         srv.stop()
+
+
+def test_a_local_token_is_never_offered_to_another_host():
+    from kvshm.security import find_token
+
+    with ServerProcess() as srv:
+        port = srv.address.rsplit(":", 1)[1]
+        assert find_token(f"tcp://127.0.0.1:{port}") is not None
+        # the same port on another host: the local server's token stays here
+        assert find_token(f"tcp://192.0.2.1:{port}") is None
