@@ -232,7 +232,6 @@ class ServiceLoop:
         self.latency_sum = {op: 0.0 for op in Op}
         self.errors: dict[str, int] = {}
         self._handlers: dict[int, Callable[..., tuple[int, dict[str, Any], list[Any]]]] = {
-            Op.HELLO: self._on_hello,
             Op.ALLOC: self._on_alloc,
             Op.COMMIT: self._on_commit,
             Op.LOOKUP: self._on_lookup,
@@ -540,7 +539,7 @@ class ServiceLoop:
                 "version": PROTOCOL_VERSION}))
             return
         handler = self._handlers.get(op)
-        if handler is None:
+        if handler is None and op != Op.HELLO:      # HELLO: self._hello, below
             self._count_error("unknown_op")
             self._send(ident, encode_reply(Status.UNKNOWN_OP, req_id,
                                            {"error": f"unknown op {op}"}))
@@ -579,6 +578,7 @@ class ServiceLoop:
                 status, rbody, frames = Status.STALE_EPOCH, {
                     "error": "server restarted; say HELLO again", "epoch": self.epoch}, []
             else:
+                assert handler is not None
                 status, rbody, frames = handler(session, req_id, body, msg[2:], on_sent)
         except _Defer as d:
             p = _Parked(ident, session, req_id, op, d, reply_extra, on_sent, t0,
@@ -760,9 +760,6 @@ class ServiceLoop:
             raise _BatchTooLarge(len(keys), self.store.config.limits.max_batch)
 
     # ------------------------------------------------------------------ handlers
-
-    def _on_hello(self, session, req_id, body, frames, on_sent):
-        raise AssertionError("HELLO is handled by _hello")   # pragma: no cover
 
     def _on_alloc(self, session, req_id, body, frames, on_sent):
         keys = _list(body, "keys")
