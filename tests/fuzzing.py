@@ -17,6 +17,7 @@ import zmq
 from hypothesis import strategies as st
 
 from kvshm import Pool
+from kvshm.segments import token_digest
 from kvshm.store import Store, StoreConfig
 from kvshm.zmq_ctrl.protocol import PROTOCOL_VERSION, Limits, Op, Status, decode_reply
 from kvshm.zmq_ctrl.router import ServiceLoop
@@ -92,7 +93,8 @@ class FuzzServer:
         self.epoch = 12345
         hello = {"version": PROTOCOL_VERSION,
                  "pool": {"name": self.pool.name, "size": self.pool.size,
-                          "block_size": self.pool.block_size, "token": self.pool.token},
+                          "block_size": self.pool.block_size,
+                          "token_digest": token_digest(self.pool.token)},
                  "limits": self.store.config.limits.to_wire(), "lease_timeout": 30.0,
                  "server": {}, "ipc": None}
         self.loop = ServiceLoop(self.store, [self.endpoint], hello, self.epoch,
