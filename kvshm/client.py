@@ -319,6 +319,7 @@ class _Session:
         r = self.local
         if r is None or self.commits or self.need_hello:
             return None
+        self.check_owner()          # a forked child fails at once, also without a request
         return r
 
     def _close_local(self) -> None:

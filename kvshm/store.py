@@ -169,7 +169,7 @@ class Session:
     """
 
     __slots__ = ("id", "principal", "nonce", "proof", "grants", "quota", "closed",
-                 "label", "local", "__weakref__")
+                 "label", "local", "sending", "__weakref__")
 
     def __init__(self, sid: int, principal: Any, nonce: bytes, proof: Any,
                  quota: _Quota, label: str = "") -> None:
@@ -178,6 +178,7 @@ class Session:
         self.nonce = nonce
         self.proof = proof
         self.local = proof is not None
+        self.sending = 0            # blocks of this session's GET replies not yet sent
         self.grants: dict[int, _Grant] = {}
         self.quota = quota
         self.closed = False
@@ -938,11 +939,13 @@ class Store:
         """``nblocks`` of a GET reply to ``session`` are queued, not yet sent (zero-copy
         pins, or the server's copy): counted against its principal until :meth:`sent`."""
         session.quota.sending += nblocks
+        session.sending += nblocks
 
     def sent(self, session: Session, nblocks: int, entries: Sequence[Entry] = ()) -> None:
         """A GET reply left (or was dropped): unpin its zero-copy ``entries`` and stop
         counting its ``nblocks``."""
         session.quota.sending -= nblocks
+        session.sending -= nblocks
         for e in entries:
             self._unpin(e)
 

@@ -322,9 +322,12 @@ def test_peer_that_never_reads_loses_its_pins_and_connection():
 
 # ---------------------------------------------------------------- settling
 
-def test_sync_request_that_times_out_settles_its_grant():
+def test_sync_request_that_times_out_settles_its_grant(monkeypatch):
     """A sync LOOKUP whose reply came too late was dropped with its pins never released
     (held forever: the client is alive and local)."""
+    from kvshm import localread
+
+    monkeypatch.setenv(localread.ENV_DISABLE, "1")      # reads that ask the server
     with ServerProcess("--lease-timeout", "0.5") as srv, \
             Client(srv.address, transport="shm", timeout=0.5) as c, \
             Client(srv.address, transport="tcp") as probe:

@@ -864,13 +864,20 @@ class ServiceLoop:
         refused (size QUOTA_REFUSED), so a peer that does not read cannot pin the pool
         nor grow this process."""
         store = self.store
+        if self._sending:
+            self._settle_own_sends(session)
         entries, sums = store.pin_for_send(keys, hold)
         sizes = [e.size if e is not None else -1 for e in entries]
         budget = store.send_budget(session)
         cap = self.send_cap_blocks - session.quota.sending
         budget = cap if budget is None else min(budget, cap)
+        # A session with nothing unsent always gets its whole reply: hits beyond the
+        # zero-copy budget are copied (server memory bounded by one reply per reading
+        # session), so every reader makes progress whatever its principal's other
+        # connections hold. One with replies queued and unread gets only the budget.
+        copy_over = not session.sending
         refused = []
-        if any(e is not None for e in entries):
+        if not copy_over and any(e is not None for e in entries):
             for i, e in enumerate(entries):
                 if e is None:
                     continue
@@ -893,7 +900,7 @@ class ServiceLoop:
         for first, count in plan_frames([e.size for e in hits]):
             group = hits[first:first + count]
             e = group[0]
-            if count == 1 and e.size >= PACK_BELOW:
+            if count == 1 and e.size >= PACK_BELOW and (not copy_over or e.nblocks <= budget):
                 # zero-copy, pinned until sent; a value of several runs in one frame per
                 # run, the runs after the first with a count of 0 (frames.unpack)
                 if len(e.extents) == 1:
@@ -905,9 +912,15 @@ class ServiceLoop:
                     counts.extend([1] + [0] * (len(views) - 1))
                 on_sent.append(e)
                 queued += e.nblocks
+                budget -= e.nblocks
                 continue
-            # small values: one packed copy
-            n = sum(g.size for g in group)
+            if count == 1 and e.size >= PACK_BELOW:
+                # over the budget: a copy (one frame), counted until sent as the others
+                n = e.size
+                queued += e.nblocks
+            else:                                           # small values: one packed copy
+                n = sum(g.size for g in group)
+                queued += -(-n // bs)
             buf = bytearray(n)
             offs: list[int] = []
             lens: list[int] = []
@@ -922,7 +935,6 @@ class ServiceLoop:
             store.pool.gather(offs, lens, buf)
             out.append(buf)
             small.extend(group)
-            queued += -(-n // bs)
             counts.append(count)
         store.unpin(small)
         if queued:
@@ -951,25 +963,30 @@ class ServiceLoop:
             return Status.INVALID_REQUEST, {"error": "ratio must be a number in [0, 1]"}, []
         return Status.OK, {"n": self.store.evict(float(ratio))}, []
 
+    def _settle_own_sends(self, session: Session) -> None:
+        """This peer's earlier GET replies leave before the reply to its new request
+        (one pipe, in order) and it is reading: let their zero-copy pins go first, so
+        that what it has already received is not counted against it. Bounded: only
+        replies queued within the last second, 0.1 s in all; a peer that does not read
+        gains no more than that."""
+        if not session.sending:
+            return
+        now = time.monotonic()
+        deadline = now + 0.1
+        for tracker, _, _, sess, _, since, _ in self._sending:
+            if sess is session and not tracker.done and now - since < 1.0:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                try:
+                    tracker.wait(left)
+                except zmq.NotDone:
+                    break
+        self._reap_sends(time.monotonic())
+
     def _on_stats(self, session, req_id, body, frames, on_sent):
         if self._sending:
-            # This peer's earlier GET replies leave before this one (one pipe, in
-            # order) and it is reading: let their zero-copy pins go first, so that its
-            # own figures do not count sends it has already received.
-            # (Bounded: only replies queued within the last second, 0.1 s in all; a
-            # peer that does not read gains no more than that per second.)
-            now = time.monotonic()
-            deadline = now + 0.1
-            for tracker, _, _, sess, _, since, _ in self._sending:
-                if sess is session and not tracker.done and now - since < 1.0:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    try:
-                        tracker.wait(left)
-                    except zmq.NotDone:
-                        break
-            self._reap_sends(time.monotonic())
+            self._settle_own_sends(session)
         s = self.store.stats(verify=bool(body.get("verify")))
         s["errors"] = sum(self.errors.values())
         s["error_kinds"] = dict(self.errors)
