@@ -87,6 +87,10 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-file", default=None, metavar="PATH",
                    help="also write the server's door token here (mode 0640), to give "
                         "another user or group access (clients: KVSHM_TOKEN_FILE)")
+    p.add_argument("--door-token-file", default=None, metavar="PATH",
+                   help="use the door token in this token file instead of a random one "
+                        "(a cluster without CURVE: every member the same; clients name "
+                        "the file with KVSHM_TOKEN_FILE)")
     p.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback --host without CURVE keys")
     p.add_argument("--manage-host", default=None,
@@ -158,6 +162,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         curve_allowed_clients=args.curve_allowed_clients,
         curve_allow_any=args.curve_allow_any,
         token_file=args.token_file,
+        door_token_file=args.door_token_file,
         insecure=args.insecure,
         manage_host=args.manage_host,
         dev_name=getattr(args, "dev_name", None),

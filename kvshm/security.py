@@ -200,10 +200,24 @@ class DoorToken:
         The bound service endpoints (a token file for each tcp port / ipc directory).
     extra_file : str, optional
         ``--token-file``: also write it there (mode 0640), for another user or group.
+    shared_file : str, optional
+        ``--door-token-file``: take the token from this existing token file instead of
+        drawing one (the servers of a cluster without CURVE share one door token, so
+        that a client holding that file gets into every member).
     """
 
-    def __init__(self, endpoints: list[str], extra_file: str | None = None) -> None:
-        self.token = os.urandom(32)
+    def __init__(self, endpoints: list[str], extra_file: str | None = None,
+                 shared_file: str | None = None) -> None:
+        if shared_file:
+            try:
+                self.token = _read_private(shared_file)
+            except OSError as exc:
+                raise ValueError(f"cannot read the door token file {shared_file}: "
+                                 f"{exc}") from None
+            if len(self.token) < 16:
+                raise ValueError(f"{shared_file}: a door token has at least 16 bytes")
+        else:
+            self.token = os.urandom(32)
         self.hex = self.token.hex()
         self.files: list[str] = []
         try:
@@ -214,7 +228,7 @@ class DoorToken:
                 if path.startswith(run_dir() + os.sep):
                     _private_dir(run_dir())
                 self._write(path, 0o600)
-            if extra_file:
+            if extra_file and extra_file != shared_file:
                 self._write(extra_file, 0o640)
         except BaseException:
             self.close()

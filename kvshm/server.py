@@ -96,6 +96,10 @@ class ServerConfig:
     curve_allow_any : bool
         With ``curve_secret_key`` and no ``curve_allowed_clients``: let any client key
         in (an explicit choice, logged as a warning); each key is its own principal.
+    door_token_file : str, optional
+        Use the door token in this existing token file (hex, as the server writes them)
+        instead of a random one: the members of a cluster without CURVE share it, and
+        clients name it (``token_file=`` / ``KVSHM_TOKEN_FILE``) to reach every member.
     token_file : str, optional
         Also write the door token here (mode 0640) for another user or group; same-user
         clients find the default one by themselves (:mod:`kvshm.security`).
@@ -170,6 +174,7 @@ class ServerConfig:
     curve_allowed_clients: str | None = None
     curve_allow_any: bool = False
     token_file: str | None = None
+    door_token_file: str | None = None
     max_value_bytes: int | None = None
     insecure: bool = False
     manage_host: str | None = None
@@ -486,7 +491,7 @@ class Server:
             bound.append(bind(self._router, f"inproc://kvshm-service-{self.epoch}"))
             from kvshm.security import DoorToken
 
-            self.door = DoorToken(bound, cfg.token_file)
+            self.door = DoorToken(bound, cfg.token_file, cfg.door_token_file)
             periodic = None
             if cfg.enable_periodic_evict:
                 periodic = (cfg.evict_interval, cfg.evict_min_threshold,

@@ -324,9 +324,10 @@ class Agent:
     """A Python process on a bed host running ``tests/bed_agent.py``: JSON lines in, JSON
     lines out (one command, one answer)."""
 
-    def __init__(self, bed: Bed, host: int, timeout: float = 60.0) -> None:
+    def __init__(self, bed: Bed, host: int, timeout: float = 60.0,
+                 env: dict[str, str] | None = None) -> None:
         here = os.path.dirname(os.path.abspath(__file__))
-        env = dict(os.environ, PYTHONPATH=os.path.dirname(here))
+        env = dict(os.environ, **(env or {}), PYTHONPATH=os.path.dirname(here))
         self.proc = bed.spawn(host, [sys.executable, "-u", os.path.join(here, "bed_agent.py")],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self.timeout = timeout

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 import select
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 
@@ -45,6 +47,12 @@ class BedCluster:
         self.etcd: Etcd | None = None
         self.servers: dict[int, subprocess.Popen[bytes]] = {}
         self.agents: list[Agent] = []
+        # the members share one door token (no CURVE here): agents name its file
+        self._tokdir = tempfile.mkdtemp(prefix="kvshm-bed-token-")
+        self.token_file = os.path.join(self._tokdir, "door.token")
+        fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, os.urandom(32).hex().encode() + b"\n")
+        os.close(fd)
 
     def start_etcd(self, n: int = 1) -> None:
         self.etcd = Etcd(n, host=self.bed.switch_addr, prefix=self.bed.prefix(None),
@@ -55,6 +63,7 @@ class BedCluster:
         assert self.etcd is not None
         addr = self.bed.addr(i)
         argv = [sys.executable, "-m", "kvshm", "serve", "--host", addr, "--insecure",
+                "--door-token-file", self.token_file,
                 "--service-port", str(PORT), "--no-manage", "--prealloc-size", str(size),
                 "--cluster", self.etcd.url, "--cluster-name", "bed", "--node-id", f"h{i}",
                 "--cluster-ttl", str(TTL), "--log-level", "WARNING"]
@@ -70,7 +79,7 @@ class BedCluster:
 
     def agent(self, i: int, server: int | None = None, **kw: object) -> Agent:
         """A client process on host i of the server on host ``server`` (default i)."""
-        a = Agent(self.bed, i)
+        a = Agent(self.bed, i, env={"KVSHM_TOKEN_FILE": self.token_file})
         self.agents.append(a)
         kw.setdefault("timeout", 1.0)
         a("connect", address=f"{self.bed.addr(i if server is None else server)}:{PORT}",
@@ -91,6 +100,7 @@ class BedCluster:
         if self.etcd is not None:
             self.etcd.close()
         self.bed.destroy()
+        shutil.rmtree(self._tokdir, ignore_errors=True)
 
 
 @pytest.fixture

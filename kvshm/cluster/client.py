@@ -524,7 +524,8 @@ class ClusterClient:
             self.counters["miss_epoch" if m is not None else "miss_peer_down"] += len(keys)
             return miss
         node = h.node_id or h.address
-        c = self._client(h.node_id) if h.node_id else Client(h.address, timeout=self.timeout)
+        c = self._client(h.node_id) if h.node_id else Client(h.address, timeout=self.timeout,
+                                                                    **self._opts)
         assert c is not None
         try:
             try:
