@@ -720,3 +720,28 @@ def test_a_local_token_is_never_offered_to_another_host():
         assert find_token(f"tcp://127.0.0.1:{port}") is not None
         # the same port on another host: the local server's token stays here
         assert find_token(f"tcp://192.0.2.1:{port}") is None
+
+
+def test_shared_door_token_file(tmp_path):
+    """--door-token-file: a server takes its door token from the file (the members of a
+    cluster without CURVE share one); a short or missing file is refused."""
+    from kvshm.security import DoorToken, find_token
+
+    path = tmp_path / "door.token"
+    secret = os.urandom(32)
+    path.write_text(secret.hex() + "\n")
+    path.chmod(0o600)
+    door = DoorToken([], shared_file=str(path))
+    try:
+        assert door.token == secret and door.check(secret)
+        assert find_token("tcp://10.0.0.9:7400", str(path)) == secret
+        assert not door.check(os.urandom(32))
+    finally:
+        door.close()
+    assert path.exists()            # the shared file is not the server's to remove
+    short = tmp_path / "short.token"
+    short.write_text("abcd\n")
+    with pytest.raises(ValueError):
+        DoorToken([], shared_file=str(short))
+    with pytest.raises(ValueError):
+        DoorToken([], shared_file=str(tmp_path / "missing"))
