@@ -21,6 +21,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
+def write_json(res: Any, dest: str) -> None:
+    """The ``--json`` output of a script: ``dest`` is a file path, or ``-`` for stdout."""
+    import json
+
+    text = json.dumps(res, indent=1, sort_keys=True)
+    if dest == "-":
+        print(text)
+    else:
+        with open(dest, "w") as f:
+            f.write(text + "\n")
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     s = socket.socket()

@@ -37,6 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
+import _common  # noqa: E402
 from _common import proc_status, rss_by_mapping  # noqa: E402
 
 KEY_BYTES = 40
@@ -161,12 +162,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({args.batch}-key batches, shm client)")
     print("  (target: <= 100 bytes/key at 10 M keys)")
     if args.json:
-        text = json.dumps(res, indent=1, sort_keys=True)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
+        _common.write_json(res, args.json)
     return 0
 
 

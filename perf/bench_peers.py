@@ -426,12 +426,7 @@ def main(argv: list[str] | None = None) -> int:
            "rows": rows}
     report(res)
     if args.json:
-        text = json.dumps(res, indent=1, sort_keys=True)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
+        _common.write_json(res, args.json)
     return 0
 
 

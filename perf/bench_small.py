@@ -36,7 +36,6 @@ Targets (issue 13) are printed beside the ratios; nothing here asserts them.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -444,12 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     res["meta"]["loadavg_end"] = os.getloadavg()[0]
     report(res)
     if args.json:
-        text = json.dumps(res, indent=1, sort_keys=True)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
+        _common.write_json(res, args.json)
     return 0
 
 
