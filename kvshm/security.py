@@ -225,9 +225,15 @@ class DoorToken:
                 path = token_path(ep)
                 if path is None:
                     continue
-                if path.startswith(run_dir() + os.sep):
-                    _private_dir(run_dir())
-                self._write(path, 0o600)
+                for attempt in range(3):
+                    try:
+                        if path.startswith(run_dir() + os.sep):
+                            _private_dir(run_dir())
+                        self._write(path, 0o600)
+                        break
+                    except FileNotFoundError:   # the last server of this user just
+                        if attempt == 2:         # removed the empty directory: again
+                            raise
             if extra_file and extra_file != shared_file:
                 self._write(extra_file, 0o640)
         except BaseException:
@@ -263,6 +269,11 @@ class DoorToken:
                     os.unlink(path)
             except (OSError, ValueError):
                 pass
+            if os.path.dirname(path) == run_dir():
+                try:
+                    os.rmdir(run_dir())     # the last server of this user leaves nothing
+                except OSError:             # others' tokens are still there
+                    pass
         self.files.clear()
 
 

@@ -745,3 +745,19 @@ def test_shared_door_token_file(tmp_path):
         DoorToken([], shared_file=str(short))
     with pytest.raises(ValueError):
         DoorToken([], shared_file=str(tmp_path / "missing"))
+
+
+def test_the_last_door_token_leaves_no_directory(tmp_path, monkeypatch):
+    """The per-user token directory goes with the last server's token; while another
+    server's token is there, it stays."""
+    from kvshm import security
+
+    monkeypatch.setattr(security, "_RUN_DIR", str(tmp_path))
+    a = security.DoorToken(["tcp://127.0.0.1:40001"])
+    b = security.DoorToken(["tcp://127.0.0.1:40002"])
+    d = security.run_dir()
+    assert sorted(os.listdir(d)) == ["40001.token", "40002.token"]
+    a.close()
+    assert os.listdir(d) == ["40002.token"]
+    b.close()
+    assert not os.path.exists(d)
