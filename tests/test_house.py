@@ -158,7 +158,8 @@ def test_import_kvshm_is_light() -> None:
 #: what each may import (besides itself). A module in no layer (new, not yet placed) is
 #: checked for cycles only.
 LAYERS: dict[str, list[str]] = {
-    "base": ["kvshm._[!_]*", "kvshm.errors", "kvshm.units", "kvshm.keys", "kvshm.index",
+    "base": ["kvshm._[!_]*", "kvshm.errors", "kvshm.units", "kvshm.keys", "kvshm.limits",
+             "kvshm.index",
              "kvshm.security", "kvshm.segments", "kvshm.trace", "kvshm.cuda"],
     "wire": ["kvshm.zmq_ctrl", "kvshm.zmq_ctrl.protocol", "kvshm.zmq_ctrl.frames",
              "kvshm.zmq_ctrl.channel"],
@@ -166,7 +167,8 @@ LAYERS: dict[str, list[str]] = {
                "kvshm.rdma.*"],
     "client": ["kvshm.client", "kvshm.aio", "kvshm.layerwise", "kvshm.integrations",
                "kvshm.integrations.*"],
-    "store": ["kvshm.tiers", "kvshm.tiers.*", "kvshm.store", "kvshm.zmq_ctrl.router"],
+    "store": ["kvshm.tiers", "kvshm.tiers.*", "kvshm.store", "kvshm.store.*",
+              "kvshm.zmq_ctrl.router"],
     "server": ["kvshm.server", "kvshm.manage"],
     "tools": ["kvshm.cliargs", "kvshm.cli", "kvshm.__main__", "kvshm.replay",
               "kvshm.replay.*"],
@@ -281,6 +283,47 @@ def test_each_layer_imports_only_what_it_may() -> None:
     # the rules are about modules that exist
     placed = [m for m in mods if _layer(m) is not None]
     assert len(placed) > 50 and "kvshm.store" in placed and "kvshm.client" in placed
+
+
+def test_the_store_knows_no_wire_and_no_tier() -> None:
+    """docs/ARCHITECTURE.md: kvshm.store and its parts import neither the wire protocol
+    (kvshm.zmq_ctrl, the router included) nor a concrete tier (kvshm.tiers.ssd), not even
+    through a module of their own that does."""
+    mods = _modules()
+    edges = _imports(mods)
+    store = sorted(m for m in mods if m == "kvshm.store" or m.startswith("kvshm.store."))
+    assert "kvshm.store.core" in store and "kvshm.store.sessions" in store
+
+    def forbidden(d: str) -> bool:
+        return (d == "kvshm.zmq_ctrl" or d.startswith("kvshm.zmq_ctrl.")
+                or d == "kvshm.tiers.ssd" or d.startswith("kvshm.tiers.ssd."))
+
+    bad = []
+    for m in store:
+        seen: set[str] = set()
+        todo = list(edges[m])
+        while todo:                 # what it reaches, directly or through other modules
+            d = todo.pop()
+            if d in seen:
+                continue
+            seen.add(d)
+            if forbidden(d):
+                bad.append(f"{m} reaches {d}")
+            todo.extend(edges.get(d, ()))
+    assert not bad, bad
+    # and at run time: importing the store loads no wire module and no tier beyond what
+    # `import kvshm` (the client side) loads by itself
+    code = ("import sys, kvshm\n"
+            "before = set(sys.modules)\n"
+            "import kvshm.store\n"
+            "print(' '.join(sorted(m for m in set(sys.modules) - before if m.startswith("
+            "('kvshm.zmq_ctrl', 'kvshm.tiers.ssd')))))\n"
+            "print('kvshm.tiers.api' in sys.modules)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=TIMEOUT, cwd=str(ROOT))
+    assert p.returncode == 0, p.stderr
+    loaded, api = p.stdout.split("\n")[:2]
+    assert loaded == "" and api == "True", p.stdout
 
 
 # ---------------------------------------------------------------------- SSD scratch files

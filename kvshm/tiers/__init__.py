@@ -5,11 +5,21 @@ a file: it hands over an entry to write (``spill``), asks whether a key lives be
 (``has``), asks for a key to be read back into pool blocks it allocated (``read``), and
 applies the completions the tier delivers on the loop thread (``poll``). See docs/SSD.md.
 
-:mod:`kvshm.tiers.ssd` is the one tier so far: pre-allocated files on a local disk.
+The interface is :mod:`kvshm.tiers.api`; :mod:`kvshm.tiers.ssd` is the one tier so far: pre-allocated files on a local disk.
 """
 
 from __future__ import annotations
 
-from kvshm.tiers.ssd import SsdConfig, SsdEntry, SsdTier
+from typing import Any
 
 __all__ = ["SsdConfig", "SsdEntry", "SsdTier"]
+
+
+def __getattr__(name: str) -> Any:
+    # loaded on first use, so that importing kvshm.tiers.api (the store does) does not
+    # load a concrete tier
+    if name in __all__:
+        from kvshm.tiers import ssd
+
+        return getattr(ssd, name)
+    raise AttributeError(f"module 'kvshm.tiers' has no attribute {name!r}")

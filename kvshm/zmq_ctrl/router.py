@@ -45,7 +45,7 @@ from typing import Any, Callable, Sequence
 import zmq
 
 from kvshm.segments import Liveness
-from kvshm.store import QUOTA_REFUSED, Session, Store
+from kvshm.store import QUOTA_REFUSED, Outcome, Session, Store
 from kvshm.zmq_ctrl.frames import PACK_BELOW, FrameLayoutError
 from kvshm.zmq_ctrl.frames import plan as plan_frames
 from kvshm.zmq_ctrl.frames import unpack as unpack_frames
@@ -68,6 +68,28 @@ LATENCY_BUCKETS = (50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e
 
 
 _STALE_CHECK_S = 0.002   # poll interval while zero-copy sends are in flight
+
+#: The store's per-key outcomes (kvshm.store.Outcome) as wire statuses.
+_OUTCOME_STATUS: dict[int, Status] = {
+    Outcome.OK: Status.OK,
+    Outcome.INVALID_KEY: Status.INVALID_KEY,
+    Outcome.TOO_LARGE: Status.TOO_LARGE,
+    Outcome.POOL_FULL: Status.POOL_FULL,
+    Outcome.INVALID_REQUEST: Status.INVALID_REQUEST,
+    Outcome.QUOTA_EXCEEDED: Status.QUOTA_EXCEEDED,
+}
+if set(_OUTCOME_STATUS) != set(Outcome):
+    raise ImportError("router: a store outcome has no wire status")
+#: Equal numbers (as chosen in kvshm.store.outcome): a list of outcomes goes out as it is.
+_SAME_NUMBERS = all(int(o) == int(s) for o, s in _OUTCOME_STATUS.items())
+
+
+def _wire_statuses(outcomes: list[int]) -> list[int]:
+    """Per-key store outcomes -> wire statuses (``_OUTCOME_STATUS``)."""
+    if _SAME_NUMBERS:
+        return outcomes
+    table = _OUTCOME_STATUS
+    return [table[o] for o in outcomes]
 
 
 class _Malformed(Exception):
@@ -774,14 +796,14 @@ class ServiceLoop:
         if store.tier is None:
             offsets, statuses = store.alloc_entries(session, req_id, keys, sizes,  # type: ignore[misc]
                                                     sums)
-            return Status.OK, {"offsets": offsets, "st": statuses}, []
+            return Status.OK, {"offsets": offsets, "st": _wire_statuses(statuses)}, []
 
         def attempt(force: bool) -> tuple[int, dict[str, Any], list[Any]] | None:
             r = store.alloc_entries(session, req_id, keys, sizes, sums, defer=not force,
                                     drop=force)
             if r is None:
                 return None
-            return Status.OK, {"offsets": r[0], "st": r[1]}, []
+            return Status.OK, {"offsets": r[0], "st": _wire_statuses(r[1])}, []
 
         return _attempt_now(attempt)
 
@@ -824,11 +846,11 @@ class ServiceLoop:
         self._check_batch(keys)
         store = self.store
         if store.tier is None:
-            return Status.OK, {"st": store.put(keys, frames, sums)}, []
+            return Status.OK, {"st": _wire_statuses(store.put(keys, frames, sums))}, []
 
         def attempt(force: bool) -> tuple[int, dict[str, Any], list[Any]] | None:
             st = store.put(keys, frames, sums, defer=not force, drop=force)
-            return None if st is None else (Status.OK, {"st": st}, [])
+            return None if st is None else (Status.OK, {"st": _wire_statuses(st)}, [])
 
         return _attempt_now(attempt)
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvshm.tiers.api import SPILL_BUSY, SPILL_REFUSED, SPILL_STARTED, WRITING
+
 __all__ = ["SsdConfig", "SsdEntry", "ALIGN", "GiB", "MiB", "WRITING", "STORED", "DEAD",
            "NOWHERE", "ONLY", "MARGIN", "HOT", "SPILL_STARTED", "SPILL_BUSY",
            "SPILL_REFUSED", "round_up"]
@@ -23,8 +25,7 @@ MiB = 1024 ** 2
 #: I/O alignment (offsets, lengths, buffer addresses) for O_DIRECT.
 ALIGN = 4096
 
-# SsdEntry.state
-WRITING = 0
+# SsdEntry.state (WRITING: kvshm.tiers.api, the store tests for it)
 STORED = 1
 DEAD = 2
 # SsdEntry.where
@@ -33,10 +34,7 @@ ONLY = 1
 MARGIN = 2
 HOT = 3
 
-# SsdTier.spill results
-SPILL_STARTED = 0
-SPILL_BUSY = 1       # the write queue is full: try again when a write completes
-SPILL_REFUSED = 2    # cannot be stored (larger than a file, no room, tier failing)
+# SsdTier.spill results: SPILL_STARTED, SPILL_BUSY, SPILL_REFUSED (kvshm.tiers.api)
 
 
 def round_up(n: int, a: int) -> int:

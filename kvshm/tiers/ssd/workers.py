@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 
 import xxhash
 
+from kvshm.tiers.api import MAX_JOB_BYTES as _API_MAX_JOB_BYTES
 from kvshm.tiers.ssd.entry import ALIGN, MiB, SsdEntry, round_up
 
 __all__ = ["Job", "Prefetch", "ReadGate", "IoPool", "io_buffer", "pwritev_all",
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 #: A job moves at most this many bytes / entries: runs of entries adjacent on disk are
 #: moved with one preadv/pwritev. Also the size of each worker's private buffer (a
 #: promotion read of a larger value goes straight into the pool).
-MAX_JOB_BYTES = 8 * MiB
+MAX_JOB_BYTES = _API_MAX_JOB_BYTES    # 8 MiB (kvshm.tiers.api: the store groups by it)
 MAX_JOB_ITEMS = 512
 #: A promotion read is started in pieces of at most this many bytes, each on its own
 #: worker: the checksum and the copy into the pool of one piece overlap the disk reads

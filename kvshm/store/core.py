@@ -1,0 +1,403 @@
+"""The :class:`Store`: its state and its data path (ALLOC, COMMIT, PUT, LOOKUP, GET,
+EXISTS, MATCH_PREFIX, DELETE, PURGE). The rest of its methods come from the parts it is
+made of: :mod:`~kvshm.store.sessions` (sessions, grants, leases),
+:mod:`~kvshm.store.space` (allocation, eviction, compaction), :mod:`~kvshm.store.tiered`
+(a tier below), :mod:`~kvshm.store.accounting` (budgets, stats)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import OrderedDict, deque
+from typing import Any, Callable, Sequence
+
+from kvshm._bitmap import BitmapAllocator
+from kvshm._pool import Pool
+from kvshm.index import MAX_EXTENTS, Entry, Index
+from kvshm.store.accounting import _Accounting
+from kvshm.store.config import StoreConfig
+from kvshm.store.outcome import QUOTA_REFUSED, Outcome
+from kvshm.store.sessions import _ALLOC, _PIN, Session, _Grant, _Quota, _Sessions
+from kvshm.store.space import _Space
+from kvshm.store.tiered import ReadHold, _Promotion, _Tiered
+
+__all__ = ["Store"]
+
+
+class Store(_Sessions, _Space, _Tiered, _Accounting):
+    """Key -> value store over a :class:`~kvshm.Pool`.
+
+    Parameters
+    ----------
+    pool : Pool
+        The shared-memory pool (created by the server); the store never closes it.
+    config : StoreConfig, optional
+    clock : callable, optional
+        Monotonic seconds (tests may pass a fake clock).
+    """
+
+    def __init__(self, pool: Pool, config: StoreConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.pool = pool
+        self.config = config or StoreConfig()
+        self.block_size = pool.block_size
+        self.alloc = BitmapAllocator(pool.num_blocks)
+        self.index = Index()
+        self._clock = clock
+        self._ngrants = 0
+        self._leases: deque[tuple[float, _Grant]] = deque()
+        self._quotas: dict[Any, _Quota] = {}        # principal -> what it holds
+        self._sessions: dict[int, Session] = {}
+        self._named: dict[Any, Session] = {}         # implicit sessions (session_for)
+        self._next_sid = int.from_bytes(os.urandom(4), "little") << 16
+        self._pending = 0           # entries in state PENDING
+        self._dead: set[Entry] = set()   # replaced/deleted while pinned
+        self._pinned_entries = 0    # entries with pins > 0
+        self._pins = 0              # total pins
+        self.max_value = self.config.limits.max_value_bytes or pool.size
+        if not 1 <= self.config.max_extents <= MAX_EXTENTS:
+            raise ValueError(f"max_extents must be in 1..{MAX_EXTENTS}")
+        #: Most runs a value is placed in (config.max_extents; at most what a tier
+        #: below moves).
+        self.max_extents = self.config.max_extents
+        self._compact_skip = 0          # chances to compact left out (_try_compact)
+        self._compact_backoff = 0
+        # Called with each entry about to be evicted (without a tier); the entry's
+        # blocks are freed after the hook returns.
+        self.evict_hook: Callable[[Entry], None] | None = None
+        # Called with a session before its grants are reclaimed (lease run out on a
+        # client without a liveness proof, or the session closed): the RDMA endpoint
+        # cuts every QP of that client so a late one-sided WRITE fails at the NIC.
+        self.reclaim_hook: Callable[[Session], Any] | None = None
+        self._held = 0
+        # A tier below the pool (attach_tier); None: evicted entries are dropped.
+        self.tier: Any = None
+        self.clean_target = 0       # bytes the cleaner keeps free or clean
+        self._dirty: OrderedDict[bytes, Entry] = OrderedDict()  # live, no copy, LRU order
+        self._promoting: dict[bytes, _Promotion] = {}
+        self._wait = False          # the last _allocate stopped for spills in flight
+        #: Bumped whenever blocks are freed or a tier job completes (a parked request
+        #: may then succeed).
+        self.progress = 0
+        self.tier_counters: dict[str, int] = dict.fromkeys(
+            ("demotions", "dropped", "dropped_bytes", "promotions", "ssd_hits"), 0)
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("hits", "misses", "evictions", "evicted_bytes", "bytes_in", "bytes_out",
+             "puts", "gets", "commits", "aborts", "lease_expired_writes",
+             "lease_expired_pins", "deletes", "purged", "pool_full", "too_large",
+             "invalid_keys", "quota_refusals", "replaced_early", "alloc_evictions",
+             "free_blocks_at_evictions", "fragmented_evictions", "relocations",
+             "relocated_bytes", "split_values", "compactions_failed"), 0)
+
+    def _check_key(self, key: Any) -> int:
+        if type(key) is not bytes:
+            if isinstance(key, str):
+                return Outcome.INVALID_KEY   # the codec delivers bin keys; str is a client bug
+            return Outcome.INVALID_KEY
+        n = len(key)
+        if n == 0 or n > self.config.limits.max_key_bytes:
+            return Outcome.INVALID_KEY
+        return Outcome.OK
+
+    def alloc_entries(self, session: Session | bytes, req_id: int, keys: Sequence[Any],
+                      sizes: Sequence[Any], sums: Sequence[Any] | None = None, *,
+                      defer: bool = False, drop: bool = False
+                      ) -> tuple[list[int], list[int]] | None:
+        """ALLOC: reserve blocks for each key as a pending entry.
+
+        Returns
+        -------
+        offsets : list of int, or of list of [offset, length]
+            Per key: the byte offset in the pool of a value in one run (the common case),
+            the byte extents of a value laid over several runs (:meth:`place`), -1
+            where refused.
+        statuses : list of Status
+            OK, INVALID_KEY, INVALID_REQUEST, TOO_LARGE, POOL_FULL or QUOTA_EXCEEDED.
+
+        With a tier, ``defer`` returns None instead of POOL_FULL while spills in flight
+        may make room (ask again after :meth:`service` made progress); ``drop`` makes
+        room by dropping dirty entries instead of waiting for them to be spilled.
+        """
+        session = self._as_session(session)
+        budget = None
+        limit = self._limit_blocks(self.config.max_client_pending_bytes)
+        if limit:
+            budget = max(0, limit - session.quota.pending)
+        r = self._new_entries(keys, sizes, sums, budget, defer, drop)
+        if r is None:
+            return None
+        entries, statuses = r
+        granted = [e for e in entries if e is not None]
+        bs = self.block_size
+        offsets = [-1 if e is None else e.start * bs if len(e.extents) == 1
+                   else e.byte_extents(bs) for e in entries]
+        if granted:
+            self._pending += len(granted)
+            self._add_grant(_ALLOC, session, req_id, granted, sum(e.size for e in granted))
+        return offsets, statuses
+
+    def place(self, e: Entry) -> int | list[list[int]]:
+        """Where ``e``'s bytes lie, as ALLOC and LOOKUP answer it: the byte offset of a
+        value in one run, else its byte extents ``[[offset, length], ...]``."""
+        if len(e.extents) == 1:
+            return e.start * self.block_size
+        return e.byte_extents(self.block_size)
+
+    def commit(self, session: Session | bytes, req_ids: Sequence[int]) -> list[int]:
+        """COMMIT: make the pending entries of these ALLOC grants visible.
+
+        Returns the request ids whose grant no longer exists (lease expired, or unknown).
+        """
+        grants = self._as_session(session).grants
+        failed = []
+        for rid in req_ids:
+            g = grants.get(rid)
+            if g is None or g.kind != _ALLOC:
+                failed.append(rid)
+                continue
+            self._settle(g, commit=True)
+            self.counters["commits"] += 1
+            self.counters["puts"] += len(g.entries)
+            self.counters["bytes_in"] += g.nbytes
+        return failed
+
+    def abort(self, session: Session | bytes, req_ids: Sequence[int]) -> None:
+        """Free the pending entries of these ALLOC grants (a failed or cancelled write)."""
+        grants = self._as_session(session).grants
+        for rid in req_ids:
+            g = grants.get(rid)
+            if g is not None and g.kind == _ALLOC:
+                self._settle(g, commit=False)
+                self.counters["aborts"] += 1
+
+    def put(self, keys: Sequence[Any], values: Sequence[Any],
+            sums: Sequence[Any] | None = None, *, defer: bool = False,
+            drop: bool = False) -> list[int] | None:
+        """PUT (TCP mover): allocate, copy ``values`` (buffers) into the pool, commit.
+
+        Returns a Status per key (None: deferred, as :meth:`alloc_entries`).
+        """
+        sizes = [memoryview(v).nbytes for v in values]
+        r = self._new_entries(keys, sizes, sums, None, defer, drop)
+        if r is None:
+            return None
+        entries, statuses = r
+        ok = [e for e in entries if e is not None]
+        if ok:
+            bs = self.block_size
+            offs: list[int] = []
+            srcs: list[Any] = []
+            for e, v in zip(entries, values):
+                if e is None:
+                    continue
+                if len(e.extents) == 1:
+                    offs.append(e.start * bs)
+                    srcs.append(v)
+                    continue
+                m = memoryview(v)
+                if m.format != "B" or m.ndim != 1:
+                    m = m.cast("B")
+                pos = 0
+                for o, k in e.byte_extents(bs):     # the frame's bytes into each run
+                    offs.append(o)
+                    srcs.append(m[pos:pos + k])
+                    pos += k
+            self.pool.write_many(offs, srcs)
+            for e in ok:
+                self._install(e)
+            self.counters["puts"] += len(ok)
+            self.counters["bytes_in"] += sum(e.size for e in ok)
+        return statuses
+
+    def lookup(self, session: Session | bytes, req_id: int, keys: Sequence[Any],
+               hold: ReadHold | None = None
+               ) -> tuple[list[int], list[int], list[int | None]]:
+        """LOOKUP: pin each hit and refresh its LRU position.
+
+        With a tier, call :meth:`prepare_read` first (it promotes what lives below);
+        ``hold`` is the one it filled (to count the hits that came from the tier).
+
+        Returns
+        -------
+        offsets, sizes : list
+            Per key as :meth:`alloc_entries` (an int offset, or byte extents of a value
+            of several runs); -1 for a miss; a size of ``QUOTA_REFUSED`` (-2) for a key that is present but
+            would take the principal over ``max_client_pinned_bytes`` (not pinned).
+        checksums : list of int or None
+        """
+        n = len(keys)
+        offsets: list[Any] = [-1] * n
+        sizes = [-1] * n
+        sums: list[int | None] = [None] * n
+        pinned: list[Entry] = []
+        self.index.sync()           # lock-free reads recorded before this one go first
+        d = self.index.mapping
+        bs = self.block_size
+        nbytes = 0
+        tier = self.tier
+        session = self._as_session(session)
+        limit = self._limit_blocks(self.config.max_client_pinned_bytes)
+        budget = 0
+        if limit:
+            q = session.quota
+            budget = limit - q.pinned - q.sending
+        for i in range(n):
+            k = keys[i]
+            e = d.get(k) if type(k) is bytes else None
+            if e is None:
+                continue
+            if limit:
+                if e.nblocks > budget:
+                    self.counters["quota_refusals"] += 1
+                    sizes[i] = QUOTA_REFUSED     # present, but over this principal's limit
+                    continue
+                budget -= e.nblocks
+            d.move_to_end(k)
+            if tier is not None:
+                self._touch(e, hold)
+            self._pin(e)
+            pinned.append(e)
+            nbytes += e.size
+            offsets[i] = e.start * bs if len(e.extents) == 1 else e.byte_extents(bs)
+            sizes[i] = e.size
+            sums[i] = e.checksum
+        hits = len(pinned)
+        self.counters["hits"] += hits
+        self.counters["misses"] += n - hits
+        if pinned:
+            self._add_grant(_PIN, session, req_id, pinned, nbytes)
+            self.counters["gets"] += hits
+            self.counters["bytes_out"] += nbytes
+        return offsets, sizes, sums
+
+    def release(self, session: Session | bytes, req_ids: Sequence[int]) -> None:
+        """RELEASE: drop the pins of these LOOKUP grants."""
+        grants = self._as_session(session).grants
+        for rid in req_ids:
+            g = grants.get(rid)
+            if g is not None and g.kind == _PIN:
+                self._settle(g, commit=False)
+
+    def pin_for_send(self, keys: Sequence[Any], hold: ReadHold | None = None
+                     ) -> tuple[list[Entry | None], list[int | None]]:
+        """GET (TCP mover): pin the hits so their bytes can be sent without a copy.
+
+        The caller unpins each entry with :meth:`unpin` once its frame is sent.
+        Returns the entry per key (None for a miss) and its checksum. With a tier, call
+        :meth:`prepare_read` first, as for :meth:`lookup`.
+        """
+        self.index.sync()           # lock-free reads recorded before this one go first
+        d = self.index.mapping
+        out: list[Entry | None] = []
+        sums: list[int | None] = []
+        hits = nbytes = 0
+        tier = self.tier
+        for k in keys:
+            e = d.get(k) if type(k) is bytes else None
+            if e is not None:
+                d.move_to_end(k)
+                if tier is not None:
+                    self._touch(e, hold)
+                self._pin(e)
+                hits += 1
+                nbytes += e.size
+            out.append(e)
+            sums.append(e.checksum if e is not None else None)
+        self.counters["hits"] += hits
+        self.counters["misses"] += len(keys) - hits
+        self.counters["gets"] += hits
+        self.counters["bytes_out"] += nbytes
+        return out, sums
+
+    def pin_entries(self, entries: Sequence[Entry]) -> None:
+        """Pin live entries (a handoff pin, kvshm.zmq_ctrl.ops_cluster); undo with
+        :meth:`unpin`. Counts no read."""
+        for e in entries:
+            self._pin(e)
+
+    def unpin(self, entries: Sequence[Entry]) -> None:
+        for e in entries:
+            self._unpin(e)
+
+    def view(self, e: Entry) -> memoryview:
+        """A read-only view of a pinned entry's bytes (one run; see :meth:`views`)."""
+        if len(e.extents) != 1:
+            raise ValueError(f"{e!r} lies in {len(e.extents)} runs: use views()")
+        return self.pool.view(e.start * self.block_size, e.size, readonly=True)
+
+    def views(self, e: Entry) -> list[memoryview]:
+        """Read-only views of a pinned entry's bytes, one per run, in order."""
+        pool = self.pool
+        return [pool.view(o, k, readonly=True) for o, k in e.byte_extents(self.block_size)]
+
+    def exists(self, keys: Sequence[Any]) -> list[bool]:
+        """Whether each key is present (committed; in the pool or in a tier below)."""
+        d = self.index.mapping
+        tier = self.tier
+        if tier is not None:
+            return [type(k) is bytes and (k in d or tier.has(k)) for k in keys]
+        try:
+            return [k in d for k in keys]
+        except TypeError:   # an unhashable key from a malformed request: a miss
+            return [type(k) is bytes and k in d for k in keys]
+
+    def list_keys(self, prefix: bytes = b"", start: int = 0, limit: int = 1000
+                  ) -> tuple[list[bytes], bool]:
+        """Committed keys starting with ``prefix`` (pool, then a tier below), from the
+        ``start``-th match, at most ``limit``. Returns the keys and whether more follow.
+
+        O(keys): an administrative scan, not a data path.
+        """
+        keys: Any = self.index.keys()
+        if self.tier is not None and hasattr(self.tier, "keys"):
+            import itertools
+
+            keys = itertools.chain(keys, self.tier.keys())
+        out: list[bytes] = []
+        seen = 0
+        for k in keys:
+            if not k.startswith(prefix):
+                continue
+            if seen >= start:
+                if len(out) == limit:
+                    return out, True
+                out.append(k)
+            seen += 1
+        return out, False
+
+    def match_prefix(self, keys: Sequence[Any]) -> int:
+        """How many leading keys are present (committed; pool or a tier below)."""
+        d = self.index.mapping
+        tier = self.tier
+        n = 0
+        for k in keys:
+            if type(k) is not bytes or (k not in d and (tier is None or not tier.has(k))):
+                break
+            n += 1
+        return n
+
+    def delete(self, keys: Sequence[Any]) -> int:
+        """Remove keys; pinned entries stay readable by their pin holders. Returns removed."""
+        n = 0
+        tier = self.tier
+        for k in keys:
+            e = self.index.remove(k) if type(k) is bytes else None
+            if e is not None:
+                self._retire(e)
+                n += 1
+            elif tier is not None and type(k) is bytes and tier.discard_key(k):
+                n += 1
+        self.counters["deletes"] += n
+        return n
+
+    def purge(self) -> int:
+        """Remove every committed entry (pending writes are kept), in the pool and in a
+        tier below. Returns count."""
+        entries = self.index.clear()
+        for e in entries:
+            self._retire(e)
+        n = len(entries)
+        if self.tier is not None:
+            n += self.tier.purge()
+        self.counters["purged"] += n
+        return n

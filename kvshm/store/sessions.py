@@ -1,0 +1,295 @@
+"""Sessions, grants and leases of the store (mixed into :class:`kvshm.store.Store`).
+
+A session is one HELLO's worth of state; a grant (the pending entries of an ALLOC, or the
+pins of a LOOKUP) belongs to a session and is named by its request id; a lease bounds how
+long a grant may stay unsettled; a quota (in blocks) is shared by every session of one
+principal. See the package docstring for the rules.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvshm.index import Entry
+
+__all__ = ["Session"]
+
+log = logging.getLogger("kvshm.store")
+
+# _Grant.kind
+_ALLOC = 0
+_PIN = 1
+
+
+class _Grant:
+    __slots__ = ("kind", "session", "rid", "entries", "deadline", "nbytes", "nblocks",
+                 "held")
+
+    def __init__(self, kind: int, session: "Session", rid: int, entries: list[Entry],
+                 deadline: float, nbytes: int, nblocks: int) -> None:
+        self.kind = kind
+        self.session = session
+        self.rid = rid
+        self.entries = entries
+        self.deadline = deadline
+        self.nbytes = nbytes        # value bytes (counters)
+        self.nblocks = nblocks      # blocks held (limits)
+        self.held = False        # lease ran out, but its live client may still copy
+
+
+class _Quota:
+    """What one principal holds, all its sessions together (in blocks)."""
+
+    __slots__ = ("pending", "pinned", "sending", "sessions")
+
+    def __init__(self) -> None:
+        self.pending = 0        # blocks of pending writes
+        self.pinned = 0         # blocks pinned by LOOKUP grants
+        self.sending = 0        # blocks pinned by GET replies not yet sent
+        self.sessions = 0
+
+
+class Session:
+    """One HELLO's worth of state on the server: the grants it made, its principal.
+
+    Made by :meth:`Store.open_session`. ``proof`` (None for a remote client) is its
+    liveness proof: ``proof.alive()`` tells whether the process behind the session still
+    holds it, ``proof.remove()`` clears it away once it is dead
+    (:class:`kvshm.segments.Liveness`); ``id`` is issued by the server and ``nonce``
+    chosen by the client (a new HELLO with the same nonce replaces the session:
+    :meth:`Store.replace_session`).
+    """
+
+    __slots__ = ("id", "principal", "nonce", "proof", "grants", "quota", "closed",
+                 "label", "local", "sending", "__weakref__")
+
+    def __init__(self, sid: int, principal: Any, nonce: bytes, proof: Any,
+                 quota: _Quota, label: str = "") -> None:
+        self.id = sid
+        self.principal = principal
+        self.nonce = nonce
+        self.proof = proof
+        self.local = proof is not None
+        self.sending = 0            # blocks of this session's GET replies not yet sent
+        self.grants: dict[int, _Grant] = {}
+        self.quota = quota
+        self.closed = False
+        self.label = label
+
+    def __repr__(self) -> str:
+        return f"<Session {self.id} {self.label or self.principal!r}>"
+
+
+class _Sessions:
+    """Open, replace and close sessions; make, settle and expire grants."""
+
+    def _as_session(self, session: "Session | bytes") -> Session:
+        """``session``, or the implicit session named by a bytes id (tests, tools that
+        drive a Store without a HELLO): principal = that id, no liveness proof."""
+        if type(session) is Session:
+            return session
+        return self.session_for(session)  # type: ignore[arg-type]
+
+    def session_for(self, name: Any) -> Session:
+        """The implicit session named ``name`` (made on first use; principal ``name``)."""
+        s = self._named.get(name)
+        if s is None or s.closed:
+            s = self._named[name] = self.open_session(name, label=repr(name))
+        return s
+
+    def _add_grant(self, kind: int, session: Session, req_id: int, entries: list[Entry],
+                   nbytes: int) -> None:
+        prev = session.grants.get(req_id)
+        if prev is not None:          # a reused request id: settle the old grant first
+            self._settle(prev, commit=False)
+        deadline = self._clock() + self.config.lease_timeout
+        nblocks = sum(e.nblocks for e in entries)
+        g = _Grant(kind, session, req_id, entries, deadline, nbytes, nblocks)
+        session.grants[req_id] = g
+        self._ngrants += 1
+        self._leases.append((deadline, g))
+        q = session.quota
+        if kind == _ALLOC:
+            q.pending += nblocks
+        else:
+            q.pinned += nblocks
+
+    def _settle(self, g: _Grant, commit: bool) -> None:
+        session = g.session
+        if session.grants.get(g.rid) is not g:
+            return                      # settled already
+        del session.grants[g.rid]
+        self._ngrants -= 1
+        if g.held:
+            self._held -= 1
+        q = session.quota
+        if g.kind == _ALLOC:
+            q.pending -= g.nblocks
+            for e in g.entries:
+                self._pending -= 1
+                if commit:
+                    self._install(e)
+                else:
+                    self._free(e)
+        else:
+            q.pinned -= g.nblocks
+            for e in g.entries:
+                self._unpin(e)
+
+    def open_session(self, principal: Any, *, nonce: bytes = b"", proof: Any = None,
+                     label: str = "") -> Session:
+        """A new session of ``principal`` (any hashable: ``("uid", 1000)``, a CURVE key).
+
+        ``proof``: the session's liveness proof (a same-host client that attached the
+        pool; ``alive()``, ``remove()``); None for a remote client, whose grants are
+        reclaimed at lease expiry.
+        """
+        self._next_sid += 1
+        q = self._quotas.get(principal)
+        if q is None:
+            q = self._quotas[principal] = _Quota()
+        q.sessions += 1
+        sess = Session(self._next_sid, principal, nonce, proof, q, label)
+        self._sessions[sess.id] = sess
+        return sess
+
+    def replace_session(self, old: Session, new: Session) -> None:
+        """A new HELLO of the same process (same nonce): ``old`` ends, and its grants
+        (still being copied by that live process, or lazily committed) move to ``new``.
+        Request ids are never reused by one client, so they stay unique in ``new``."""
+        if old.closed or old is new:
+            return
+        for rid, g in old.grants.items():
+            g.session = new
+            prev = new.grants.get(rid)
+            if prev is not None:
+                self._settle(prev, commit=False)
+            new.grants[rid] = g
+            n = g.nblocks
+            if old.quota is not new.quota:
+                if g.kind == _ALLOC:
+                    old.quota.pending -= n
+                    new.quota.pending += n
+                else:
+                    old.quota.pinned -= n
+                    new.quota.pinned += n
+        old.grants = {}
+        self._end(old)
+
+    def close_session(self, session: Session, why: str = "closed") -> int:
+        """Settle every grant of ``session`` now (its process is gone, or it said so):
+        pending writes freed, pins dropped. Idempotent. Returns the grants settled."""
+        if session.closed:
+            return 0
+        n = len(session.grants)
+        if n:
+            if self.reclaim_hook is not None:
+                try:
+                    self.reclaim_hook(session)
+                except Exception:
+                    log.exception("reclaim hook failed for %r", session)
+            log.info("session %s %s: %d grants reclaimed", session.label or session.id, why,
+                     n)
+            for g in list(session.grants.values()):
+                self._count_reclaim(g)
+                self._settle(g, commit=False)
+        self._end(session)
+        return n
+
+    def _end(self, session: Session) -> None:
+        session.closed = True
+        self._sessions.pop(session.id, None)
+        q = session.quota
+        q.sessions -= 1
+        if q.sessions <= 0 and not (q.pending or q.pinned or q.sending):
+            self._quotas.pop(session.principal, None)
+
+    def drop_client(self, session: Session | bytes) -> None:
+        """Settle every grant of a session now (it is known to be gone)."""
+        self.close_session(self._as_session(session), "dropped")
+
+    def check_sessions(self) -> int:
+        """Close every same-host session whose liveness proof is gone (the process
+        died, whatever its namespace): its grants are reclaimed at once, not at lease
+        expiry. Returns how many were closed."""
+        dead = []
+        for sess in self._sessions.values():
+            if sess.proof is not None and not self._alive(sess):
+                dead.append(sess)
+        for sess in dead:
+            self._dead_session(sess)
+        return len(dead)
+
+    def _dead_session(self, sess: Session) -> None:
+        self.close_session(sess, "ended (its liveness lock is gone)")
+        try:
+            sess.proof.remove()
+        except Exception:
+            log.exception("removing the liveness file of %r failed", sess)
+
+    @staticmethod
+    def _alive(sess: Session) -> bool:
+        try:
+            return bool(sess.proof.alive())
+        except Exception:
+            log.exception("liveness check of %r failed; treating it as alive", sess)
+            return True
+
+    def _count_reclaim(self, g: _Grant) -> None:
+        if g.kind == _ALLOC:
+            self.counters["lease_expired_writes"] += 1
+        else:
+            self.counters["lease_expired_pins"] += 1
+
+    def expire(self, now: float | None = None) -> float | None:
+        """Reclaim grants whose lease ran out. Returns the next deadline, or None.
+
+        A grant of a session with a liveness proof is reclaimed only once the proof is
+        gone (then the whole session is): a live client merely stalled (a GC pause,
+        SIGSTOP, a starved CPU) may still be copying into or out of those blocks
+        through its mapping of the pool, and reusing them would hand its late bytes to
+        another key. Its grants stay held (not visible, not reused, counted against its
+        principal and in ``held_grants``) until it settles them or exits.
+        """
+        if now is None:
+            now = self._clock()
+        leases = self._leases
+        while leases:
+            deadline, g = leases[0]
+            if g.deadline != deadline or g.session.grants.get(g.rid) is not g:
+                leases.popleft()          # settled already (or re-granted later)
+                continue
+            if deadline > now:
+                return deadline
+            leases.popleft()
+            sess = g.session
+            if sess.proof is not None:
+                if self._alive(sess):
+                    if not g.held:
+                        g.held = True
+                        self._held += 1
+                        log.warning("lease expired for %d entries of live client %s: held, "
+                                    "not reused, until it settles them or exits",
+                                    len(g.entries), sess.label or sess.id)
+                    g.deadline = now + self.config.lease_timeout    # look again later
+                    leases.append((g.deadline, g))
+                else:
+                    self._dead_session(sess)
+                continue
+            if self.reclaim_hook is not None:
+                # a remote one-sided client (RDMA): cut its QPs before its blocks are
+                # reused, so a late WRITE or READ fails at the NIC instead of landing
+                try:
+                    self.reclaim_hook(sess)
+                except Exception:
+                    log.exception("reclaim hook failed for %r", sess)
+            self._count_reclaim(g)
+            if g.kind == _ALLOC:
+                log.warning("lease expired: pending write of %d entries from %s reclaimed",
+                            len(g.entries), sess.label or sess.id)
+            else:
+                log.info("lease expired: %d pins of %s dropped", len(g.entries),
+                         sess.label or sess.id)
+            self._settle(g, commit=False)
+        return None
