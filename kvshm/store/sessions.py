@@ -58,11 +58,14 @@ class Session:
     holds it, ``proof.remove()`` clears it away once it is dead
     (:class:`kvshm.segments.Liveness`); ``id`` is issued by the server and ``nonce``
     chosen by the client (a new HELLO with the same nonce replaces the session:
-    :meth:`Store.replace_session`).
+    :meth:`Store.replace_session`). ``operator`` (False until the router says so) is True
+    only for a session that proved it may run operator ops (DRAIN, PURGE, EVICT over the
+    wire): a proof-holding local session of the server's own uid or root, or one that
+    presented the server's operator token (:mod:`kvshm.security`).
     """
 
     __slots__ = ("id", "principal", "nonce", "proof", "grants", "quota", "closed",
-                 "label", "local", "sending", "__weakref__")
+                 "label", "local", "sending", "operator", "__weakref__")
 
     def __init__(self, sid: int, principal: Any, nonce: bytes, proof: Any,
                  quota: _Quota, label: str = "") -> None:
@@ -71,6 +74,7 @@ class Session:
         self.nonce = nonce
         self.proof = proof
         self.local = proof is not None
+        self.operator = False
         self.sending = 0            # blocks of this session's GET replies not yet sent
         self.grants: dict[int, _Grant] = {}
         self.quota = quota

@@ -194,7 +194,11 @@ class ServiceLoop:
     door_token : bytes, optional
         The secret a HELLO must carry (``body["token"]``) unless its connection is
         CURVE-authenticated; None: no door (in-process tests), every peer gets an
-        implicit session.
+        implicit session (an operator one).
+    operator_token : bytes, optional
+        A HELLO carrying it (``body["operator_token"]``) opens an operator session
+        (:attr:`Session.operator`: DRAIN, PURGE, EVICT); a proof-holding local session
+        of this server's uid or root is one without it.
     """
 
     #: Sessions kept at most; beyond, the oldest without grants are closed.
@@ -206,7 +210,8 @@ class ServiceLoop:
                  hello_hook: Callable[[bytes, dict[str, Any]], dict[str, Any]] | None = None,
                  context: zmq.Context | None = None, max_frame_bytes: int = -1,
                  log_handshakes: bool = False, sock: zmq.Socket | None = None,
-                 bound: Sequence[str] = (), door_token: bytes | None = None) -> None:
+                 bound: Sequence[str] = (), door_token: bytes | None = None,
+                 operator_token: bytes | None = None) -> None:
         self.store = store
         self.epoch = epoch
         self.hello = dict(hello)
@@ -216,6 +221,7 @@ class ServiceLoop:
         # loses them and its connection.
         self.send_cap_blocks = max(1, store.alloc.num_blocks // 4)
         self.door_token = door_token
+        self.operator_token = operator_token
         self._by_ident: dict[bytes, Session] = {}
         self._by_nonce: dict[bytes, Session] = {}
         self._order: "collections.OrderedDict[int, Session]" = collections.OrderedDict()
@@ -628,6 +634,7 @@ class ServiceLoop:
         if sess is None and self.door_token is None:
             # no door (a Store served in-process, tests): an implicit session per peer
             sess = self._open(ident, ("peer", ident), os.urandom(16), None, ident.hex())
+            sess.operator = True
         return sess
 
     def _open(self, ident: bytes, principal: Any, nonce: bytes, proof: Any,
@@ -700,6 +707,7 @@ class ServiceLoop:
         if isinstance(principal[-1], bytes):
             label = f"{principal[0]}:{principal[-1].hex()[:12]}"
         sess = self._open(ident, principal, nonce, proof, label)
+        sess.operator = self._is_operator(principal, proof, body)
         reply = dict(self.hello)
         reply["epoch"] = self.epoch
         reply["session"] = sess.id
@@ -707,6 +715,18 @@ class ServiceLoop:
         if self.hello_hook is not None:
             reply.update(self.hello_hook(sess, body))
         return Status.OK, reply, [], sess
+
+    def _is_operator(self, principal: Any, proof: Any, body: dict[str, Any]) -> bool:
+        """Operator ops (DRAIN, PURGE, EVICT): a proof-holding local session of this
+        server's uid or root, a holder of the operator token, or anyone when there is
+        no door (in-process)."""
+        if self.door_token is None:
+            return True
+        if proof is not None and proof.uid in (os.geteuid(), 0):
+            return True
+        tok = body.get("operator_token")
+        return (self.operator_token is not None and type(tok) is bytes
+                and hmac.compare_digest(tok, self.operator_token))
 
     def _reply(self, ident: bytes, session: Session | None, req_id: int, op: int,
                status: int, rbody: dict[str, Any], frames: list[Any],
