@@ -48,6 +48,7 @@ from kvshm.client import (
     OpGen,
     _curve_setup,
     _door_token,
+    _operator_token,
     _Drive,
     _Reply,
     _Req,
@@ -319,6 +320,7 @@ class AsyncClient:
         check_resolvable(self._base_endpoint)
         self._session = _Session(transport, lazy_commit, rdma,
                                  _door_token(self._base_endpoint, token, token_file))
+        self._session.operator_token = _operator_token(self._base_endpoint, None)
         self._socket_setup = _curve_setup(curve_server_key, curve_keypair)
         if context is None:
             self._ctx: zmq.asyncio.Context = zmq.asyncio.Context.instance()

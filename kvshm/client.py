@@ -131,6 +131,8 @@ class _Session:
         # the server's door token, or how to read it (again at each HELLO: a restarted
         # server has a new one)
         self.token = token
+        # the server's operator token (DRAIN, PURGE, EVICT), or how to read it
+        self.operator_token: "bytes | Callable[[], bytes | None] | None" = None
         self.session_id = 0
         self.pid = os.getpid()
         self._ids = itertools.count(1)
@@ -257,6 +259,9 @@ class _Session:
         tok = self.token() if callable(self.token) else self.token
         if tok is not None:
             body["token"] = tok
+        op = self.operator_token() if callable(self.operator_token) else self.operator_token
+        if op is not None:
+            body["operator_token"] = op
         if self._unproven is not None:
             body["proof"] = True        # the liveness file is locked: look at it
         elif self.transport in ("rdma", "auto"):
@@ -780,6 +785,10 @@ class Client:
         (:mod:`kvshm.security`); a CURVE connection needs none.
     token_file : str, optional
         Path of the server's token file (the server's ``--token-file``).
+    operator_token : bytes, optional
+        The server's operator token (DRAIN, PURGE, EVICT). Default: read from the
+        default operator token file of a server of this user on this host, if any
+        (:mod:`kvshm.security`); a local client of the server's uid needs none.
 
     Raises
     ------
@@ -804,7 +813,8 @@ class Client:
                  curve_keypair: tuple[bytes, bytes] | str | None = None,
                  connect: bool = True, context: zmq.Context | None = None,
                  rdma: Any = None, token: bytes | None = None,
-                 token_file: str | None = None) -> None:
+                 token_file: str | None = None,
+                 operator_token: bytes | None = None) -> None:
         if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
             raise ValueError(f"timeout must be > 0, got {timeout}")
         self.address = address
@@ -812,6 +822,7 @@ class Client:
         check_resolvable(self._base_endpoint)
         self._session = _Session(transport, lazy_commit, rdma,
                                  _door_token(self._base_endpoint, token, token_file))
+        self._session.operator_token = _operator_token(self._base_endpoint, operator_token)
         self._chan = Channel(self._base_endpoint, timeout, context=context,
                              socket_setup=_curve_setup(curve_server_key, curve_keypair),
                              label=address)
@@ -1236,6 +1247,15 @@ def _door_token(endpoint: str, token: bytes | None, token_file: str | None
             return None
 
     return read
+
+
+def _operator_token(endpoint: str, token: bytes | None
+                    ) -> "bytes | Callable[[], bytes | None]":
+    if token is not None:
+        return token
+    from kvshm.security import find_operator_token
+
+    return lambda: find_operator_token(endpoint)     # again at each HELLO (a restart)
 
 
 def _curve_setup(server_key: bytes | str | None,

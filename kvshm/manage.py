@@ -1,7 +1,9 @@
 """The management HTTP port: /selftest, /stats, /metrics (Prometheus), POST /purge.
 
-Doors: POST /purge and /selftest (which change data) ask for the server's door token as
-``Authorization: Bearer <hex>`` (the token file's content; 401 without it). /stats,
+Doors: /selftest (which writes test keys) asks for the server's door token as
+``Authorization: Bearer <hex>`` (the token file's content; 401 without it), POST /purge
+for its operator token (the ``<port>.operator`` file beside it, :mod:`kvshm.security`;
+a door-token holder may not purge). /stats,
 /metrics and /healthz reveal no key and stay open on a loopback address only; on any
 other address every endpoint asks for the token.
 
@@ -172,10 +174,11 @@ class ManageServer:
 
     def __init__(self, host: str, port: int, service: str, *,
                  context: zmq.Context | None = None, token: bytes | None = None,
-                 open_reads: bool = True) -> None:
+                 open_reads: bool = True, operator_token: bytes | None = None) -> None:
         self._service = service
         self._ctx = context
         self._token = token
+        self._operator = operator_token
         self._open_reads = open_reads
         self._client: Any = None
         self._client_lock = threading.Lock()
@@ -201,8 +204,10 @@ class ManageServer:
                 self._send(code, json.dumps(obj, default=str).encode() + b"\n",
                            "application/json")
 
-            def _authorized(self, path: str) -> bool:
+            def _authorized(self, path: str, operator: bool = False) -> bool:
                 tok = owner._token
+                if operator and owner._operator is not None:
+                    tok = owner._operator
                 if tok is None:
                     return True
                 if owner._open_reads and path not in _GUARDED:
@@ -216,7 +221,9 @@ class ManageServer:
                     except ValueError:
                         ok = False
                 if not ok:
-                    body = json.dumps({"error": "this endpoint needs the server's door token: "
+                    which = ("operator token (<port>.operator beside the token file)"
+                             if tok is owner._operator else "door token")
+                    body = json.dumps({"error": f"this endpoint needs the server's {which}: "
                                        "Authorization: Bearer <token file content>"}).encode()
                     self.send_response(401)
                     self.send_header("WWW-Authenticate", 'Bearer realm="kvshm"')
@@ -254,7 +261,7 @@ class ManageServer:
 
             def do_POST(self) -> None:  # noqa: N802
                 path = self.path.split("?", 1)[0]
-                if not self._authorized(path):
+                if not self._authorized(path, operator=path == "/purge"):
                     return
                 try:
                     if path == "/purge":
@@ -288,7 +295,7 @@ class ManageServer:
                 from kvshm.client import Client
 
                 self._client = Client(self._service, timeout=5.0, context=self._ctx,
-                                      token=self._token)
+                                      token=self._token, operator_token=self._operator)
             return self._client
 
     def start(self) -> None:

@@ -11,6 +11,20 @@ the client's ``token_file=`` or ``$KVSHM_TOKEN_FILE``. The management port asks 
 same token (``Authorization: Bearer <hex>``) on every endpoint that changes or reveals
 data.
 
+Operator token. Beside its door token every server writes a second secret, the operator
+token, mode 0600, to ``/dev/shm/kvshm-run-<uid>/<port>.operator`` (and ``operator`` in
+its ipc directory); it is never written to ``--token-file``. A HELLO carrying it opens an
+operator session (:attr:`kvshm.store.Session.operator`), as does a proof-holding local
+client of the server's own uid or root: only those may DRAIN, PURGE and EVICT over the
+wire, and ``POST /purge`` on the management port asks for it as its bearer token. A
+client of the server's user finds it by itself (:func:`find_operator_token`), so
+``kvshm ctl purge`` / ``drain`` need no flag; a door-token holder of another user reads
+and writes but gets UNAUTHORIZED for those ops.
+
+Dead servers' files. A server holds an flock on each token file it wrote for as long as
+it runs; :func:`cleanup_tokens` (server start-up, ``kvshm ctl cleanup``) removes the
+unlocked ones (left by a server killed with SIGKILL), never a live server's.
+
 A server bound to a non-loopback address must either run with CurveZMQ
 (``--curve-secret-key``: traffic encrypted, and only clients that know the server's
 public key get through; with ``--curve-allowed-clients`` only listed client keys) or be
@@ -20,18 +34,21 @@ told ``--insecure`` explicitly. Keys are pyzmq's ``zmq.auth`` certificate files,
 
 from __future__ import annotations
 
+import fcntl
 import ipaddress
 import logging
 import os
 import socket
 import stat
+import time
 from typing import Any
 
 import zmq
 import zmq.auth
 
 __all__ = ["is_loopback", "keygen", "load_keypair", "load_public_key", "CurveServer",
-           "DoorToken", "find_token", "token_path", "TOKEN_ENV"]
+           "DoorToken", "find_token", "find_operator_token", "token_path",
+           "operator_token_path", "cleanup_tokens", "TOKEN_ENV"]
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +143,17 @@ def token_path(endpoint: str, uid: int | None = None) -> str | None:
     return None
 
 
+def operator_token_path(endpoint: str, uid: int | None = None) -> str | None:
+    """Default operator token file of the server at ``endpoint`` (beside its door token
+    file: ``<port>.operator``, or ``operator`` in its ipc directory); None for inproc."""
+    path = token_path(endpoint, uid)
+    if path is None:
+        return None
+    if path.endswith(".token"):
+        return path[:-len(".token")] + ".operator"
+    return os.path.join(os.path.dirname(path), "operator")
+
+
 def _read_private(path: str) -> bytes:
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
@@ -160,6 +188,18 @@ def find_token(endpoint: str, token_file: str | None = None) -> bytes | None:
     path = token_path(endpoint)
     if path is None or not _on_this_host(endpoint):
         return None     # never hand a local server's token to another host
+    try:
+        return _read_private(path)
+    except (OSError, ValueError):
+        return None
+
+
+def find_operator_token(endpoint: str) -> bytes | None:
+    """The operator token of the server at ``endpoint`` when this user can read it (a
+    server of this user on this host); None otherwise (never raises)."""
+    path = operator_token_path(endpoint)
+    if path is None or not _on_this_host(endpoint):
+        return None
     try:
         return _read_private(path)
     except (OSError, ValueError):
@@ -219,7 +259,10 @@ class DoorToken:
         else:
             self.token = os.urandom(32)
         self.hex = self.token.hex()
+        self.operator = os.urandom(32)
         self.files: list[str] = []
+        self._written: dict[str, bytes] = {}    # path -> the secret written there
+        self._fds: list[int] = []               # flocked while this server runs
         try:
             for ep in endpoints:
                 path = token_path(ep)
@@ -229,28 +272,38 @@ class DoorToken:
                     try:
                         if path.startswith(run_dir() + os.sep):
                             _private_dir(run_dir())
-                        self._write(path, 0o600)
+                        self._write(path, 0o600, self.token)
+                        self._write(operator_token_path(ep) or "", 0o600, self.operator)
                         break
                     except FileNotFoundError:   # the last server of this user just
                         if attempt == 2:         # removed the empty directory: again
                             raise
             if extra_file and extra_file != shared_file:
-                self._write(extra_file, 0o640)
+                self._write(extra_file, 0o640, self.token)
         except BaseException:
             self.close()
             raise
 
-    def _write(self, path: str, mode: int) -> None:
+    def _write(self, path: str, mode: int, secret: bytes) -> None:
         tmp = f"{path}.{os.getpid()}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                      | os.O_CLOEXEC, mode)
         try:
+            # locked before it has its name: cleanup_tokens never sees it unlocked
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.fchmod(fd, mode)
-            os.write(fd, self.hex.encode() + b"\n")
-        finally:
+            os.write(fd, secret.hex().encode() + b"\n")
+            os.replace(tmp, path)
+        except BaseException:
             os.close(fd)
-        os.replace(tmp, path)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        self._fds.append(fd)
         self.files.append(path)
+        self._written[path] = secret
 
     def check(self, presented: Any) -> bool:
         import hmac
@@ -262,10 +315,21 @@ class DoorToken:
                 return False
         return type(presented) is bytes and hmac.compare_digest(presented, self.token)
 
+    def check_operator(self, presented: Any) -> bool:
+        """Whether ``presented`` (bytes or hex) is this server's operator token."""
+        import hmac
+
+        if isinstance(presented, str):
+            try:
+                presented = bytes.fromhex(presented.strip())
+            except ValueError:
+                return False
+        return type(presented) is bytes and hmac.compare_digest(presented, self.operator)
+
     def close(self) -> None:
         for path in self.files:
             try:
-                if _read_private(path) == self.token:     # not a newer server's
+                if _read_private(path) == self._written.get(path):  # not a newer server's
                     os.unlink(path)
             except (OSError, ValueError):
                 pass
@@ -275,6 +339,66 @@ class DoorToken:
                 except OSError:             # others' tokens are still there
                     pass
         self.files.clear()
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()
+
+
+def cleanup_tokens(directory: str | None = None, dry_run: bool = False,
+                   grace: float = 60.0) -> list[str]:
+    """Remove the token files of dead servers from ``directory`` (default this user's
+    :func:`run_dir`): a live server holds an flock on each of its files, so a file that
+    can be locked was left by a server that is gone (SIGKILL). Half-written ``.tmp``
+    files are removed once unlocked and older than ``grace`` seconds. Returns the paths
+    removed (or that would be, with ``dry_run``); the directory too when it is left
+    empty. Never raises for a file that vanishes meanwhile.
+    """
+    d = directory or run_dir()
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return []
+    removed: list[str] = []
+    now = time.time()
+    for name in names:
+        if not name.endswith((".token", ".operator", ".tmp")):
+            continue
+        path = os.path.join(d, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            if name.endswith(".tmp") and now - st.st_mtime < grace:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue            # a live server holds it
+            try:
+                cur = os.lstat(path)
+            except OSError:
+                continue
+            if (cur.st_dev, cur.st_ino) != (st.st_dev, st.st_ino):
+                continue            # replaced by a new server meanwhile
+            if not dry_run:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    continue
+            removed.append(path)
+        finally:
+            os.close(fd)
+    if removed and not dry_run and directory is None:
+        try:
+            os.rmdir(d)
+            removed.append(d)
+        except OSError:
+            pass
+    return removed
 
 
 def _private_dir(path: str) -> None:

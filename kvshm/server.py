@@ -409,6 +409,9 @@ class Server:
         removed = segments.cleanup()
         segments.cleanup_ipc_dirs()
         segments.cleanup_proofs()
+        from kvshm.security import cleanup_tokens
+
+        cleanup_tokens()        # token files of this user's servers killed with SIGKILL
         if removed:
             log.info("removed %d segment(s) left by dead servers: %s", len(removed),
                      ", ".join(removed))
@@ -502,7 +505,8 @@ class Server:
                                                 if self.rdma is not None else None),
                                     log_handshakes=socket_setup is not None,
                                     sock=self._router, bound=bound,
-                                    door_token=self.door.token)
+                                    door_token=self.door.token,
+                                    operator_token=self.door.operator)
             self._router = None           # the loop owns it now
             if self.rdma is not None:
                 rdma_ep = self.rdma
@@ -531,6 +535,7 @@ class Server:
                                 "for the door token, which HTTP carries in clear", mhost)
                 self.manage = ManageServer(mhost, cfg.manage_port, self.loop.endpoints[-1],
                                            context=self._ctx, token=self.door.token,
+                                           operator_token=self.door.operator,
                                            open_reads=is_loopback(mhost))
                 self.manage.start()
         except BaseException:

@@ -45,13 +45,14 @@ def raw_hello(sock: Any, address: str, token: bytes | None = None) -> dict[str, 
     return reply
 
 
-def bearer(address: str) -> dict[str, str]:
+def bearer(address: str, operator: bool = False) -> dict[str, str]:
     """The management port's Authorization header for the server at ``address`` (its
-    door token, found as a client of the same user finds it)."""
-    from kvshm.security import find_token
+    door token, or with ``operator`` its operator token for POST /purge, found as a
+    client of the same user finds it)."""
+    from kvshm.security import find_operator_token, find_token
     from kvshm.zmq_ctrl.channel import endpoint_of
 
-    tok = find_token(endpoint_of(address))
+    tok = (find_operator_token if operator else find_token)(endpoint_of(address))
     assert tok is not None, f"no token file for {address}"
     return {"Authorization": f"Bearer {tok.hex()}"}
 

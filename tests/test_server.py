@@ -392,8 +392,8 @@ def test_management_port(server):
         c.get("m")
 
     def fetch(path, method="GET", auth=True):
-        req = urllib.request.Request(base + path, method=method,
-                                     headers=bearer(server.address) if auth else {})
+        hdr = bearer(server.address, operator=path == "/purge") if auth else {}
+        req = urllib.request.Request(base + path, method=method, headers=hdr)
         with urllib.request.urlopen(req, timeout=10) as r:
             return r.read()
 
@@ -402,6 +402,11 @@ def test_management_port(server):
             fetch(path, method, auth=False)
         assert ei.value.code == 401
         ei.value.close()
+    with pytest.raises(urllib.error.HTTPError) as ei:    # purge: the operator token
+        urllib.request.urlopen(urllib.request.Request(
+            base + "/purge", method="POST", headers=bearer(server.address)), timeout=10)
+    assert ei.value.code == 401
+    ei.value.close()
 
     rep = json.loads(fetch("/selftest"))
     assert rep["ok"] is True and rep["transport"] == "shm"

@@ -756,8 +756,9 @@ def test_the_last_door_token_leaves_no_directory(tmp_path, monkeypatch):
     a = security.DoorToken(["tcp://127.0.0.1:40001"])
     b = security.DoorToken(["tcp://127.0.0.1:40002"])
     d = security.run_dir()
-    assert sorted(os.listdir(d)) == ["40001.token", "40002.token"]
+    assert sorted(os.listdir(d)) == ["40001.operator", "40001.token", "40002.operator",
+                                     "40002.token"]
     a.close()
-    assert os.listdir(d) == ["40002.token"]
+    assert sorted(os.listdir(d)) == ["40002.operator", "40002.token"]
     b.close()
     assert not os.path.exists(d)

@@ -245,6 +245,10 @@ class ClusterOps:
         return Status.OK, {"ok": True, "epoch": self.epoch}, []
 
     def _on_drain(self, session, req_id, body, frames, on_sent) -> Reply:
+        if not getattr(session, "operator", False):
+            from kvshm.zmq_ctrl.router import not_operator
+
+            return not_operator("DRAIN")
         if self._drain is None:
             return Status.UNSUPPORTED, {"error": "this server is not in a cluster"}, []
         after = body.get("leave_after")

@@ -1000,6 +1000,8 @@ class ServiceLoop:
         return Status.OK, {"n": self.store.delete(keys)}, []
 
     def _on_evict(self, session, req_id, body, frames, on_sent):
+        if not session.operator:
+            return not_operator("EVICT")
         ratio = body.get("ratio")
         if type(ratio) not in (int, float) or not 0.0 <= ratio <= 1.0:
             return Status.INVALID_REQUEST, {"error": "ratio must be a number in [0, 1]"}, []
@@ -1053,7 +1055,18 @@ class ServiceLoop:
         return Status.OK, {"keys": keys, "more": more}, []
 
     def _on_purge(self, session, req_id, body, frames, on_sent):
+        if not session.operator:
+            return not_operator("PURGE")
         return Status.OK, {"n": self.store.purge()}, []
+
+
+def not_operator(what: str) -> tuple[int, dict[str, Any], list[Any]]:
+    """The answer to an operator op (DRAIN, PURGE, EVICT) from a session that is not
+    :attr:`Session.operator`."""
+    return Status.UNAUTHORIZED, {
+        "error": f"{what} is an operator op: it needs a local client of the server's own "
+                 "user (or root) or the server's operator token (<port>.operator beside "
+                 "its token file; see docs/RELIABILITY.md, 'Who can do what')"}, []
 
 
 def _attempt_now(attempt: Callable[[bool], Any],

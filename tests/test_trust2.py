@@ -1,0 +1,166 @@
+"""Issue 12, the rest: operator-only ops, BYE, dead servers' token files, sessions that a
+routing id cannot be stolen from.
+
+Each test reproduces what was wrong on main before (a ``nobody`` door-token holder could
+PURGE, EVICT and DRAIN; a closed TCP client's session lingered; a SIGKILLed server's
+token files stayed forever) or pins a property the design relies on (another connection
+cannot take over a session by claiming its ZeroMQ routing id).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import urllib.error
+import urllib.request
+
+import msgpack
+import pytest
+import zmq
+
+import kvshm
+from kvshm import Client
+from kvshm.zmq_ctrl.protocol import PROTOCOL_VERSION, Op, Status, decode_reply
+from servers import ServerProcess, bearer
+from test_faults import wait_for
+
+IS_ROOT = os.geteuid() == 0
+
+
+def _dealer(address: str, ident: bytes | None = None) -> zmq.Socket:
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    if ident is not None:
+        s.setsockopt(zmq.ROUTING_ID, ident)
+    s.connect(f"tcp://{address}")
+    return s
+
+
+def _call(s: zmq.Socket, op: int, body: dict, rid: int, epoch: int) -> tuple[int, dict]:
+    s.send(msgpack.packb([PROTOCOL_VERSION, op, rid, epoch, body], use_bin_type=True))
+    assert s.poll(10_000), f"no reply to op {op}"
+    st, _, rbody = decode_reply(s.recv_multipart()[0])
+    return st, rbody
+
+
+def _tokens(address: str) -> tuple[bytes, bytes]:
+    from kvshm.security import find_operator_token, find_token
+    from kvshm.zmq_ctrl.channel import endpoint_of
+
+    ep = endpoint_of(address)
+    door, op = find_token(ep), find_operator_token(ep)
+    assert door is not None and op is not None
+    return door, op
+
+
+# ---------------------------------------------------------------- operator ops
+
+def test_door_token_alone_cannot_purge_evict_or_drain():
+    """A HELLO with only the door token (what a user given ``--token-file`` holds) may
+    read and write but not PURGE, EVICT or DRAIN; with the operator token it may."""
+    with ServerProcess() as srv:
+        door, op = _tokens(srv.address)
+        with Client(srv.address) as c:
+            c.put("keep", b"k" * 100)
+        s = _dealer(srv.address)
+        try:
+            st, hello = _call(s, Op.HELLO, {"nonce": os.urandom(16), "token": door}, 1, 0)
+            assert st == Status.OK
+            ep = hello["epoch"]
+            st, body = _call(s, Op.EXISTS, {"keys": [b"keep"]}, 2, ep)
+            assert st == Status.OK and body["found"] == [True]
+            for rid, (o, b) in enumerate(((Op.PURGE, {}), (Op.EVICT, {"ratio": 0.0}),
+                                          (Op.DRAIN, {})), 3):
+                st, body = _call(s, o, b, rid, ep)
+                assert st == Status.UNAUTHORIZED, (o, st, body)
+                assert "operator" in body["error"]
+            st, body = _call(s, Op.EXISTS, {"keys": [b"keep"]}, 9, ep)
+            assert body["found"] == [True]                  # nothing was purged
+            st, _ = _call(s, Op.HELLO, {"nonce": os.urandom(16), "token": door,
+                                        "operator_token": op}, 10, 0)
+            assert st == Status.OK
+            st, body = _call(s, Op.PURGE, {}, 11, ep)
+            assert st == Status.OK and body["n"] == 1
+            st, body = _call(s, Op.HELLO, {"nonce": os.urandom(16), "token": door,
+                                           "operator_token": os.urandom(32)}, 12, 0)
+            assert st == Status.OK                          # a wrong one: no operator
+            st, body = _call(s, Op.PURGE, {}, 13, ep)
+            assert st == Status.UNAUTHORIZED
+        finally:
+            s.close()
+
+
+def test_same_user_tcp_client_and_ctl_find_the_operator_token():
+    """``kvshm ctl purge`` (a TCP client, no liveness proof) finds the operator token of
+    a server of its own user by itself."""
+    with ServerProcess() as srv:
+        with Client(srv.address, transport="tcp") as c:
+            c.put_batch(["a", "b"], [b"1", b"2"])
+            assert c.evict(1.0) == 0
+        r = subprocess.run([sys.executable, "-m", "kvshm", "ctl", "--address", srv.address,
+                            "purge"], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and r.stdout.strip() == "2", r.stderr
+
+
+NOBODY_OPS = """
+    import json, sys, urllib.request, urllib.error, kvshm
+    from kvshm.zmq_ctrl.protocol import Op
+    address, manage, tok = sys.argv[1], sys.argv[2], sys.argv[3]
+    out = {}
+    c = kvshm.Client(address, transport="auto", timeout=10, token_file=tok)
+    c.put("mine", b"n" * 100)
+    out["read"] = c.get("theirs").decode()
+    out["wrote"] = c.get("mine").decode()[:1]
+    for name, call in (("purge", c.purge), ("evict", lambda: c.evict(0.0)),
+                       ("drain", lambda: c.run_op(c.session.op_simple(Op.DRAIN, {}, "drain")))):
+        try:
+            call()
+            out[name] = "done"
+        except kvshm.AuthenticationFailed as e:
+            out[name] = "refused" if "operator" in str(e) else str(e)
+    door = open(tok).read().strip()
+    try:
+        urllib.request.urlopen(urllib.request.Request(
+            manage + "/purge", method="POST",
+            headers={"Authorization": "Bearer " + door}), timeout=10)
+        out["/purge"] = 200
+    except urllib.error.HTTPError as e:
+        out["/purge"] = e.code
+    print(json.dumps(out), flush=True)
+"""
+
+
+def test_nobody_with_a_door_token_reads_and_writes_but_cannot_purge_evict_drain(tmp_path):
+    """Before: a door-token holder of another user could PURGE, EVICT and DRAIN (and
+    POST /purge with the door token)."""
+    if not IS_ROOT or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run as nobody")
+    import tempfile
+
+    shared = tempfile.mkdtemp(prefix="kvshm-test-token-")
+    os.chmod(shared, 0o755)
+    tok = os.path.join(shared, "kvshm.token")
+    try:
+        with ServerProcess("--token-file", tok) as srv, Client(srv.address) as c:
+            c.put("theirs", b"t" * 100)
+            os.chown(tok, 0, 65534)          # the group of nobody (nogroup) may read it
+            r = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup",
+                                "--clear-groups", sys.executable, "-c",
+                                textwrap.dedent(NOBODY_OPS), srv.address,
+                                f"http://127.0.0.1:{srv.manage_port}", tok],
+                               capture_output=True, text=True, timeout=120,
+                               env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path),
+                                    "HOME": "/tmp"})
+            assert r.returncode == 0, r.stderr
+            got = json.loads(r.stdout)
+            assert got == {"read": "t" * 100, "wrote": "n", "purge": "refused",
+                           "evict": "refused", "drain": "refused", "/purge": 401}, got
+            assert c.exists_batch(["theirs", "mine"]) == [True, True]
+            assert c.purge() == 2            # a local client of the server's uid may
+    finally:
+        shutil.rmtree(shared)
