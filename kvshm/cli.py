@@ -228,6 +228,9 @@ def cmd_ctl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
         removed = segments.cleanup(args.prefix, dry_run=args.dry_run)
         removed += segments.cleanup_ipc_dirs(dry_run=args.dry_run)
+        from kvshm.security import cleanup_tokens
+
+        removed += cleanup_tokens(dry_run=args.dry_run)
         removed += cleanup_scratch(args.ssd_path, dry_run=args.dry_run)
         for name in removed:
             print(("would remove " if args.dry_run else "removed ") + name)
@@ -336,8 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     from kvshm.cluster.cli import add_ctl_parsers
 
     add_ctl_parsers(csub)
-    cl = csub.add_parser("cleanup", help="remove segments, ipc directories and SSD scratch "
-                                         "files left by dead servers")
+    cl = csub.add_parser("cleanup", help="remove segments, ipc directories, token files "
+                                         "and SSD scratch files left by dead servers")
     cl.add_argument("--prefix", default="kvshm-", help="segment name prefix (default kvshm-)")
     cl.add_argument("--ssd-path", action="append", default=[], metavar="DIR",
                     help="also an SSD directory of a server run without --ssd-persist "

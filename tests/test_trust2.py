@@ -164,3 +164,76 @@ def test_nobody_with_a_door_token_reads_and_writes_but_cannot_purge_evict_drain(
             assert c.purge() == 2            # a local client of the server's uid may
     finally:
         shutil.rmtree(shared)
+
+
+# ---------------------------------------------------------------- dead servers' token files
+
+HOLDER = """
+    import sys, time
+    from kvshm import security
+    security._RUN_DIR = sys.argv[1]
+    door = security.DoorToken([f"tcp://127.0.0.1:{sys.argv[2]}"])
+    print("ready", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_token_files_of_a_sigkilled_server_are_removed_never_a_live_ones(tmp_path,
+                                                                          monkeypatch):
+    """Before: a server killed with SIGKILL left <port>.token in kvshm-run-<uid> for
+    ever. Now each server flocks its token files; cleanup removes the unlocked ones."""
+    from kvshm import security
+
+    monkeypatch.setattr(security, "_RUN_DIR", str(tmp_path))
+    p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOLDER), str(tmp_path),
+                          "40101"], stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    live = None
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        d = security.run_dir()
+        dead = [os.path.join(d, n) for n in ("40101.operator", "40101.token")]
+        assert sorted(os.listdir(d)) == ["40101.operator", "40101.token"]
+        live = security.DoorToken(["tcp://127.0.0.1:40102"])
+        assert security.cleanup_tokens() == []          # both alive: nothing goes
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+        assert sorted(os.listdir(d)) == ["40101.operator", "40101.token",
+                                         "40102.operator", "40102.token"]   # left behind
+        assert sorted(security.cleanup_tokens(dry_run=True)) == dead
+        assert sorted(security.cleanup_tokens()) == dead
+        assert sorted(os.listdir(d)) == ["40102.operator", "40102.token"]
+        assert security.find_token("tcp://127.0.0.1:40102") == live.token
+        live.close()
+        live = None
+        assert not os.path.exists(d)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+        if p.stdout is not None:
+            p.stdout.close()
+        if live is not None:
+            live.close()
+
+
+def test_ctl_cleanup_removes_a_sigkilled_servers_token_files():
+    from kvshm.security import operator_token_path, token_path
+
+    with ServerProcess() as alive:
+        srv = ServerProcess()
+        files = [f(f"tcp://127.0.0.1:{srv.port}") for f in (token_path, operator_token_path)]
+        keep = [f(f"tcp://127.0.0.1:{alive.port}") for f in (token_path, operator_token_path)]
+        assert all(os.path.exists(f) for f in files + keep)
+        srv.kill()
+        try:
+            r = subprocess.run([sys.executable, "-m", "kvshm", "ctl", "cleanup"],
+                               capture_output=True, text=True, timeout=60)
+            assert r.returncode == 0, r.stderr
+            # (a server started meanwhile by another test may have removed them first)
+            assert not any(os.path.exists(f) for f in files), r.stdout
+            assert all(os.path.exists(f) for f in keep)
+            with Client(alive.address, transport="tcp") as c:   # its door still opens
+                c.put("k", b"v")
+        finally:
+            srv.remove_segment()
