@@ -37,11 +37,28 @@ cdef extern from "<sys/mman.h>" nogil:
     int madvise(void* addr, size_t length, int advice)
     int MADV_HUGEPAGE
 
+cdef extern from *:
+    """
+    #ifndef MADV_POPULATE_WRITE
+    #define MADV_POPULATE_WRITE 23
+    #endif
+    """
+    int MADV_POPULATE_WRITE
+
 cdef extern from "<fcntl.h>" nogil:
     int posix_fallocate(int fd, long offset, long length)
 
 HEADER_SIZE = 4096
 cdef Py_ssize_t _HEADER = 4096
+#: Bytes reserved (fallocate) and pre-faulted per step of :meth:`Pool.create`, with the
+#: GIL released; a stop request is looked at between steps. 128 MiB: a fraction of a
+#: second per step on a loaded box, and the inode lock that an unlink of the segment
+#: waits for is held for one step only.
+CREATE_STEP = 128 << 20
+
+
+class CreateStopped(Exception):
+    """:meth:`Pool.create` gave up because its ``stop()`` said so (nothing is left)."""
 _MAGIC = b"KVSHMPL1"
 _LAYOUT_VERSION = 1
 # magic, version, flags, data size, block size, creator pid, created (ns), token
@@ -199,8 +216,13 @@ cdef class Pool:
 
     @staticmethod
     def create(name, Py_ssize_t size, Py_ssize_t block_size=65536, *, token=None,
-               bint populate=True):
+               bint populate=True, stop=None):
         """Create, size and map a new segment (mode 0600).
+
+        The segment is reserved (``posix_fallocate``) and, with ``populate``, pre-faulted
+        in steps of :data:`CREATE_STEP` bytes with the GIL released; the liveness lock is
+        taken before the first step (so no cleanup takes a segment being made for an
+        orphan).
 
         Parameters
         ----------
@@ -213,10 +235,17 @@ cdef class Pool:
         token : bytes, optional
             16 bytes recorded in the header (random by default).
         populate : bool
-            Pre-fault the mapping (MAP_POPULATE) so the first copies do not page-fault.
+            Pre-fault the mapping (``MADV_POPULATE_WRITE`` per step, or MAP_POPULATE on
+            kernels before 5.14) so the first copies do not page-fault.
+        stop : callable, optional
+            ``stop() -> bool``, called between steps: True gives up at once (the segment
+            is unlinked, :class:`CreateStopped` raised). A server passes its stop request
+            (SIGTERM during start-up).
 
         Raises
         ------
+        CreateStopped
+            ``stop()`` returned True.
         ValueError
             Bad name, size or block size.
         FileExistsError
@@ -228,7 +257,8 @@ cdef class Pool:
         """
         cdef Pool self
         cdef int rc, fd
-        cdef long total
+        cdef long total, off, n
+        cdef char* p
         name = _normalize_name(name)
         if block_size < 4096 or block_size % 4096:
             raise ValueError(f"block_size must be a positive multiple of 4096, got {block_size}")
@@ -250,25 +280,52 @@ cdef class Pool:
         self = Pool.__new__(Pool)
         try:
             fd = shm.fd
-            with nogil:
-                rc = posix_fallocate(fd, 0, total)
-            if rc != 0:
-                raise OSError(rc, f"cannot reserve {total} bytes for shared-memory segment "
-                                  f"{name} ({os.strerror(rc)}); free space in /dev/shm or "
-                                  "ask for a smaller pool")
-            self._map_fd(fd, total, populate)
             # Liveness lock: a segment whose creator is gone has no lock, and
             # kvshm.segments.cleanup (``kvshm ctl cleanup``, a starting server) removes it.
             self._lock_fd = os.dup(fd)
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            off = 0
+            while off < total:
+                if stop is not None and stop():
+                    raise CreateStopped(f"creation of {name} stopped")
+                n = min(<long>CREATE_STEP, total - off)
+                with nogil:
+                    rc = posix_fallocate(fd, off, n)
+                if rc != 0:
+                    raise OSError(rc, f"cannot reserve {total} bytes for shared-memory "
+                                      f"segment {name} ({os.strerror(rc)}); free space in "
+                                      "/dev/shm or ask for a smaller pool")
+                off += n
+            self._map_fd(fd, total, False)
+            if populate:
+                off = 0
+                while off < total:
+                    if stop is not None and stop():
+                        raise CreateStopped(f"creation of {name} stopped")
+                    n = min(<long>CREATE_STEP, total - off)
+                    p = self._map + off
+                    with nogil:
+                        rc = madvise(p, n, MADV_POPULATE_WRITE)
+                    if rc != 0:           # before Linux 5.14: one MAP_POPULATE mapping
+                        munmap(self._map, self._map_size)
+                        self._map = self._base = NULL
+                        self._map_fd(fd, total, True)
+                        break
+                    off += n
         except BaseException:
+            if self._map != NULL:
+                munmap(self._map, self._map_size)
+                self._map = self._base = NULL
             if self._lock_fd >= 0:
                 os.close(self._lock_fd)
                 self._lock_fd = -1
             try:
                 shm.close_fd()
             finally:
-                shm.unlink()
+                try:
+                    shm.unlink()
+                except posix_ipc.ExistentialError:   # already unlinked by name
+                    pass
             raise
         shm.close_fd()
         self.name = name

@@ -552,14 +552,17 @@ class Server:
         name = cfg.shm_name or (f"{segments.DEFAULT_PREFIX}{cfg.service_port}-{os.getpid()}-"
                                 f"{os.urandom(4).hex()}")
         # Pool.create holds the segment's liveness lock until unlink (see segments.py).
-        # It takes seconds for a large pool (fallocate, then populate), in C: it runs in
-        # a helper thread so that a SIGTERM/SIGINT is handled at once; then the segment
-        # is unlinked by name and start-up ends (the helper's work is thrown away).
+        # It takes seconds for a large pool (fallocate, then populate, in steps of
+        # kvshm._pool.CREATE_STEP with the GIL released): it runs in a helper thread so
+        # that a SIGTERM/SIGINT is handled at once; then the segment is unlinked by name
+        # (that waits for the step under way at most) and the helper, which looks at
+        # the stop request between steps, gives up and unmaps what it made.
         box: dict[str, Any] = {}
 
         def make() -> None:
             try:
-                box["pool"] = Pool.create(name, cfg.pool_bytes, cfg.block_size * KiB)
+                box["pool"] = Pool.create(name, cfg.pool_bytes, cfg.block_size * KiB,
+                                          stop=lambda: self._stop_requested)
             except BaseException as exc:   # handed to the starting thread
                 box["error"] = exc
 
@@ -572,6 +575,11 @@ class Server:
                     os.unlink(os.path.join(segments.SHM_DIR, name.lstrip("/")))
                 except OSError:
                     pass
+                t.join(10)      # one step; a made pool (the race) is closed below
+                made = box.get("pool")
+                if made is not None:
+                    made.close()
+                    made.unlink()
                 raise _StopRequested()
         if "error" in box:
             raise box["error"]

@@ -594,10 +594,11 @@ def test_signal_during_startup_of_a_large_pool_exits_leaving_no_segment(sig):
                  timeout=60, what="the segment to appear")
         assert p.poll() is None, p.stderr.read()
         p.send_signal(sig)
-        # the old server never exited (it served until SIGKILL); the time it takes is
-        # a figure of the machine (7.6 s idle, about 20 s on a loaded 2-core box), so
-        # the bound here only tells "exits" from "serves on"
-        rc = p.wait(90)
+        # the old server never exited (it served until SIGKILL). Pool creation now
+        # looks at the stop request between steps of kvshm._pool.CREATE_STEP, so the
+        # exit takes one step and the teardown (0.4-1.6 s idle; the figures under load
+        # are in the issue note); the wait below only guards against a hang
+        rc = p.wait(30)
         out = p.stdout.read().decode()
         assert rc == 0, p.stderr.read()
         assert "kvshm ready" not in out          # it never started serving

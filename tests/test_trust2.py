@@ -237,3 +237,78 @@ def test_ctl_cleanup_removes_a_sigkilled_servers_token_files():
                 c.put("k", b"v")
         finally:
             srv.remove_segment()
+
+
+# ---------------------------------------------------------------- pool creation in steps
+
+def test_pool_create_looks_at_stop_between_steps_and_leaves_nothing():
+    """Before: Pool.create reserved and populated the whole pool in one call (seconds,
+    holding the inode lock an unlink waits for); a stop request waited for all of it."""
+    from kvshm._pool import CREATE_STEP, CreateStopped, Pool
+    from servers import segment_exists, unique_shm_name
+
+    size = 4 * CREATE_STEP
+    if shutil.disk_usage("/dev/shm").free < size + (256 << 20):
+        pytest.skip("needs 4 steps of free space in /dev/shm")
+    name = unique_shm_name("step-")
+    calls = []
+
+    def stop() -> bool:
+        calls.append(segment_exists(name))
+        return len(calls) == 3              # in the middle of the reservation
+
+    with pytest.raises(CreateStopped):
+        Pool.create(name, size, 65536, stop=stop)
+    assert calls == [True, True, True]      # asked once per step, the segment there
+    assert not segment_exists(name)
+    calls.clear()
+    with pytest.raises(CreateStopped):       # in the middle of pre-faulting
+        Pool.create(name, size, 65536, stop=lambda: calls.append(1) or len(calls) == 6)
+    assert not segment_exists(name)
+    calls.clear()
+    with Pool.create(name, size, 65536, stop=lambda: calls.append(1) or False) as pool:
+        assert len(calls) >= 5              # every step of both phases asked
+        pool.write(size - 5, b"tail!")
+        assert pool.read_bytes(size - 5, 5) == b"tail!"
+    assert not segment_exists(name)
+
+
+def test_unlink_during_a_large_create_does_not_wait_for_all_of_it():
+    """The server's stop path unlinks the segment by name while the helper thread is
+    still creating it; the helper then gives up at its next step and unmaps."""
+    import threading
+
+    from kvshm import segments
+    from kvshm._pool import CREATE_STEP, CreateStopped, Pool
+    from servers import segment_exists, unique_shm_name
+
+    size = 8 * CREATE_STEP
+    if shutil.disk_usage("/dev/shm").free < size + (256 << 20):
+        pytest.skip("needs 8 steps of free space in /dev/shm")
+    name = unique_shm_name("unl-")
+    flag = threading.Event()
+    steps = []
+    box = {}
+
+    def stop() -> bool:
+        steps.append(1)
+        if len(steps) == 2:
+            flag.set()
+        return box.get("stop", False)
+
+    def make() -> None:
+        try:
+            box["pool"] = Pool.create(name, size, 65536, stop=stop)
+        except BaseException as exc:
+            box["error"] = exc
+
+    t = threading.Thread(target=make)
+    t.start()
+    assert flag.wait(60)
+    box["stop"] = True
+    os.unlink(os.path.join(segments.SHM_DIR, name))
+    t.join(60)
+    assert not t.is_alive()
+    assert isinstance(box.get("error"), CreateStopped), box
+    assert len(steps) < 16                   # it did not make the whole pool first
+    assert not segment_exists(name)
