@@ -105,7 +105,8 @@ class _Conn:
         try:
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.IPV6, 1)
-            s.setsockopt(zmq.ROUTING_ID, client._routing_id)
+            # one routing id per connection (the server hands none over; HELLO first)
+            s.setsockopt(zmq.ROUTING_ID, os.urandom(16))
             if client._socket_setup is not None:
                 client._socket_setup(s)
             if not endpoint.startswith("inproc://"):
@@ -328,7 +329,6 @@ class AsyncClient:
             self._ctx = context
         else:
             self._ctx = zmq.asyncio.Context.shadow(context.underlying)
-        self._routing_id = os.urandom(16)
         self._conn: _Conn | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._hello_lock: asyncio.Lock | None = None
@@ -387,13 +387,13 @@ class AsyncClient:
             # both sides offers a QP (docs/RDMA.md): each is one more HELLO
             if not s.hello_again():
                 break
-        ipc = s.hello.get("ipc")
-        if (fresh and s.mover is not None and s.mover.name == "shm" and ipc
-                and self._base_endpoint.startswith("tcp://")
-                and os.path.exists(ipc[len("ipc://"):])):
-            old, self._conn = self._conn, _Conn(self, ipc)
-            assert old is not None
-            old.fail(ServerUnavailable, "moved to the ipc endpoint")
+            ipc = s.ipc_for_proof(self._conn.endpoint if self._conn else "")
+            if fresh and ipc is not None:
+                # the HELLO with the proof goes on the server's ipc endpoint (a new
+                # connection, so a new routing id: its session is opened there)
+                old, self._conn = self._conn, _Conn(self, ipc)
+                assert old is not None
+                old.fail(ServerUnavailable, "moved to the ipc endpoint")
         self._hello_gen += 1
 
     async def _hello_exchange(self) -> None:
@@ -580,6 +580,17 @@ class AsyncClient:
                 log.debug("flush at close failed: %s", exc)
         self._closed = True
         conn, self._conn = self._conn, None
+        if conn is not None and conn.failed is None and not conn.waiting:
+            bye = s.bye()       # nothing in flight: end the session now
+            if bye is not None:
+                # best effort, a short wait: the server ends the session at once
+                from kvshm.zmq_ctrl.ops_session import BYE_WAIT_S
+
+                try:
+                    await asyncio.wait_for(conn.request(Op.BYE, bye[1], (), bye[0],
+                                                        s.new_id()), BYE_WAIT_S)
+                except (KvshmError, asyncio.TimeoutError) as exc:
+                    log.debug("BYE at close: %s", exc)
         if conn is not None:
             await conn.aclose("client is closed")
         await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)

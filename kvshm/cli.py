@@ -56,6 +56,9 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lease-timeout", type=pos_float, default=10.0,
                    help="seconds before an uncommitted write or unreleased pin is reclaimed "
                         "(default 10)")
+    p.add_argument("--session-idle-timeout", type=pos_float, default=600.0, metavar="S",
+                   help="seconds of silence after which a remote session holding nothing "
+                        "is closed (its client says HELLO again; default 600)")
     p.add_argument("--enable-periodic-evict", action="store_true",
                    help="evict periodically when usage passes --evict-max-threshold")
     p.add_argument("--evict-interval", type=pos_float, default=5.0,
@@ -148,6 +151,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         prealloc_size=args.prealloc_size,
         block_size=args.block_size,
         lease_timeout=args.lease_timeout,
+        session_idle_timeout=args.session_idle_timeout,
         enable_periodic_evict=args.enable_periodic_evict,
         evict_interval=args.evict_interval,
         evict_min_threshold=args.evict_min_threshold,

@@ -240,6 +240,18 @@ class _Session:
     def piggyback_pending(self) -> bool:
         return bool(self.commits or self.aborts or self.releases)
 
+    def bye(self) -> tuple[int, dict[str, Any]] | None:
+        """The BYE to send at close (epoch, body with what is left to settle), or None
+        when there is no session to end or the caller still holds views of pinned pool
+        memory (their pins must stay until lease expiry or the liveness proof ends)."""
+        if not self.epoch or self.need_hello or getattr(self, "views_alive", False):
+            return None
+        for m in (self.mover, *self._retired):
+            pool = getattr(m, "pool", None)
+            if pool is not None and not pool.closed and pool.num_views:
+                return None
+        return self.epoch, self.take_piggyback({})
+
     # ---------------------------------------------------------------- HELLO
 
     def new_id(self) -> int:
@@ -269,6 +281,15 @@ class _Session:
 
             body.update(rdma.hello_fields(self))   # a new QP's info when RDMA is tried
         return body
+
+    def ipc_for_proof(self, endpoint: str) -> str | None:
+        """The server's ipc endpoint to say the HELLO with the liveness proof on, when
+        this client is on tcp and the endpoint is on this host's filesystem."""
+        ipc = self.hello.get("ipc")
+        if (self._unproven is None or not ipc or not endpoint.startswith("tcp://")
+                or not os.path.exists(ipc[len("ipc://"):])):
+            return None
+        return ipc
 
     def hello_again(self) -> bool:
         """Whether the HELLO just applied asks for another (the liveness proof is made,
@@ -404,11 +425,12 @@ class _Session:
         if self.proof is not None:
             self.proof.close()
             self.proof = None
+        self.views_alive = False
         for m in self._retired:
             try:
                 m.close()
             except BufferError:
-                pass
+                self.views_alive = True     # the caller still reads pinned pool memory
         self._retired.clear()
         if self.rdma is not None:
             self.rdma.close()
@@ -857,11 +879,10 @@ class Client:
             # both sides offers a QP (docs/RDMA.md): each is one more HELLO
             if not s.hello_again():
                 break
-        ipc = s.hello.get("ipc")
-        if (s.mover is not None and s.mover.name == "shm" and ipc
-                and self._base_endpoint.startswith("tcp://")):
-            path = ipc[len("ipc://"):]
-            if os.path.exists(path):
+            ipc = s.ipc_for_proof(self._chan.endpoint)
+            if ipc is not None:
+                # the HELLO with the proof goes on the server's ipc endpoint (a new
+                # socket, so a new routing id: its session is opened there)
                 self._chan.reset(ipc)
 
     def _roundtrip(self, drive: _Drive, req: _Req) -> _Reply:
@@ -1211,7 +1232,18 @@ class Client:
             if t is not threading.current_thread():
                 t.join(5)
         with self._chan.lock:
-            self._session.close()
+            s = self._session
+            s.close()
+            bye = s.bye() if s.pid == os.getpid() else None
+            if bye is not None:
+                # best effort, a short wait: the server ends the session at once
+                from kvshm.zmq_ctrl.ops_session import BYE_WAIT_S
+
+                try:
+                    self._chan.request(Op.BYE, bye[1], req_id=s.new_id(), epoch=bye[0],
+                                       timeout=BYE_WAIT_S)
+                except Exception as exc:
+                    log.debug("BYE at close: %s", exc)
             self._chan.close()
 
     def __enter__(self) -> "Client":

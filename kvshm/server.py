@@ -74,6 +74,10 @@ class ServerConfig:
         Block size in KiB, >= 4 and a multiple of 4. Default 64.
     lease_timeout : float
         Seconds before an uncommitted write or an unreleased pin is reclaimed.
+    session_idle_timeout : float
+        Seconds of silence after which a remote session holding nothing is closed
+        (:mod:`kvshm.zmq_ctrl.ops_session`; its client says HELLO again by itself).
+        Default 600.
     enable_periodic_evict, evict_interval, evict_min_threshold, evict_max_threshold
         Every ``evict_interval`` s, when usage passes ``evict_max_threshold`` (0..1),
         evict LRU entries down to ``evict_min_threshold``.
@@ -160,6 +164,7 @@ class ServerConfig:
     prealloc_size: float = 1.0
     block_size: int = 64
     lease_timeout: float = 10.0
+    session_idle_timeout: float = 600.0
     enable_periodic_evict: bool = False
     evict_interval: float = 5.0
     evict_min_threshold: float = 0.6
@@ -242,6 +247,9 @@ class ServerConfig:
             raise ConfigError("prealloc_size", "is smaller than one block")
         if not self.lease_timeout > 0:
             raise ConfigError("lease_timeout", f"must be > 0 s, got {self.lease_timeout}")
+        v = self.session_idle_timeout
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise ConfigError("session_idle_timeout", f"must be > 0 s, got {v!r}")
         if not self.evict_interval > 0:
             raise ConfigError("evict_interval", f"must be > 0 s, got {self.evict_interval}")
         for name in ("evict_min_threshold", "evict_max_threshold"):
@@ -396,6 +404,7 @@ class Server:
         self._clean_stop = False    # the loop returned (not a failed start-up)
         self.epoch = int.from_bytes(os.urandom(6), "little") | 1
         self.cluster_ops: Any = None   # kvshm.zmq_ctrl.ops_cluster.ClusterOps
+        self.session_ops: Any = None   # kvshm.zmq_ctrl.ops_session.SessionOps (BYE)
         self.membership: Any = None    # kvshm.cluster.membership.Membership (--cluster)
 
     # ------------------------------------------------------------------ set-up
@@ -508,6 +517,9 @@ class Server:
                                     door_token=self.door.token,
                                     operator_token=self.door.operator)
             self._router = None           # the loop owns it now
+            from kvshm.zmq_ctrl.ops_session import SessionOps
+
+            self.session_ops = SessionOps(self.loop, cfg.session_idle_timeout).install()
             if self.rdma is not None:
                 rdma_ep = self.rdma
                 # every QP of the client, retired ones too (keyed by its session nonce)

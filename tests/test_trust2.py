@@ -312,3 +312,117 @@ def test_unlink_during_a_large_create_does_not_wait_for_all_of_it():
     assert isinstance(box.get("error"), CreateStopped), box
     assert len(steps) < 16                   # it did not make the whole pool first
     assert not segment_exists(name)
+
+
+# ---------------------------------------------------------------- BYE and idle sessions
+
+def _sessions(admin: Client) -> int:
+    return admin.stats()["sessions"]
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_closed_tcp_client_ends_its_session_at_once(kind):
+    """Before: a closed remote (TCP) client's grant-less session stayed until a cap of
+    65,536 sessions trimmed it; now close() says BYE and the server ends it."""
+    import asyncio
+
+    with ServerProcess() as srv, Client(srv.address, transport="tcp") as admin:
+        before = _sessions(admin)
+        if kind == "sync":
+            c = Client(srv.address, transport="tcp")
+            c.put("k", b"v" * 100)
+            assert _sessions(admin) == before + 1
+            c.close()
+        else:
+            async def run() -> None:
+                c = kvshm.AsyncClient(srv.address, transport="tcp")
+                await c.connect()
+                await c.put("k", b"v" * 100)
+                assert _sessions(admin) == before + 1
+                await c.close()
+            asyncio.run(run())
+        wait_for(lambda: _sessions(admin) == before, timeout=20,
+                 what="the closed client's session to end")
+        assert admin.get("k") == b"v" * 100
+
+
+def test_bye_settles_every_grant_of_the_session():
+    with ServerProcess() as srv, Client(srv.address, transport="tcp") as admin:
+        door, _ = _tokens(srv.address)
+        s = _dealer(srv.address)
+        try:
+            st, hello = _call(s, Op.HELLO, {"nonce": os.urandom(16), "token": door}, 1, 0)
+            ep = hello["epoch"]
+            st, body = _call(s, Op.ALLOC, {"keys": [b"a", b"b"], "sizes": [1000, 70000]},
+                             2, ep)
+            assert st == Status.OK, body
+            assert admin.stats()["pending"] == 2
+            before = _sessions(admin)
+            st, body = _call(s, Op.BYE, {}, 3, ep)
+            assert st == Status.OK and body["settled"] == 1
+            st_ = admin.stats(verify=True)
+            assert st_["pending"] == 0 and st_["grants"] == 0 and st_["accounting_ok"]
+            assert st_["sessions"] == before - 1
+            st, body = _call(s, Op.EXISTS, {"keys": [b"a"]}, 4, ep)
+            assert st == Status.STALE_EPOCH and "HELLO" in body["error"]   # it is gone
+        finally:
+            s.close()
+
+
+def test_idle_remote_session_is_closed_and_its_client_comes_back():
+    """A remote client that vanished without BYE (killed, unplugged) leaves a grant-less
+    session: closed after --session-idle-timeout; a client that was merely quiet says
+    HELLO again by itself."""
+    with ServerProcess("--session-idle-timeout", "0.5") as srv, \
+            Client(srv.address, transport="tcp") as quiet:
+        quiet.put("q", b"1" * 100)
+        door, _ = _tokens(srv.address)
+        s = _dealer(srv.address)
+        try:
+            _call(s, Op.HELLO, {"nonce": os.urandom(16), "token": door}, 1, 0)
+        finally:
+            s.close()                       # gone without BYE
+        with Client(srv.address, transport="tcp", connect=False) as probe:
+            # every open session but the probe's own is idle soon: all of them end
+            wait_for(lambda: _sessions(probe) == 1, timeout=30,
+                     what="the idle sessions to be closed")
+        assert quiet.get("q") == b"1" * 100     # HELLO again, transparently
+
+
+# ---------------------------------------------------------------- routing ids
+
+def test_another_connection_cannot_act_on_a_session_by_claiming_its_routing_id():
+    """Before: ROUTER_HANDOVER was on, so a second connection that claimed a connected
+    client's routing id took its connection over and acted as its session (no token
+    needed) and got the replies meant for it. Now the claimant is not served while the
+    owner is connected, and once the owner said BYE the id names no session."""
+    with ServerProcess() as srv, Client(srv.address, transport="tcp") as admin:
+        door, _ = _tokens(srv.address)
+        ident = os.urandom(16)
+        owner = _dealer(srv.address, ident)
+        thief = None
+        try:
+            st, hello = _call(owner, Op.HELLO, {"nonce": os.urandom(16), "token": door},
+                              1, 0)
+            ep = hello["epoch"]
+            admin.put("k", b"v" * 100)
+            thief = _dealer(srv.address, ident)
+            thief.send(msgpack.packb([PROTOCOL_VERSION, Op.DELETE, 7, ep,
+                                      {"keys": [b"k"]}], use_bin_type=True))
+            # the owner is still served on its connection, and the key is still there
+            for rid in range(2, 6):
+                st, body = _call(owner, Op.EXISTS, {"keys": [b"k"]}, rid, ep)
+                assert st == Status.OK and body["found"] == [True]
+            assert admin.exists("k")
+            assert not thief.poll(0)
+            st, body = _call(owner, Op.BYE, {}, 9, ep)
+            assert st == Status.OK
+            # with the session ended its routing id names nothing: a request on it is
+            # told to say HELLO
+            st, body = _call(owner, Op.DELETE, {"keys": [b"k"]}, 10, ep)
+            assert st == Status.STALE_EPOCH and "HELLO" in body["error"], (st, body)
+            assert admin.get("k") == b"v" * 100
+        finally:
+            for s in (owner, thief):
+                if s is not None:
+                    s.close()

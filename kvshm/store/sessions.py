@@ -9,6 +9,7 @@ principal. See the package docstring for the rules.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from kvshm.index import Entry
@@ -65,7 +66,7 @@ class Session:
     """
 
     __slots__ = ("id", "principal", "nonce", "proof", "grants", "quota", "closed",
-                 "label", "local", "sending", "operator", "__weakref__")
+                 "label", "local", "sending", "operator", "seen", "conn", "__weakref__")
 
     def __init__(self, sid: int, principal: Any, nonce: bytes, proof: Any,
                  quota: _Quota, label: str = "") -> None:
@@ -75,6 +76,8 @@ class Session:
         self.proof = proof
         self.local = proof is not None
         self.operator = False
+        self.seen = time.perf_counter()   # its last request (the router stamps it)
+        self.conn: Any = None             # the router's name of its connection
         self.sending = 0            # blocks of this session's GET replies not yet sent
         self.grants: dict[int, _Grant] = {}
         self.quota = quota

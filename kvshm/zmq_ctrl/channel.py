@@ -110,6 +110,10 @@ class Channel:
             s = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.IPV6, 1)
+            # a routing id of its own for each connection: the server does not hand a
+            # connected id over to a new connection (ROUTER_HANDOVER off), and the
+            # client says HELLO on every new socket before anything else
+            self.routing_id = os.urandom(16)
             s.setsockopt(zmq.ROUTING_ID, self.routing_id)
             if self._setup is not None:
                 self._setup(s)

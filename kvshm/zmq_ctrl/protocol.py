@@ -94,6 +94,7 @@ class Op(enum.IntEnum):
     RENEW = 42
     UNPIN = 43
     DRAIN = 44
+    BYE = 52               # end this session now (kvshm.zmq_ctrl.ops_session)
 
 
 class Status(enum.IntEnum):

@@ -147,7 +147,10 @@ def make_router(ctx: zmq.Context, socket_setup: Callable[[zmq.Socket], None] | N
     an IPv6 address)."""
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    # No handover: a second connection claiming a connected peer's routing id is not
+    # served (its messages wait until the first connection is gone), so it cannot act
+    # on that peer's session (docs/RELIABILITY.md, "Sessions and routing ids").
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
     if ipv6:
         sock.setsockopt(zmq.IPV6, 1)
     if max_frame_bytes > 0:
@@ -387,6 +390,22 @@ class ServiceLoop:
             log.exception("internal error in lease/liveness housekeeping")
             self._count_error("internal")
 
+    def sessions(self) -> list[Session]:
+        """The open sessions (a snapshot)."""
+        return [s for s in self._order.values() if not s.closed]
+
+    def end_session(self, sess: Session, why: str) -> int:
+        """Close ``sess`` now (every grant settled: :meth:`Store.close_session`) and
+        forget it: its routing id names no session any more. Returns the grants
+        settled."""
+        n = self.store.close_session(sess, why)
+        self._order.pop(sess.id, None)
+        if self._by_ident.get(sess.conn) is sess:
+            del self._by_ident[sess.conn]
+        if self._by_nonce.get(sess.nonce) is sess:
+            del self._by_nonce[sess.nonce]
+        return n
+
     def _forget_closed(self) -> None:
         for d in (self._by_ident, self._by_nonce):
             for k in [k for k, v in d.items() if v.closed]:
@@ -581,9 +600,15 @@ class ServiceLoop:
         session = self._session_of(ident)
         if op == Op.HELLO:
             try:
-                if fresh and session is not None:
+                carried = fresh and session is not None
+                if carried:
                     self._piggyback(session, body, reply_extra)
                 status, rbody, frames, session = self._hello(ident, msg[1], body, session)
+                if fresh and not carried and status == Status.OK and session is not None:
+                    # a new connection of the same client (a new routing id: reconnect,
+                    # the ipc endpoint): the grants its settle lists name moved over
+                    # with the nonce
+                    self._piggyback(session, body, reply_extra)
             except _Malformed as exc:
                 self._count_error("malformed")
                 status, rbody, frames = Status.MALFORMED, {"error": str(exc)}, []
@@ -599,6 +624,7 @@ class ServiceLoop:
                 "error": "no session: say HELLO (with the server's token) first",
                 "epoch": self.epoch}))
             return
+        session.seen = t0
         try:
             if fresh:
                 self._piggyback(session, body, reply_extra)
@@ -640,12 +666,15 @@ class ServiceLoop:
     def _open(self, ident: bytes, principal: Any, nonce: bytes, proof: Any,
               label: str) -> Session:
         sess = self.store.open_session(principal, nonce=nonce, proof=proof, label=label)
+        sess.conn = ident
         old = self._by_nonce.get(nonce)
         if old is not None:
             # the same client again (a new HELLO: reconnect, ping, a new mover): the old
             # session ends, its grants move over (that process may still be copying)
             self.store.replace_session(old, sess)
             self._order.pop(old.id, None)
+            if self._by_ident.get(old.conn) is old:     # its old connection's name
+                del self._by_ident[old.conn]
         prev = self._by_ident.get(ident)
         if prev is not None and prev is not old and not prev.grants:
             self.store.close_session(prev)         # another client on this routing id
