@@ -26,10 +26,11 @@ _READY = re.compile(r"kvshm ready: service tcp://(?P<host>[^,]+):(?P<port>\d+)"
 
 def raw_hello(sock: Any, address: str, token: bytes | None = None) -> dict[str, Any]:
     """Say HELLO on a raw DEALER socket connected to ``address`` (nonce, and the door
-    token found as a client finds it); returns the reply body (``epoch``, ``session``)."""
+    and operator tokens found as a client of the same user finds them); returns the
+    reply body (``epoch``, ``session``)."""
     import msgpack
 
-    from kvshm.security import find_token
+    from kvshm.security import find_operator_token, find_token
     from kvshm.zmq_ctrl.channel import endpoint_of
     from kvshm.zmq_ctrl.protocol import PROTOCOL_VERSION, Op, decode_reply
 
@@ -38,6 +39,9 @@ def raw_hello(sock: Any, address: str, token: bytes | None = None) -> dict[str, 
     body: dict[str, Any] = {"nonce": os.urandom(16)}
     if token is not None:
         body["token"] = token
+    op = find_operator_token(endpoint_of(address))
+    if op is not None:
+        body["operator_token"] = op
     sock.send(msgpack.packb([PROTOCOL_VERSION, Op.HELLO, 0, 0, body], use_bin_type=True))
     assert sock.poll(5000), "no reply to HELLO"
     st, _, reply = decode_reply(sock.recv_multipart()[0])

@@ -19,6 +19,7 @@ import sys
 import textwrap
 import threading
 import time
+import uuid
 
 import pytest
 
@@ -199,18 +200,22 @@ def test_server_killed_mid_traffic_then_restarted():
 
 
 def test_ctl_cleanup_removes_dead_servers_segment():
-    live = ServerProcess()            # a live server's segment must survive the cleanup
-    srv = ServerProcess()
+    # Names of this test alone, outside "kvshm-": every server start cleans orphans of
+    # that prefix machine-wide (a parallel test's start-up would take the dead server's
+    # segment first), and this test's cleanup touches nothing of others.
+    prefix = f"kvshmx-faults-{os.getpid()}-{uuid.uuid4().hex[:8]}-"
+    live = ServerProcess(shm_name=prefix + "live")   # must survive the cleanup
+    srv = ServerProcess(shm_name=prefix + "dead")
     try:
         srv.kill()
         assert segment_exists(srv.shm_name)
         r = subprocess.run([sys.executable, "-m", "kvshm", "ctl", "segments",
-                            "--prefix", "kvshm-test-"], capture_output=True, text=True,
+                            "--prefix", prefix], capture_output=True, text=True,
                            timeout=60)
         states = dict(line.split("\t") for line in r.stdout.splitlines())
-        assert states[srv.shm_name] == "orphaned" and states[live.shm_name] == "in use"
+        assert states == {srv.shm_name: "orphaned", live.shm_name: "in use"}, r.stdout
         r = subprocess.run([sys.executable, "-m", "kvshm", "ctl", "cleanup",
-                            "--prefix", "kvshm-test-"], capture_output=True, text=True,
+                            "--prefix", prefix], capture_output=True, text=True,
                            timeout=60)
         assert r.returncode == 0
         assert f"removed {srv.shm_name}" in r.stdout
