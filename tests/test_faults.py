@@ -213,14 +213,17 @@ def test_ctl_cleanup_removes_dead_servers_segment():
                             "--prefix", prefix], capture_output=True, text=True,
                            timeout=60)
         states = dict(line.split("\t") for line in r.stdout.splitlines())
-        assert states == {srv.shm_name: "orphaned", live.shm_name: "in use"}, r.stdout
+        # the pool and its shared index segments (-index, -reads)
+        assert states == {**{srv.shm_name + x: "orphaned" for x in ("", "-index", "-reads")},
+                          **{live.shm_name + x: "in use" for x in ("", "-index", "-reads")}
+                          }, r.stdout
         r = subprocess.run([sys.executable, "-m", "kvshm", "ctl", "cleanup",
                             "--prefix", prefix], capture_output=True, text=True,
                            timeout=60)
         assert r.returncode == 0
         assert f"removed {srv.shm_name}" in r.stdout
-        assert not segment_exists(srv.shm_name)
-        assert segment_exists(live.shm_name)
+        assert not any(segment_exists(srv.shm_name + x) for x in ("", "-index", "-reads"))
+        assert all(segment_exists(live.shm_name + x) for x in ("", "-index", "-reads"))
         with Client(live.address) as c:
             c.put("still", b"here")
             assert c.get("still") == b"here"
