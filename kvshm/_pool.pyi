@@ -3,7 +3,7 @@
 Every offset is in bytes from the start of the pool's data area; sizes are in bytes.
 """
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import numpy as np
@@ -11,6 +11,12 @@ from typing_extensions import Buffer, Self, TypeAlias, final
 
 #: Bytes of the header in front of the data area of every segment.
 HEADER_SIZE: int
+#: Bytes reserved and pre-faulted per step of :meth:`Pool.create` (a stop request is
+#: looked at between steps).
+CREATE_STEP: int
+
+class CreateStopped(Exception):
+    """:meth:`Pool.create` gave up because its ``stop()`` said so (nothing is left)."""
 
 class _CpuTensor(Protocol):
     """What Pool copies use of a torch CPU tensor (torch tensors export no buffer)."""
@@ -53,11 +59,14 @@ class Pool:
         *,
         token: bytes | None = None,
         populate: bool = True,
+        stop: Callable[[], bool] | None = None,
     ) -> Pool:
-        """Create, size and map a new segment (mode 0600).
+        """Create, size and map a new segment (mode 0600), in steps of CREATE_STEP bytes;
+        ``stop()`` is called between steps and True gives up (segment unlinked).
 
-        Raises ValueError (bad name, size, block size or token), FileExistsError, and
-        OSError (ENOSPC when /dev/shm has not room for it; other errno values)."""
+        Raises CreateStopped, ValueError (bad name, size, block size or token),
+        FileExistsError, and OSError (ENOSPC when /dev/shm has not room for it; other
+        errno values)."""
     @staticmethod
     def attach(name: str, *, populate: bool = True) -> Pool:
         """Map a segment made by :meth:`create`.

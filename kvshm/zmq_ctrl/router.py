@@ -148,8 +148,9 @@ def make_router(ctx: zmq.Context, socket_setup: Callable[[zmq.Socket], None] | N
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     # No handover: a second connection claiming a connected peer's routing id is not
-    # served (its messages wait until the first connection is gone), so it cannot act
-    # on that peer's session (docs/RELIABILITY.md, "Sessions and routing ids").
+    # served (libzmq leaves it unidentified), so it can neither act on that peer's
+    # session nor get its replies (docs/RELIABILITY.md, "Sessions and routing ids");
+    # clients take a new routing id for each connection.
     sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
     if ipv6:
         sock.setsockopt(zmq.IPV6, 1)
