@@ -259,10 +259,19 @@ def cmd_ctl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 load_public_key(value)
             except ValueError as exc:
                 parser.error(f"argument {flag}: {exc}")
+    operator = None
+    if args.operator_token_file is not None:
+        from kvshm.security import read_token_file
+
+        try:
+            operator = read_token_file(args.operator_token_file)
+        except ValueError as exc:
+            parser.error(f"argument --operator-token-file: {exc}")
     try:
         with Client(args.address, transport="tcp", timeout=args.timeout,
                     curve_server_key=args.curve_server_key,
-                    curve_keypair=args.curve_keypair, token_file=args.token_file) as c:
+                    curve_keypair=args.curve_keypair, token_file=args.token_file,
+                    operator_token=operator) as c:
             if args.action == "stats":
                 print(json.dumps(c.stats(verify=args.verify), indent=2, sort_keys=True))
             elif args.action == "evict":
@@ -326,6 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--token-file", default=None, metavar="PATH",
                    help="the server's door token file (default: found by itself for a "
                         "server of this user; or $KVSHM_TOKEN_FILE)")
+    c.add_argument("--operator-token-file", default=None, metavar="PATH",
+                   help="the server's operator token file, for drain/purge/evict (default: "
+                        "found by itself for a server of this user)")
     csub = c.add_subparsers(dest="action", required=True, metavar="ACTION")
     st = csub.add_parser("stats", help="print the server's statistics as JSON")
     st.add_argument("--verify", action="store_true", help="add the accounting check")

@@ -48,7 +48,7 @@ import zmq.auth
 
 __all__ = ["is_loopback", "keygen", "load_keypair", "load_public_key", "CurveServer",
            "DoorToken", "find_token", "find_operator_token", "token_path",
-           "operator_token_path", "cleanup_tokens", "TOKEN_ENV"]
+           "operator_token_path", "cleanup_tokens", "read_token_file", "TOKEN_ENV"]
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +192,20 @@ def find_token(endpoint: str, token_file: str | None = None) -> bytes | None:
         return _read_private(path)
     except (OSError, ValueError):
         return None
+
+
+def read_token_file(path: str) -> bytes:
+    """The secret in a kvshm token file (hex, as servers write them).
+
+    Raises
+    ------
+    ValueError
+        The file cannot be read or is not a token file.
+    """
+    try:
+        return _read_private(path)
+    except OSError as exc:
+        raise ValueError(f"cannot read the kvshm token file {path}: {exc}") from None
 
 
 def find_operator_token(endpoint: str) -> bytes | None:

@@ -426,3 +426,44 @@ def test_another_connection_cannot_act_on_a_session_by_claiming_its_routing_id()
             for s in (owner, thief):
                 if s is not None:
                     s.close()
+
+
+def test_an_operator_of_another_user_purges_with_the_operator_token_file():
+    """`kvshm ctl --operator-token-file`: the operator token given to another user
+    (here nobody) lets it run operator ops; the door token alone does not."""
+    if not IS_ROOT or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run as nobody")
+    import tempfile
+
+    from kvshm.security import operator_token_path
+
+    shared = tempfile.mkdtemp(prefix="kvshm-test-token-")
+    os.chmod(shared, 0o755)
+    tok = os.path.join(shared, "kvshm.token")
+    op = os.path.join(shared, "kvshm.operator")
+    try:
+        with ServerProcess("--token-file", tok) as srv, Client(srv.address) as c:
+            shutil.copyfile(operator_token_path(f"tcp://{srv.address}"), op)
+            for f in (tok, op):
+                os.chown(f, 0, 65534)
+                os.chmod(f, 0o640)
+            c.put_batch(["a", "b"], [b"1", b"2"])
+
+            def ctl(*extra: str) -> subprocess.CompletedProcess:
+                return subprocess.run(
+                    ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+                     sys.executable, "-m", "kvshm", "ctl", "--address", srv.address,
+                     "--token-file", tok, *extra, "purge"],
+                    capture_output=True, text=True, timeout=60,
+                    env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path),
+                         "HOME": "/tmp"})
+
+            r = ctl()
+            assert r.returncode == 1 and "operator" in r.stderr, (r.stdout, r.stderr)
+            assert c.exists_batch(["a", "b"]) == [True, True]
+            r = ctl("--operator-token-file", op)
+            assert r.returncode == 0 and r.stdout.strip() == "2", r.stderr
+            r = ctl("--operator-token-file", os.path.join(shared, "missing"))
+            assert r.returncode == 2 and "--operator-token-file" in r.stderr
+    finally:
+        shutil.rmtree(shared)
