@@ -98,7 +98,11 @@ class FuzzServer:
                  "limits": self.store.config.limits.to_wire(), "lease_timeout": 30.0,
                  "server": {}, "ipc": None}
         self.loop = ServiceLoop(self.store, [self.endpoint], hello, self.epoch,
-                                context=self.ctx, door_token=door_token)
+                                context=self.ctx, door_token=door_token,
+                                operator_token=b"o" * 32 if door_token else None)
+        from kvshm.zmq_ctrl.ops_session import SessionOps
+
+        SessionOps(self.loop, idle_timeout=5.0).install()     # BYE is fuzzed too
         self.thread = threading.Thread(target=self.loop.run, daemon=True)
         self.thread.start()
         self.sock = self.ctx.socket(zmq.DEALER)

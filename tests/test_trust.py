@@ -510,6 +510,8 @@ def _hostile_hellos():
     return st.fixed_dictionaries({}, optional={
         "nonce": st.one_of(st.binary(min_size=0, max_size=80), field_values),
         "token": st.one_of(st.binary(max_size=40), field_values),
+        "operator_token": st.one_of(st.binary(max_size=40), st.just(b"o" * 32),
+                                    field_values),
         "proof": st.one_of(st.booleans(), field_values),
         "pid": st.one_of(absurd_ints, field_values),
         "host": st.one_of(st.text(max_size=30), field_values),
