@@ -1,8 +1,10 @@
 """Which members own a key: weighted rendezvous hashing over the ``up`` members.
 
 Every client computes the same owners from the same view (no metadata round trip):
-nodes are ordered by id, seeded by the hash of their id, weighted by pool size; the
-scoring runs in :mod:`kvshm.cluster._hrw` at C speed.
+nodes are ordered by id, seeded by the hash of their id, weighted by pool size; a key
+is placed by its bucket (the top bits of its hash), and the owners of every bucket are
+precomputed once per view (:class:`kvshm.cluster._hrw.Ring`, C), so placing a batch is
+a hash and a table read per key.
 
 Stripes: with ``stripe=G`` the keys ``i`` of one call with the same ``i // G`` go where
 the first of them goes, so a lost host costs whole runs of G keys of a prefix instead of
@@ -37,6 +39,14 @@ class Placement:
                                dtype=np.uint64)
         self._weights = np.array([float(m.pool_size) for m in self.members],
                                  dtype=np.float64)
+        self._ring = _hrw.Ring(self._seeds, self._weights)
+
+    def prepare(self) -> "Placement":
+        """Build the bucket table now (tens of ms for 64 nodes; the GIL is released),
+        so that no request pays for it; the view follower calls this before it
+        switches to a new view. Returns self."""
+        self._ring.build()
+        return self
 
     def __len__(self) -> int:
         return len(self.members)
@@ -45,7 +55,7 @@ class Placement:
                ) -> np.ndarray:
         """Member indices, shape (len(keys), replicas), best first; -1 beyond the number
         of members."""
-        return _hrw.owners(placement_keys, self._seeds, self._weights, stripe, replicas)
+        return self._ring.owners(placement_keys, stripe, replicas)
 
     def owner_ids(self, placement_keys: list[bytes], stripe: int = 1) -> list[str | None]:
         """The first owner's id per key (None with no member up)."""
