@@ -19,13 +19,17 @@ def add_ctl_parsers(csub: Any) -> None:
                          "draining until the server stops")
 
 
-def op_view(session: Any, since: int = -1, stats: bool = False) -> Any:
-    """CLUSTER_VIEW: the server's reply body (``view`` present when newer than
-    ``since``)."""
+def op_view(session: Any, since: int = -1, stats: bool = False,
+            wait: float | None = None) -> Any:
+    """CLUSTER_VIEW: the server's reply body (``view`` present when its revision is not
+    ``since``). ``wait`` seconds: when the server's revision is ``since``, it answers
+    only once it changes, or after that long (the client's timeout must be longer)."""
     from kvshm.zmq_ctrl.protocol import Op
 
-    body = yield from session.op_simple(Op.CLUSTER_VIEW, {"since": since, "stats": stats},
-                                        "cluster view")
+    req: dict[str, Any] = {"since": since, "stats": stats}
+    if wait:
+        req["wait"] = wait
+    body = yield from session.op_simple(Op.CLUSTER_VIEW, req, "cluster view")
     return body
 
 

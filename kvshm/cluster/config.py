@@ -56,7 +56,10 @@ def attach(server: Any) -> None:
                         ttl=float(cfg.cluster_ttl),
                         curve_public_key=pub.decode() if isinstance(pub, bytes) else pub,
                         rdma=server.loop.hello.get("rdma"))
-        membership = Membership(cfg.cluster, cfg.cluster_name, member, ttl=cfg.cluster_ttl)
+        loop = server.loop
+        # a new view: answer the parked CLUSTER_VIEW requests now (the push)
+        membership = Membership(cfg.cluster, cfg.cluster_name, member, ttl=cfg.cluster_ttl,
+                                on_change=lambda view: loop.poke())
         server.loop.hello["cluster"] = {"name": cfg.cluster_name, "node_id": node_id,
                                         "advertise": service}
     ops = ClusterOps(server.store, server.epoch, node_id if membership else "",

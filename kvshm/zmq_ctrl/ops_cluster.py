@@ -4,16 +4,23 @@ They run on the server's loop thread like every handler (they own no other threa
 :class:`ClusterOps` is registered with :meth:`ServiceLoop.add_ops`, which also calls its
 :meth:`tick` so that handoff pins expire on time even on an idle server.
 
-CLUSTER_VIEW ``{since: revision}`` answers ``{revision, node_id, epoch, fresh}`` and,
-when the server's view is newer than ``since``, ``view`` (:meth:`View.to_dict`); a
-client polls it cheaply and takes the member list only when it changed. Engine
+CLUSTER_VIEW ``{since: revision, wait: seconds}`` answers ``{revision, node_id,
+epoch, fresh}`` and, when the server's view is at another revision than ``since``,
+``view`` (:meth:`View.to_dict`). With ``wait`` (0-60 s) and ``since`` equal to the
+current revision the request is *parked* (the loop's deferred replies) and answered as
+soon as the revision changes (the membership agent pokes the loop) or when ``wait`` is
+over: a client's view follower keeps one such request outstanding, so a change is
+pushed to it at once and an idle cluster costs one round trip per ``wait``. Engine
 processes learn the cluster this way and need no etcd client.
 
 Handoff pins (:mod:`kvshm.handoff`) are pins the server itself holds for a TTL: they do
 not belong to the writer's session, survive its disconnect, keep their entries from
-eviction and end at UNPIN or at their deadline (counted as ``expired``). Their bytes are
-capped (``max_pinned_bytes``, default half the pool) so that unread handoffs cannot
-take the whole pool hostage; a PIN over the cap is refused with QUOTA_EXCEEDED.
+eviction and end at UNPIN or at their deadline (counted as ``expired``). Their blocks are
+capped (``max_pinned_bytes``, default half the pool, counted in whole blocks) and so is
+their number (``max_pins``), so that unread handoffs cannot take the whole pool hostage;
+and one principal (the writer's proven identity, ``Session.principal``) may hold at
+most ``pin_share`` of each cap (default 1/2), so one client cannot take every handoff
+pin from the others. A PIN over a cap is refused with QUOTA_EXCEEDED.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from typing import Any, Callable
 
 from kvshm.handoff import check_ttl
 from kvshm.zmq_ctrl.protocol import Op, Status
+from kvshm.zmq_ctrl.router import _Defer as Defer
 
 __all__ = ["ClusterOps"]
 
@@ -34,14 +42,29 @@ log = logging.getLogger(__name__)
 
 Reply = tuple[int, dict[str, Any], list[Any]]
 
+#: Longest CLUSTER_VIEW wait a client may ask for (seconds).
+MAX_VIEW_WAIT = 60.0
+#: CLUSTER_VIEW requests parked at once at most; beyond, they are answered at once
+#: (each parked request is looked at on every turn of the loop that retries them).
+MAX_VIEW_WAITERS = 4096
+
 
 class _Pin:
-    __slots__ = ("entries", "deadline", "nbytes")
+    __slots__ = ("entries", "deadline", "nbytes", "principal")
 
-    def __init__(self, entries: list[Any], deadline: float, nbytes: int) -> None:
+    def __init__(self, entries: list[Any], deadline: float, nbytes: int,
+                 principal: Any) -> None:
         self.entries = entries
         self.deadline = deadline
         self.nbytes = nbytes
+        self.principal = principal
+
+
+class _Waiter:
+    __slots__ = ("live",)
+
+    def __init__(self) -> None:
+        self.live = True
 
 
 class ClusterOps:
@@ -68,6 +91,8 @@ class ClusterOps:
     max_pins : int
         Cap on the number of handoff pins held at once (the byte cap alone does not
         bound pins of empty values).
+    pin_share : float
+        Fraction (0, 1] of each cap (bytes and count) one principal may hold.
     clock : callable
         Monotonic seconds.
     """
@@ -77,8 +102,10 @@ class ClusterOps:
                  drain: Callable[[float | None], None] | None = None,
                  max_pinned_bytes: int | None = None,
                  membership_stats: Callable[[], dict[str, Any]] | None = None,
-                 max_pins: int = 65536,
+                 max_pins: int = 65536, pin_share: float = 0.5,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        if not 0 < pin_share <= 1:
+            raise ValueError(f"pin_share must be in (0, 1], got {pin_share}")
         self.store = store
         self.epoch = epoch
         self.node_id = node_id
@@ -91,9 +118,14 @@ class ClusterOps:
         self._pins: dict[int, _Pin] = {}
         self._heap: list[tuple[float, int]] = []
         self.max_pins = max_pins
+        self.pin_share = pin_share
         self.pinned_bytes = 0
+        # principal -> [pins held, bytes held]
+        self._by_principal: dict[Any, list[int]] = {}
+        self._waiters = 0
         self.counters = dict.fromkeys(("pins", "renewed", "unpinned", "expired",
-                                       "refused", "view_requests"), 0)
+                                       "refused", "refused_share", "view_requests",
+                                       "view_waits", "view_pushed"), 0)
         self.lock = threading.Lock()   # stats() may be read from another thread
 
     # ------------------------------------------------------------------ wiring
@@ -138,19 +170,41 @@ class ClusterOps:
         if p is not None:
             self.store.unpin(p.entries)
             self.pinned_bytes -= p.nbytes
+            held = self._by_principal.get(p.principal)
+            if held is not None:
+                held[0] -= 1
+                held[1] -= p.nbytes
+                if held[0] <= 0:
+                    del self._by_principal[p.principal]
 
     def stats(self) -> dict[str, Any]:
         """Handoff pins held (count, bytes) and the counters; with a cluster, the
         membership agent's (view revision, changes, registrations, lease_lost, ...)."""
         out: dict[str, Any] = {
             "handoff_pins_held": len(self._pins), "handoff_pinned_bytes": self.pinned_bytes,
-            **{f"handoff_{k}": v for k, v in self.counters.items() if k != "view_requests"},
-            "view_requests": self.counters["view_requests"]}
+            "handoff_pin_principals": len(self._by_principal),
+            **{f"handoff_{k}": v for k, v in self.counters.items()
+               if not k.startswith("view_")},
+            "view_requests": self.counters["view_requests"],
+            "view_waits": self.counters["view_waits"],
+            "view_pushed": self.counters["view_pushed"],
+            "view_waiting": self._waiters}
         if self._membership_stats is not None:
             out["membership"] = self._membership_stats()
         return out
 
     # ------------------------------------------------------------------ handlers
+
+    def _view_reply(self, v: Any, since: int, stats: bool) -> Reply:
+        rev = v.revision if v is not None else 0
+        out: dict[str, Any] = {"revision": rev, "node_id": self.node_id,
+                               "epoch": self.epoch, "clustered": v is not None,
+                               "fresh": v.fresh if v is not None else True}
+        if v is not None and rev != since:
+            out["view"] = v.to_dict()
+        if stats:
+            out["stats"] = self.stats()
+        return Status.OK, out, []
 
     def _on_view(self, session: Any, req_id: int, body: dict[str, Any], frames: list[Any],
                  on_sent: list[Any]) -> Reply:
@@ -158,16 +212,38 @@ class ClusterOps:
         since = body.get("since", -1)
         if type(since) is not int:
             return Status.INVALID_REQUEST, {"error": "since must be an int revision"}, []
+        wait = body.get("wait")
+        if wait is not None and (isinstance(wait, bool) or not isinstance(wait, (int, float))
+                                 or not 0 <= wait <= MAX_VIEW_WAIT):
+            return Status.INVALID_REQUEST, {
+                "error": f"wait must be 0-{MAX_VIEW_WAIT:g} seconds"}, []
+        stats = bool(body.get("stats"))
         v = self._view() if self._view is not None else None
-        rev = v.revision if v is not None else 0
-        out: dict[str, Any] = {"revision": rev, "node_id": self.node_id,
-                               "epoch": self.epoch, "clustered": v is not None,
-                               "fresh": v.fresh if v is not None else True}
-        if v is not None and rev != since:
-            out["view"] = v.to_dict()
-        if body.get("stats"):
-            out["stats"] = self.stats()
-        return Status.OK, out, []
+        if not wait or v is None or v.revision != since \
+                or self._waiters >= MAX_VIEW_WAITERS:
+            return self._view_reply(v, since, stats)
+        # park until the revision changes (the membership agent pokes the loop) or the
+        # wait is over
+        self.counters["view_waits"] += 1
+        self._waiters += 1
+        w = _Waiter()
+        view = self._view
+
+        def done() -> None:
+            if w.live:
+                w.live = False
+                self._waiters -= 1
+
+        def attempt(force: bool) -> Reply | None:
+            cur = view()
+            if cur.revision == since and not force:
+                return None
+            done()
+            if cur.revision != since:
+                self.counters["view_pushed"] += 1
+            return self._view_reply(cur, since, stats)
+
+        raise Defer(attempt, done, wait=float(wait))
 
     def _ttl(self, body: dict[str, Any]) -> float:
         return check_ttl(body.get("ttl"))
@@ -200,11 +276,25 @@ class ClusterOps:
             self.counters["refused"] += 1
             return Status.QUOTA_EXCEEDED, {
                 "error": f"this server holds {len(self._pins)} handoff pins, its cap"}, []
+        principal = getattr(session, "principal", None)
+        held = self._by_principal.get(principal, (0, 0))
+        share_pins = max(1, int(self.max_pins * self.pin_share))
+        share_bytes = int(self.max_pinned_bytes * self.pin_share)
+        if held[0] + 1 > share_pins or held[1] + nbytes > share_bytes:
+            self.counters["refused"] += 1
+            self.counters["refused_share"] += 1
+            return Status.QUOTA_EXCEEDED, {
+                "error": f"this client's handoff pins would hold {held[0] + 1} pins / "
+                         f"{held[1] + nbytes} bytes, over its share ({self.pin_share:g}) of "
+                         f"this server's caps: {share_pins} pins / {share_bytes} bytes"}, []
         self.store.pin_entries(entries)
         pid = self._new_id()
-        p = _Pin(entries, self._clock() + ttl, nbytes)
+        p = _Pin(entries, self._clock() + ttl, nbytes, principal)
         self._pins[pid] = p
         self.pinned_bytes += p.nbytes
+        acc = self._by_principal.setdefault(principal, [0, 0])
+        acc[0] += 1
+        acc[1] += nbytes
         heapq.heappush(self._heap, (p.deadline, pid))
         self.counters["pins"] += 1
         return Status.OK, {"pin": pid, "ttl": ttl, "found": [e is not None for e in found],

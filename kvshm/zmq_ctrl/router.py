@@ -99,13 +99,16 @@ class _Malformed(Exception):
 class _Defer(Exception):
     """Raised by a handler: park the request; ``attempt(force)`` returns the reply
     (status, body, frames), or None to keep waiting (never None with ``force``);
-    ``cleanup()`` runs if the request is abandoned (the server stops)."""
+    ``cleanup()`` runs if the request is abandoned (the server stops). ``wait``: seconds
+    until the forced attempt (default ``StoreConfig.tier_wait``)."""
 
     def __init__(self, attempt: Callable[[bool], Any],
-                 cleanup: Callable[[], None] | None = None) -> None:
+                 cleanup: Callable[[], None] | None = None,
+                 wait: float | None = None) -> None:
         super().__init__()
         self.attempt = attempt
         self.cleanup = cleanup
+        self.wait = wait
 
 
 class _Parked:
@@ -254,6 +257,7 @@ class ServiceLoop:
         self._running = True    # stop() before run() must still stop it
         self._parked: list[_Parked] = []
         self._seen_progress = -1
+        self._poked = False
         self._tier_deadline: float | None = None
         # (tracker, zero-copy entries, blocks counted, session, ident, since, the
         # request's frame: it names the peer's socket)
@@ -300,6 +304,12 @@ class ServiceLoop:
     def stop(self) -> None:
         """Ask the loop to return. Safe from any thread and from a signal handler."""
         self._running = False
+        self.wake()
+
+    def poke(self) -> None:
+        """Attempt the parked requests again at the next turn: an event outside the
+        store (a new cluster view) may let one answer. Safe from any thread."""
+        self._poked = True
         self.wake()
 
     def wake(self) -> None:
@@ -465,8 +475,10 @@ class ServiceLoop:
         """Attempt the parked requests again (in arrival order) after the store made
         progress, or once one waited long enough."""
         progress = self.store.progress
-        if progress == self._seen_progress and all(now < p.deadline for p in self._parked):
+        if progress == self._seen_progress and not self._poked \
+                and all(now < p.deadline for p in self._parked):
             return
+        self._poked = False
         parked, self._parked = self._parked, []
         for p in parked:
             force = now >= p.deadline
@@ -637,7 +649,8 @@ class ServiceLoop:
                 status, rbody, frames = handler(session, req_id, body, msg[2:], on_sent)
         except _Defer as d:
             p = _Parked(ident, session, req_id, op, d, reply_extra, on_sent, t0,
-                        time.monotonic() + self.store.config.tier_wait, msg[1])
+                        time.monotonic() + (self.store.config.tier_wait if d.wait is None
+                                            else d.wait), msg[1])
             self._parked.append(p)
             self._parked_by[(session.id, req_id)] = p
             return
