@@ -184,6 +184,8 @@ class ManageServer:
         self._client_lock = threading.Lock()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(StoreCollector(self.client))  # type: ignore[arg-type]
+        from kvshm.cluster.metrics import ServerClusterCollector   # kvshm_cluster_*
+        self.registry.register(ServerClusterCollector(self.client))  # type: ignore[arg-type]
         owner = self
 
         class Handler(BaseHTTPRequestHandler):

@@ -13,6 +13,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -129,17 +130,37 @@ def etcd() -> Iterator[Etcd]:
         yield e
 
 
+def write_token_file(path: str) -> str:
+    """A door token file (32 random bytes in hex, 0600) for servers and clients."""
+    import os
+
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(os.urandom(32).hex() + "\n")
+    return path
+
+
 class Cluster:
-    def __init__(self, etcd: Etcd, shm_name: str, ttl: float = 2.0) -> None:
+    """Servers of one cluster in this process. With ``token_file`` they share that door
+    token (``--door-token-file``) and clients find it in ``$KVSHM_TOKEN_FILE`` (set by
+    the fixture), independent of the per-user token directory that other servers on the
+    machine share."""
+
+    def __init__(self, etcd: Etcd, shm_name: str, ttl: float = 2.0,
+                 token_file: str | None = None) -> None:
         self.etcd = etcd
         self.name = "t" + uuid.uuid4().hex[:8]
         self.shm = shm_name
         self.ttl = ttl
+        self.token_file = token_file
         self.servers: dict[str, kvshm.Server] = {}
         self.clients: list[kvshm.ClusterClient] = []
 
     def add(self, node: str, size: float = 0.03, **kw: object) -> kvshm.Server:
-        srv = kvshm.Server(service_port=0, manage_port=None, prealloc_size=size,
+        if self.token_file is not None:
+            kw.setdefault("door_token_file", self.token_file)
+        kw.setdefault("manage_port", None)
+        srv = kvshm.Server(service_port=0, prealloc_size=size,
                            shm_name=f"{self.shm}-{node}", cluster=self.etcd.url,
                            cluster_name=self.name, node_id=node, cluster_ttl=self.ttl,
                            **kw).start()
@@ -178,8 +199,11 @@ class Cluster:
 
 
 @pytest.fixture
-def cluster(etcd: Etcd, shm_name: str) -> Iterator[Cluster]:
-    c = Cluster(etcd, shm_name)
+def cluster(etcd: Etcd, shm_name: str, tmp_path: Any,
+            monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
+    tok = write_token_file(str(tmp_path / "door.token"))
+    monkeypatch.setenv("KVSHM_TOKEN_FILE", tok)
+    c = Cluster(etcd, shm_name, token_file=tok)
     yield c
     c.close()
 

@@ -192,6 +192,7 @@ def test_renewing_in_a_loop_does_not_grow_the_deadline_heap(server: kvshm.Server
 def test_pin_count_is_capped(server: kvshm.Server) -> None:
     """Only pinned bytes were capped: pins of empty or tiny values had no bound."""
     server.cluster_ops.max_pins = 4
+    server.cluster_ops.pin_share = 1.0      # the server-wide cap (shares: test_cluster_push)
     with kvshm.Client(server.address, transport="tcp") as c:
         c.put("k", b"x")
         hs = [c.pin(["k"], 60) for _ in range(4)]
