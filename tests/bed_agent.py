@@ -32,10 +32,11 @@ class Agent:
         return {"members": [m.id for m in self.cc.view.members]}
 
     def wait_members(self, ids: list[str], timeout: float = 20.0) -> float:
-        """Seconds until the view holds exactly ``ids``."""
+        """Seconds until the view holds exactly ``ids``: the view the follower holds,
+        pushed by the local server (no refresh here)."""
         assert self.cc is not None
         t0 = time.monotonic()
-        while {m.id for m in self.cc.refresh().members} != set(ids):
+        while {m.id for m in self.cc.view.members} != set(ids):
             if time.monotonic() - t0 > timeout:
                 raise TimeoutError(f"view is {[m.id for m in self.cc.view.members]}")
             time.sleep(0.01)
@@ -69,41 +70,60 @@ class Agent:
         return {"hits": hits, "corrupt": corrupt, "seconds": dt}
 
     def read_loop(self, prefix: str, n: int, size: int, until_gone: str,
-                  timeout: float = 30.0) -> dict[str, Any]:
-        """get_batch repeatedly until ``until_gone`` leaves the view: per batch seconds,
-        corrupt values; then the hits of one more batch."""
+                  timeout: float = 60.0) -> dict[str, Any]:
+        """get_batch repeatedly until ``until_gone`` leaves the view the follower holds
+        (pushed by the local server: no refresh here). Per batch: seconds and whether
+        it met a timeout (misses counted ``peer_down``, which only a ServerUnavailable
+        gives); corrupt values; the view's revision before and after; then the hits of
+        one more batch."""
         assert self.cc is not None
         keys = [f"{prefix}/{i}" for i in range(n)]
         t0 = time.monotonic()
+        rev0 = self.cc.view.revision
         batches = []
+        timed_out = []
         corrupt = 0
-        while any(m.id == until_gone for m in self.cc.refresh().members):
+        while any(m.id == until_gone for m in self.cc.view.members):
             if time.monotonic() - t0 > timeout:
                 raise TimeoutError(f"{until_gone} never left the view")
+            down0 = self.cc.metrics()["misses"]["peer_down"]
             b0 = time.perf_counter()
             got = self.cc.get_batch(keys)
             batches.append(time.perf_counter() - b0)
+            timed_out.append(self.cc.metrics()["misses"]["peer_down"] > down0)
             corrupt += sum(1 for i, v in enumerate(got)
                            if v is not None and v != value(prefix, i, size))
         left = time.monotonic() - t0
         got = self.cc.get_batch(keys)
         corrupt += sum(1 for i, v in enumerate(got)
                        if v is not None and v != value(prefix, i, size))
-        return {"batches": batches, "left_after": left, "corrupt": corrupt,
+        return {"batches": batches, "timed_out": timed_out, "left_after": left,
+                "corrupt": corrupt, "revision_before": rev0,
+                "revision_after": self.cc.view.revision,
+                "members_after": [m.id for m in self.cc.view.members],
                 "hits": [v is not None for v in got], "metrics": self.cc.metrics()}
 
     def read_from(self, prefix: str, n: int, size: int, only: str | None = None
                   ) -> dict[str, Any]:
-        """Read keys (only those owned by ``only`` when given): seconds and bytes."""
+        """Read keys (only those owned by ``only`` when given): seconds, bytes, misses,
+        corrupt values and the requests each peer got for this read."""
         assert self.cc is not None
         keys = [f"{prefix}/{i}" for i in range(n)]
+        idx = list(range(n))
         if only is not None:
-            keys = [k for k, o in zip(keys, self.cc.owners(keys)) if o == only]
+            idx = [i for i, o in zip(idx, self.cc.owners(keys)) if o == only]
+            keys = [keys[i] for i in idx]
+        req0 = {p: v["requests"] for p, v in self.cc.metrics()["peers"].items()}
         t0 = time.perf_counter()
         got = self.cc.get_batch(keys)
         dt = time.perf_counter() - t0
+        req = {p: v["requests"] - req0.get(p, 0)
+               for p, v in self.cc.metrics()["peers"].items()}
         return {"seconds": dt, "bytes": sum(len(v) for v in got if v is not None),
-                "misses": sum(v is None for v in got)}
+                "misses": sum(v is None for v in got),
+                "corrupt": sum(1 for i, v in zip(idx, got)
+                               if v is not None and v != value(prefix, i, size)),
+                "requests": {p: r for p, r in req.items() if r}}
 
     def server_stats(self) -> dict[str, Any]:
         assert self.cc is not None

@@ -176,7 +176,8 @@ class Membership:
         self._leave_at: float | None = None
         self._left = False
         self.counters = dict.fromkeys(("registrations", "lease_lost", "etcd_errors",
-                                       "watch_errors", "relists", "view_changes"), 0)
+                                       "watch_errors", "relists", "view_changes",
+                                       "keepalives"), 0)
         self.registered = threading.Event()
 
     # ------------------------------------------------------------------ public
@@ -260,6 +261,7 @@ class Membership:
                                     self.member.id)
                         self._lease = None
                         continue
+                    self.counters["keepalives"] += 1
                     next_keepalive = now + self.ttl / 3
                 if self._left:
                     next_keepalive = now + self.relist_interval
