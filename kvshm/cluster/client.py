@@ -585,9 +585,9 @@ class AsyncClusterClient(_Base):
             await c.close()
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
-        for c in (self._view_client, self._local):
-            if c is not None:
-                await c.close()
+        for own in (self._view_client, self._local):
+            if own is not None:
+                await own.close()
 
     async def __aenter__(self) -> "AsyncClusterClient":
         return await self.connect()

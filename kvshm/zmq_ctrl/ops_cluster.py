@@ -228,6 +228,7 @@ class ClusterOps:
         self._waiters += 1
         w = _Waiter()
         view = self._view
+        assert view is not None
 
         def done() -> None:
             if w.live:
