@@ -71,10 +71,23 @@ class _Etcd:
                                                       failover=True)
 
     def _call(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-        try:
-            return fn(*args, **kw)
-        except Exception as exc:    # grpc errors, pyetcd's ConnectionFailed, NoServer...
-            raise EtcdUnavailable(f"{type(exc).__name__}: {exc}") from None
+        # A connection error marks the endpoint in use failed for time_retry (0.5 s) and
+        # the next call fails over. Retried at once, while the mark holds: an agent that
+        # came back only after the mark expired found the dead endpoint "recovered" and
+        # failed on it again, for ever (its retry interval is also 0.5 s), and lost its
+        # lease when that endpoint was etcd's killed leader.
+        e = self._mod.exceptions
+        failover = (e.ConnectionFailedError, e.ConnectionTimeoutError)
+        last: Exception = EtcdUnavailable("no etcd endpoint")
+        for attempt in range(max(1, len(self.client.endpoints))):
+            try:
+                return fn(*args, **kw)
+            except failover as exc:
+                last = exc
+                continue
+            except Exception as exc:    # grpc errors, NoServerAvailable, ...
+                raise EtcdUnavailable(f"{type(exc).__name__}: {exc}") from None
+        raise EtcdUnavailable(f"{type(last).__name__}: {last}") from None
 
     def grant(self, ttl: int) -> int:
         return int(self._call(self.client.lease, ttl).id)
