@@ -334,3 +334,39 @@ def test_pin_share_counts_bytes_per_principal(cluster: Cluster) -> None:
         assert c.unpin(h)
         h = c.pin(["b4", "b5"], 60)
         assert c.unpin(h)
+
+
+def test_a_parked_view_is_looked_at_on_the_poke_not_at_every_store_progress(
+        cluster: Cluster) -> None:
+    """A busy server frees blocks on most turns of its loop; the parked view requests
+    are attempted only when the membership agent pokes the loop (or at their end)."""
+    a = cluster.add("a")
+    ops = a.cluster_ops
+    calls = [0]
+    real = ops._view
+
+    def counting() -> Any:
+        calls[0] += 1
+        return real()
+
+    ops._view = counting
+    with kvshm.Client(a.address, transport="tcp", timeout=70.0) as c:
+        rev = _view(c, -1)["revision"]
+        t = threading.Thread(target=lambda: _view(c, rev, wait=60.0), daemon=True)
+        t.start()
+        wait_for(lambda: ops._waiters == 1, 10, "the request to be parked")
+        parked_at = calls[0]
+        with kvshm.Client(a.address, transport="tcp") as w:
+            progress0 = a.store.progress
+            for i in range(50):
+                w.put(f"p{i}", b"x" * 100)
+                w.delete([f"p{i}"])
+            assert a.store.progress > progress0
+        assert calls[0] == parked_at and ops._waiters == 1      # never attempted
+        a.loop.poke()
+        wait_for(lambda: calls[0] > parked_at, 10, "the attempt after the poke")
+        assert ops._waiters == 1          # same revision: parked again
+        cluster.add("b")                  # a change: the push answers it
+        t.join(timeout=30)
+        assert not t.is_alive() and ops._waiters == 0
+        ops._view = real

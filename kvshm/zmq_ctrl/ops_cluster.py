@@ -244,7 +244,9 @@ class ClusterOps:
                 self.counters["view_pushed"] += 1
             return self._view_reply(cur, since, stats)
 
-        raise Defer(attempt, done, wait=float(wait))
+        # attempted on the membership agent's poke (or at the end of the wait), not at
+        # every store progress: a busy server frees blocks on most turns
+        raise Defer(attempt, done, wait=float(wait), on_poke=True)
 
     def _ttl(self, body: dict[str, Any]) -> float:
         return check_ttl(body.get("ttl"))

@@ -100,20 +100,22 @@ class _Defer(Exception):
     """Raised by a handler: park the request; ``attempt(force)`` returns the reply
     (status, body, frames), or None to keep waiting (never None with ``force``);
     ``cleanup()`` runs if the request is abandoned (the server stops). ``wait``: seconds
-    until the forced attempt (default ``StoreConfig.tier_wait``)."""
+    until the forced attempt (default ``StoreConfig.tier_wait``). ``on_poke``: attempted
+    only after :meth:`ServiceLoop.poke` (and when forced), not at each store progress."""
 
     def __init__(self, attempt: Callable[[bool], Any],
                  cleanup: Callable[[], None] | None = None,
-                 wait: float | None = None) -> None:
+                 wait: float | None = None, on_poke: bool = False) -> None:
         super().__init__()
         self.attempt = attempt
         self.cleanup = cleanup
         self.wait = wait
+        self.on_poke = on_poke
 
 
 class _Parked:
     __slots__ = ("ident", "session", "req_id", "op", "attempt", "cleanup", "extra",
-                 "on_sent", "t0", "deadline", "cancelled", "src")
+                 "on_sent", "t0", "deadline", "cancelled", "src", "on_poke")
 
     def __init__(self, ident: bytes, session: Session, req_id: int, op: int, d: _Defer,
                  extra: dict[str, Any], on_sent: list[Any], t0: float,
@@ -126,6 +128,7 @@ class _Parked:
         self.op = op
         self.attempt = d.attempt
         self.cleanup = d.cleanup
+        self.on_poke = d.on_poke
         self.extra = extra
         self.on_sent = on_sent
         self.t0 = t0
@@ -257,7 +260,8 @@ class ServiceLoop:
         self._running = True    # stop() before run() must still stop it
         self._parked: list[_Parked] = []
         self._seen_progress = -1
-        self._poked = False
+        self._pokes = 0             # poke() count (other threads); the loop's last seen:
+        self._seen_pokes = 0
         self._tier_deadline: float | None = None
         # (tracker, zero-copy entries, blocks counted, session, ident, since, the
         # request's frame: it names the peer's socket)
@@ -309,7 +313,7 @@ class ServiceLoop:
     def poke(self) -> None:
         """Attempt the parked requests again at the next turn: an event outside the
         store (a new cluster view) may let one answer. Safe from any thread."""
-        self._poked = True
+        self._pokes += 1
         self.wake()
 
     def wake(self) -> None:
@@ -475,13 +479,18 @@ class ServiceLoop:
         """Attempt the parked requests again (in arrival order) after the store made
         progress, or once one waited long enough."""
         progress = self.store.progress
-        if progress == self._seen_progress and not self._poked \
+        pokes = self._pokes           # read once: a poke after this is seen next turn
+        poked = pokes != self._seen_pokes
+        if progress == self._seen_progress and not poked \
                 and all(now < p.deadline for p in self._parked):
             return
-        self._poked = False
+        self._seen_pokes = pokes
         parked, self._parked = self._parked, []
         for p in parked:
             force = now >= p.deadline
+            if p.on_poke and not (poked or force or p.cancelled or p.session.closed):
+                self._parked.append(p)
+                continue
             if p.cancelled or p.session.closed:
                 # its client gave up on it (RELEASE/ABORT of its id) or is gone: make no
                 # grant it would never settle
