@@ -90,11 +90,14 @@ class ResilientClient:
         Seconds a probe waits for HELLO (default ``min(timeout, 0.5)``).
     label : str
         Names the owner in log lines.
+    token_file : str, optional
+        The server's door token file (:class:`kvshm.Client`'s ``token_file``; default: a
+        same-host server's own, or ``$KVSHM_TOKEN_FILE``).
     """
 
     def __init__(self, address: str, *, transport: str = "auto", timeout: float = 5.0,
                  retry_interval: float = 1.0, probe_timeout: float | None = None,
-                 label: str = "kvshm") -> None:
+                 label: str = "kvshm", token_file: str | None = None) -> None:
         self.address = normalize_address(address)
         self.transport = transport
         self.timeout = float(timeout)
@@ -102,6 +105,7 @@ class ResilientClient:
         self.probe_timeout = float(min(self.timeout, 0.5) if probe_timeout is None
                                    else probe_timeout)
         self.label = label
+        self.token_file = token_file or None
         self._client: Any = None
         self._lock = threading.Lock()
         self._state = threading.Condition(threading.Lock())
@@ -122,7 +126,8 @@ class ResilientClient:
                 from kvshm.client import Client
 
                 self._client = Client(self.address, transport=self.transport,
-                                      timeout=self.timeout, connect=False)
+                                      timeout=self.timeout, connect=False,
+                                      token_file=self.token_file)
             return self._client
 
     def _probe(self) -> bool:
@@ -131,7 +136,8 @@ class ResilientClient:
         from kvshm.client import Client
 
         try:
-            Client(self.address, transport="tcp", timeout=self.probe_timeout).close()
+            Client(self.address, transport="tcp", timeout=self.probe_timeout,
+                   token_file=self.token_file).close()
         except (ServerUnavailable, TransportError):
             return False
         except KvshmError as exc:       # it answered (refused us, say): not down

@@ -132,6 +132,17 @@ class KvshmHiCacheStorage(HiCacheStorage):
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
         self.storage_config = cfg = storage_config
+        if getattr(cfg, "should_split_heads", False):
+            # SGLang asks for pages cut by heads into tp_lcm_size shards, so that engines
+            # of different TP sizes share them; kvshm keys each rank's whole page by its
+            # own TP rank and size: sharing across TP sizes would need the split, and
+            # taking the flag while not splitting would give another TP size wrong heads
+            raise ValueError(
+                f"kvshm HiCache storage does not split pages by heads for heterogeneous TP "
+                f"(should_split_heads: tp_lcm_size={cfg.tp_lcm_size} > tp_size="
+                f"{cfg.tp_size} with the page_head layout); remove 'tp_lcm_size' from "
+                f"--hicache-storage-backend-extra-config: engines of different TP sizes "
+                f"then keep separate pages in kvshm")
         extra = dict(cfg.extra_config or {})
         self.options = o = {k: extra.get(k, v) for k, v in DEFAULTS.items()}
         self._kv = ResilientClient(str(o["kvshm_url"]), transport=str(o["kvshm_transport"]),
@@ -144,10 +155,6 @@ class KvshmHiCacheStorage(HiCacheStorage):
         self.namespace: str | None = None
         self.key_layout: str | None = None
         self._reorder: list[int] | None = None
-        if getattr(cfg, "should_split_heads", False):
-            log.warning("kvshm HiCache: should_split_heads is set; kvshm keys use the TP "
-                        "rank and size as given, so ranks of another TP size do not share "
-                        "pages")
 
     # ------------------------------------------------------------------ set-up
 

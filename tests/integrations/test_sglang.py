@@ -20,6 +20,7 @@ op runs).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import queue
 from collections.abc import Iterator
@@ -464,3 +465,22 @@ def test_clear_needs_the_option(server: ServerProcess) -> None:
     finally:
         be.close()
         be2.close()
+
+
+def test_split_heads_is_refused_with_a_clear_error(server: ServerProcess) -> None:
+    """SGLang sets should_split_heads (page_head layout, tp_lcm_size > tp_size) to have
+    pages cut by heads into tp_lcm_size shards; kvshm does not cut them, so it refuses at
+    once, through SGLang's own factory (SGLang's attach re-raises: start-up fails)."""
+    pool = host_pool("page_head")
+    cfg = dataclasses.replace(make_config(server.address, tp_rank=0, tp_size=2),
+                              tp_lcm_size=4, should_split_heads=True)
+    with pytest.raises(ValueError, match="tp_lcm_size=4 > tp_size=2.*remove 'tp_lcm_size'"):
+        create(cfg, pool)
+    # tp_lcm_size equal to the TP size: SGLang does not ask for the split; loads as usual
+    cfg = dataclasses.replace(make_config(server.address, tp_rank=0, tp_size=2),
+                              tp_lcm_size=2, should_split_heads=False)
+    be = create(cfg, pool)
+    try:
+        assert be.namespace is not None and "tp0of2" in be.namespace
+    finally:
+        be.close()

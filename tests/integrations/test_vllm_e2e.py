@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 import time
@@ -40,37 +39,22 @@ import kvshm  # noqa: E402
 from _support import stop_server  # noqa: E402
 from servers import ServerProcess  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
-BLOCK = 32
-PROMPT_TOKENS = 600           # 18 full blocks (576 tokens) can come from kvshm
+from _vllm import BLOCK, HERE, PROMPT_TOKENS, TIMEOUT, engine_env, make_prompts, \
+    write_tiny_llama  # noqa: E402
+
 MAX_TOKENS = 8
-TIMEOUT = float(os.environ.get("KVSHM_VLLM_E2E_TIMEOUT", "900"))
 
 pytestmark = pytest.mark.timeout(3 * TIMEOUT)
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A 2-layer Llama (4 heads of 32, 2 KV heads, vocab 1024) with seeded random
-    weights, float32, written as safetensors."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=1024, hidden_size=128, intermediate_size=256,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=2048, tie_word_embeddings=False,
-                      bos_token_id=1, eos_token_id=2)
-    d = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(d, safe_serialization=True)
-    return str(d)
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    r = random.Random(0)
-    return [[r.randrange(3, 1000) for _ in range(PROMPT_TOKENS)] for _ in range(2)]
+    return make_prompts()
 
 
 @pytest.fixture(scope="module")
@@ -97,13 +81,7 @@ def run_engine(tmp: Path, model: str, prompts: list[list[int]], kvshm_address: s
                                "cpu_bytes": 64 << 20, "engine_id": engine_id}))
     counts = tmp / f"{engine_id}.counts"
     counts.mkdir()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE / "vllm_plugin")]),
-               KVSHM_TEST_COUNTS_DIR=str(counts), VLLM_CPU_KVCACHE_SPACE="1",
-               VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="WARNING",
-               TOKENIZERS_PARALLELISM="false")
-    if tp > 1:           # one core per worker (vLLM's automatic binding wants NUMA nodes)
-        n = os.cpu_count() or 1
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % n) for i in range(tp))
+    env = engine_env(tp, KVSHM_TEST_COUNTS_DIR=str(counts))
     t0 = time.monotonic()
     try:
         p = subprocess.run([sys.executable, str(HERE / "vllm_cpu_engine.py"), str(req),

