@@ -51,6 +51,10 @@ Decode side
     ends the request with an error). After the last layer the reader unpins the handoff
     and deletes its keys.
 
+Trust: the record comes with the request; the decode bounds it by the prompt and checks
+every value, but reads from the store it names: only a trusted proxy should set
+``kv_transfer_params``.
+
 Keys: ``{key_prefix}|{uid}|tp{rank}of{size}|{layer name}|{block index}``, one value per
 (layer, block, TP rank): the block's ``[H, N, C]`` KV (vLLM's logical per-layer view
 ``[blocks, heads, tokens, content]``; one block of the block manager is several kernel
@@ -511,10 +515,15 @@ class KvshmPDConnector(KVConnectorBase_V1):
             if other != mine:
                 return _Offer(0, None, f"record of another engine layout: {other} here "
                                        f"{mine}")
-            blocks = int(rec["blocks"])
-            uid = str(rec["uid"])
-            keys = self._keys(uid, range(blocks))
-            if blocks <= 0 or h.count != len(keys) or h.first_key != keys[0]:
+            blocks, uid = rec["blocks"], rec["uid"]
+            # a client can send any record: bound it by this prompt before building keys
+            most = -(-int(request.num_prompt_tokens) // self.block_size)
+            if type(blocks) is not int or not 0 < blocks <= most:
+                raise ValueError(f"blocks {blocks!r} for a prompt of at most {most}")
+            if not isinstance(uid, str) or "|" in uid:
+                raise ValueError(f"uid {uid!r}")
+            if h.count != blocks * len(self.layers) * self.tp \
+                    or h.first_key != _key(self.prefix, uid, 0, self.tp, self.layers[0], 0):
                 raise ValueError("keys do not match the record")
         except (KeyError, TypeError, ValueError) as exc:
             return _Offer(0, None, f"bad record: {exc}")

@@ -208,6 +208,117 @@ def handoffs(prefill: Engine, prompts: list[list[int]]) -> tuple[list[dict[str, 
     return r["kv_transfer_params"], r["outputs"]
 
 
+# --------------------------------------------------------------- connector, no engine
+# The connector's scheduler side on vLLM's own KVTransferConfig and a real kvshm server,
+# without an engine (vLLM's scheduler objects stand in as plain namespaces): the hostile
+# and odd records a client can send in kv_transfer_params, and a shortened handoff.
+
+
+def sched_connector(role: str, store_address: str, token: str, layers: int = 2) -> Any:
+    from types import SimpleNamespace
+
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvshm.integrations.vllm_pd import KvshmPDConnector
+
+    ktc = KVTransferConfig(**CONNECTOR, kv_role=role, engine_id=f"unit-{role}",
+                           kv_load_failure_policy="recompute",
+                           kv_connector_extra_config={"url": store_address,
+                                                      "token_file": token})
+    cfg = SimpleNamespace(kv_transfer_config=ktc, cache_config=SimpleNamespace(block_size=BLOCK),
+                          parallel_config=SimpleNamespace(pipeline_parallel_size=1,
+                                                          tensor_parallel_size=1))
+    spec = SimpleNamespace(page_size_bytes=4096, dtype="torch.float32")
+    kcc = SimpleNamespace(kv_cache_groups=[SimpleNamespace(
+        layer_names=[f"model.layers.{i}.self_attn.attn" for i in range(layers)],
+        kv_cache_spec=spec)])
+    return KvshmPDConnector(cfg, KVConnectorRole.SCHEDULER, kcc)  # type: ignore[arg-type]
+
+
+def prefill_one(conn: Any, rid: str, c: kvshm.Client, blocks: int = PROMPT_TOKENS // BLOCK,
+                drop: int | None = None) -> dict[str, Any] | None:
+    """What a prefill step does around the connector: the scheduler's plan, the workers'
+    writes (here by hand, 4096-byte values), then request_finished; ``drop``: delete
+    block ``drop`` of the last layer before the pin (an eviction)."""
+    from types import SimpleNamespace
+
+    params = {"do_remote_decode": True}
+    nr = SimpleNamespace(req_id=rid, prompt_token_ids=list(range(PROMPT_TOKENS)),
+                         sampling_params=SimpleNamespace(extra_args={"kv_transfer_params": params}),
+                         block_ids=(list(range(100, 100 + blocks + 1)),), num_computed_tokens=0)
+    out = SimpleNamespace(scheduled_new_reqs=[nr], num_scheduled_tokens={rid: PROMPT_TOKENS},
+                          scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(),
+                                                                new_block_ids=[],
+                                                                num_computed_tokens=[]))
+    meta = conn.build_connector_meta(out)
+    (save,) = meta.saves
+    assert save.first == 0 and save.block_ids == list(range(100, 100 + blocks))
+    keys = conn._keys(save.uid, range(blocks))
+    c.put_batch(keys, [os.urandom(4096) for _ in keys], checksum=True)
+    if drop is not None:
+        c.delete([keys[-blocks + drop]])
+    done, params = conn.request_finished(SimpleNamespace(request_id=rid), [])
+    assert done is False
+    return params  # type: ignore[no-any-return]
+
+
+def offer(conn: Any, params: Any, rid: str = "d") -> int:
+    from types import SimpleNamespace
+
+    req = SimpleNamespace(request_id=rid, kv_transfer_params=params,
+                          num_prompt_tokens=PROMPT_TOKENS)
+    deadline = time.monotonic() + 30
+    while True:
+        n, async_load = conn.get_num_new_matched_tokens(req, 0)
+        if n is not None:
+            assert async_load is False
+            conn.request_finished(req, [])
+            return int(n)
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_records_hostile_odd_and_short(store: dict[str, ServerProcess], token: str) -> None:
+    srv = store["srv"]
+    prod = sched_connector("kv_producer", srv.address, token)
+    cons = sched_connector("kv_consumer", srv.address, token)
+    try:
+        with client(srv, token) as c:
+            good = prefill_one(prod, "r1", c)
+            assert good is not None and good["kvshm_pd"]["blocks"] == PROMPT_TOKENS // BLOCK
+            assert offer(cons, good) == (PROMPT_TOKENS - 1) // BLOCK * BLOCK     # 576
+            # keys of block 5 gone before the pin: the handoff is the 5 blocks before it
+            short = prefill_one(prod, "r2", c, drop=5)
+            assert short is not None and short["kvshm_pd"]["blocks"] == 5
+            assert offer(cons, short) == 5 * BLOCK
+            rec = good["kvshm_pd"]
+            hostile: list[Any] = [
+                None, {}, {"do_remote_prefill": True}, {"do_remote_prefill": True, "kvshm_pd": 7},
+                {"do_remote_prefill": True, "kvshm_pd": {**rec, "v": 99}},
+                {"do_remote_prefill": True, "kvshm_pd": {**rec, "blocks": 10 ** 12}},
+                {"do_remote_prefill": True, "kvshm_pd": {**rec, "blocks": "x"}},
+                {"do_remote_prefill": True, "kvshm_pd": {**rec, "handoff": {"pin": 1}}},
+                {"do_remote_prefill": True, "kvshm_pd": {**rec, "handoff": {
+                    **rec["handoff"], "address": "no-such-host.invalid:1"}}},
+                {"do_remote_prefill": True, "kvshm_pd": {**rec, "uid": "other"}},
+                {"do_remote_prefill": True, "kvshm_pd": {**rec, "block_size": 16}},
+                {"do_remote_prefill": True, "kvshm_pd": {**rec, "page_bytes": 8192}},
+                {"do_remote_prefill": True, "kvshm_pd": {**rec, "handoff": {
+                    **rec["handoff"], "pin": rec["handoff"]["pin"] ^ 1}}},
+                {"do_remote_prefill": True, "kvshm_pd": {**rec, "handoff": {
+                    **rec["handoff"], "epoch": rec["handoff"]["epoch"] + 1}}},
+            ]
+            for i, p in enumerate(hostile):
+                assert offer(cons, p, f"h{i}") == 0, p
+            assert offer(cons, good) == 576         # the real pin is still held
+            assert c.unpin(rec["handoff"]["pin"])
+            assert offer(cons, good) == 0           # gone: a miss
+    finally:
+        prod.shutdown()
+        cons.shutdown()
+
+
 FIGURES: dict[str, Any] = {}
 
 
