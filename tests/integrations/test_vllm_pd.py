@@ -15,6 +15,8 @@ are token ids. Nothing stands in for vLLM: the connector API needs no offload wo
   single engine's tokens; the handoff's keys are gone from the prefill's store after;
 - figures (printed): bytes the prefill's store sent vs the payload, the decode's
   first-token latency with and without the connector (the same prompts, same run);
+- every value of a handoff changed (checksums valid): the decode loads it and generates
+  other tokens (the loaded KV is used);
 - a value that fails its checksum: the load fails during the forward and vLLM recomputes
   (``kv_load_failure_policy: recompute``), same tokens;
 - a pin that is gone (unpinned: what expiry leaves), a restarted store (another epoch)
@@ -314,6 +316,7 @@ def test_records_hostile_odd_and_short(store: dict[str, ServerProcess], token: s
             assert offer(cons, good) == 576         # the real pin is still held
             assert c.unpin(rec["handoff"]["pin"])
             assert offer(cons, good) == 0           # gone: a miss
+            c.delete(c.list_keys(b"vllmpd|unit-"))
     finally:
         prod.shutdown()
         cons.shutdown()
@@ -391,6 +394,22 @@ def test_gone_pin_restarted_or_lost_store_is_a_clean_miss(
         assert len(after["loads"]) == len(before["loads"])     # nothing loaded
         assert after["load_failures"] == before["load_failures"] + int(failed_load)
         return got
+
+    # the loaded KV is used: every value of a handoff changed, with valid checksums, gives
+    # other tokens (verified, loaded, wrong on purpose)
+    assert prefill.call(op="reset_prefix_cache")["ok"]
+    (rec,), _ = handoffs(prefill, prompts[:1])
+    import numpy as np
+
+    with client(srv, token) as c:
+        for k in c.list_keys(f"vllmpd|{rec['kvshm_pd']['uid']}|".encode()):
+            v = np.frombuffer(c.get(k), dtype=np.float32)
+            c.put(k, (v * -3.0 + 0.5).astype(np.float32).tobytes(), checksum=True)
+    assert decode.call(op="reset_prefix_cache")["ok"]
+    before = decode.stats()
+    got = decode.generate(prompts[:1], MAX_TOKENS, [rec])
+    assert len(decode.stats()["loads"]) == len(before["loads"]) + 1
+    assert got["outputs"][0] != single
 
     # a value that fails its check (stored again without its checksum): the load fails
     # in the forward, vLLM recomputes the blocks (kv_load_failure_policy: recompute)
