@@ -38,7 +38,8 @@ Prefill side
 Decode side
     ``get_num_new_matched_tokens`` checks the record against this engine (block size,
     layers, TP size, page bytes, dtype) and renews the pin on the prefill's store for
-    ``load_ttl`` s: an expired or unknown pin, another server epoch (restarted store) or
+    ``load_ttl`` s, on a helper thread (waited for at most :data:`ASK_WAIT`; vLLM asks again
+    next step while it runs): an expired or unknown pin, another server epoch (restarted store) or
     an unreachable store (one probe of at most ``probe_timeout`` s, then immediate
     misses while it stays down, :class:`~kvshm.integrations._common.ResilientClient`)
     is a miss: 0 tokens, vLLM computes the prompt itself. Otherwise it offers the full
