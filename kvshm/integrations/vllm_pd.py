@@ -501,13 +501,15 @@ class KvshmPDConnector(KVConnectorBase_V1):
     # ---- decode
 
     def _offer(self, request: "Request") -> _Offer:
-        params = request.kv_transfer_params or {}
-        rec = params.get(RECORD_KEY) if params.get("do_remote_prefill") else None
+        params = request.kv_transfer_params
+        rec = params.get(RECORD_KEY) if isinstance(params, dict) \
+            and params.get("do_remote_prefill") else None
         if rec is None:
             return _Offer(0, None, "no record")
         try:
             if not isinstance(rec, dict) or rec.get("v") != RECORD_VERSION:
-                raise ValueError(f"record version {rec.get('v') if isinstance(rec, dict) else rec!r}")
+                raise ValueError("record version "
+                                 f"{rec.get('v') if isinstance(rec, dict) else rec!r}")
             h = Handoff.from_dict(rec["handoff"])
             mine = {"block_size": self.block_size, "tp": self.tp,
                     "layers": _layers_digest(self.layers), "page_bytes": self.page_bytes,
@@ -549,8 +551,9 @@ class KvshmPDConnector(KVConnectorBase_V1):
         rid = request.request_id
         o = self._offers.get(rid)
         if o is None:
-            params = request.kv_transfer_params or {}
-            if not (params.get("do_remote_prefill") and RECORD_KEY in params):
+            params = request.kv_transfer_params
+            if not (isinstance(params, dict) and params.get("do_remote_prefill")
+                    and RECORD_KEY in params):
                 o = self._offers[rid] = _Offer(0, None, "no record")
             else:
                 # the pin's renewal is a round trip to the prefill's store: never on the
@@ -602,7 +605,7 @@ class KvshmPDConnector(KVConnectorBase_V1):
         for nr in scheduler_output.scheduled_new_reqs:
             params = (nr.sampling_params.extra_args or {}).get("kv_transfer_params") \
                 if nr.sampling_params is not None else None
-            if not (params and params.get("do_remote_decode")):
+            if not (isinstance(params, dict) and params.get("do_remote_decode")):
                 continue
             uid = f"{self.engine_id}.{nr.req_id}.{os.urandom(6).hex()}"
             self._producing[nr.req_id] = _Producing(uid, len(nr.prompt_token_ids or ()),

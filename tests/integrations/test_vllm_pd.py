@@ -296,7 +296,8 @@ def test_records_hostile_odd_and_short(store: dict[str, ServerProcess], token: s
             assert offer(cons, short) == 5 * BLOCK
             rec = good["kvshm_pd"]
             hostile: list[Any] = [
-                None, {}, {"do_remote_prefill": True}, {"do_remote_prefill": True, "kvshm_pd": 7},
+                None, {}, [1, 2], "x", {"do_remote_prefill": True},
+                {"do_remote_prefill": True, "kvshm_pd": 7},
                 {"do_remote_prefill": True, "kvshm_pd": {**rec, "v": 99}},
                 {"do_remote_prefill": True, "kvshm_pd": {**rec, "blocks": 10 ** 12}},
                 {"do_remote_prefill": True, "kvshm_pd": {**rec, "blocks": "x"}},
