@@ -42,10 +42,20 @@ def values(n, size, seed):
 
 
 async def settled(c):
-    """stats() after the queued releases/aborts rode on it."""
-    st = await c.stats(verify=True)
-    assert st["accounting_ok"]
-    return st
+    """stats() after the queued releases/aborts rode on it and the server holds no GET
+    reply still queued. A zero-copy reply stays pinned until pyzmq's tracker says libzmq
+    let it go, which its gc thread reports after the client already has the bytes: on a
+    loaded machine later than the server's bounded wait (0.1 s) when STATS comes, so the
+    test waits for ``sending == 0`` instead of assuming it (the bound only turns a hang
+    into a failure)."""
+    deadline = time.monotonic() + 120
+    while True:
+        st = await c.stats(verify=True)
+        assert st["accounting_ok"]
+        if st["sending"] == 0:
+            return st
+        assert time.monotonic() < deadline, f"GET replies still queued after 120 s: {st}"
+        await asyncio.sleep(0.05)
 
 
 # ----------------------------------------------------------------------------- basics
