@@ -19,10 +19,10 @@
 # listed below. SGLang's bare `import triton` is met by a test-only stub in
 # tests/integrations/stubs (not installed here).
 #
-# Idempotent: a marker file in the venv holds the sha256 of this script and the Python
-# version; when it matches, the venv is reused as is (a build that stopped halfway has no
-# marker and is started again). Concurrent runs wait on a lock file next to the venv.
-# Any failure exits non-zero and names the step that failed.
+# Idempotent (scripts/lib/venv.sh): a marker file in the venv holds the sha256 of this
+# script, scripts/lib/venv.sh and the Python version; when it matches, the venv is reused
+# as is (a build that stopped halfway has no marker and is started again). Concurrent runs
+# wait on a lock file next to the venv. Any failure exits non-zero and names the step.
 set -euo pipefail
 
 venv=${KVSHM_INTEGRATION_VENV:-/root/.cache/kvshm-ci/integration-venv}
@@ -49,62 +49,32 @@ SGLANG_DEPS=(orjson pybase64 pillow ipython dill sentencepiece compressed-tensor
 VLLM_DEPS=(cbor2 openai-harmony openai pillow pybase64 cloudpickle uvloop
            partial-json-parser "llguidance>=1.7,<1.8" "apache-tvm-ffi==0.1.11")
 
-log() { echo "integration-env: $*"; }
-die() { echo "integration-env: ERROR: $*" >&2; exit 1; }
+KV_TAG=integration-env
+# shellcheck source=scripts/lib/venv.sh
+. "$here/lib/venv.sh"
+log() { kv_log "$@"; }
+die() { kv_die "$@"; }
 
 command -v "$py" >/dev/null 2>&1 || die "no $py (set PYTHON to a Python 3.10+ interpreter)"
-hash=$( { cat "$here/integration-env.sh"; "$py" --version 2>&1; } | sha256sum | cut -d' ' -f1)
-mkdir -p "$(dirname "$venv")" || die "cannot create $(dirname "$venv")"
-if command -v flock >/dev/null 2>&1; then
-    exec 9>"$venv.lock"
-    flock 9 || die "cannot lock $venv.lock"
-fi
+hash=$(recipe_hash "$py" "$here/integration-env.sh")
+venv_lock "$venv"
 
-if [ -f "$marker" ] && [ "$(cat "$marker")" = "$hash" ] && [ -x "$venv/bin/python" ] \
-        && [ -z "${KVSHM_INTEGRATION_REBUILD:-}" ]; then
-    versions=$("$venv/bin/python" -c 'import importlib.metadata as md
-print(" ".join(f"{d} {md.version(d)}" for d in ("torch", "lmcache", "sglang", "vllm")))') \
+if marker_ok "$venv" "$marker" "$hash" && [ -z "${KVSHM_INTEGRATION_REBUILD:-}" ]; then
+    versions=$(venv_versions "$venv" torch lmcache sglang vllm | tr '\n' ' ') \
         || die "the venv $venv does not run; rerun with KVSHM_INTEGRATION_REBUILD=1"
     log "reusing $venv (built by this version of the script): $versions"
     exit 0
 fi
 
 start=$(date +%s)
-if [ -e "$venv" ]; then
-    [ -f "$venv/pyvenv.cfg" ] || die "$venv exists and is not a virtual environment; not touching it"
-    log "removing $venv (stale or partial: no marker, or built by another script version)"
-    rm -rf "$venv"
-fi
-log "creating $venv with $("$py" --version 2>&1)"
-"$py" -m venv "$venv" || die "python -m venv failed"
+venv_new "$py" "$venv" || die "$KV_ERR"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 
 cons="$venv/kvshm-constraints.txt"
 echo "torch==$TORCH_VERSION" > "$cons"
 
-step() {  # step NAME CMD...: run, time it, fail loudly
-    local name=$1; shift
-    local t0; t0=$(date +%s)
-    log "step: $name"
-    if ! "$@"; then
-        die "step '$name' failed (command: $*)"
-    fi
-    log "  done in $(( $(date +%s) - t0 )) s"
-}
-
-# 1. CPU torch, first. A CPU wheel on a find-links path (pip config) is taken as is;
-#    otherwise the PyTorch CPU index is used, so the CUDA build never comes in.
-torch_src=()
-if ! "${pip[@]}" download --no-deps -d /tmp/kvshm-torch-probe-$$ "torch==$TORCH_VERSION" \
-        --no-index -q >/dev/null 2>&1; then
-    torch_src=(--index-url "${KVSHM_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
-               --extra-index-url https://pypi.org/simple)
-fi
-rm -rf /tmp/kvshm-torch-probe-$$
-step "torch==$TORCH_VERSION (CPU)" "${pip[@]}" install -q -c "$cons" "${torch_src[@]}" \
-    "torch==$TORCH_VERSION" numpy
-"$venv/bin/python" -c "import torch, sys; sys.exit(0 if torch.version.cuda is None else 1)" \
-    || die "the torch that was installed is a CUDA build; set KVSHM_TORCH_INDEX to a CPU index"
+# 1. CPU torch, first (scripts/lib/venv.sh: a local CPU wheel or the PyTorch CPU index)
+torch_cpu "$venv" "$cons" "torch==$TORCH_VERSION"
 
 # 2. LMCache (pulls its own dependencies; torch stays by the constraint)
 step "lmcache==$LMCACHE_VERSION" "${pip[@]}" install -q -c "$cons" "lmcache==$LMCACHE_VERSION"
@@ -139,11 +109,7 @@ import sglang.srt.mem_cache.pool_host.mha, sglang.srt.managers.cache_controller"
 step "import check: vllm" check "$venv/bin/python" -c \
     "import vllm.v1.kv_offload.tiering.spec, vllm.v1.kv_offload.tiering.base"
 rm -f "$venv/.check.err"
-"$venv/bin/python" - <<'EOF'
-import importlib.metadata as md
-for d in ("torch", "lmcache", "sglang", "vllm", "xgrammar"):
-    print(f"integration-env:   {d} {md.version(d)}")
-EOF
+venv_versions "$venv" torch lmcache sglang vllm xgrammar | sed 's/^/integration-env:   /'
 
 echo "$hash" > "$marker"
 log "built $venv in $(( $(date +%s) - start )) s ($(du -sh "$venv" | cut -f1))"

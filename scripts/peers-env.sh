@@ -38,7 +38,10 @@ declare -A CHECK=(
 )
 ALL=(redis lmcache mooncake infinistore)
 
-log() { echo "peers-env: $*"; }
+KV_TAG=peers-env
+# shellcheck source=scripts/lib/venv.sh
+. "$(dirname "$0")/lib/venv.sh"
+log() { kv_log "$@"; }
 
 command -v "$py" >/dev/null 2>&1 || { echo "peers-env: ERROR: no $py" >&2; exit 2; }
 mkdir -p "$cache" || { echo "peers-env: ERROR: cannot create $cache" >&2; exit 2; }
@@ -49,20 +52,16 @@ build() {  # build PEER: returns 0 when the venv is ready; writes PEER.failed ot
     local peer=$1 venv="$cache/$1" marker="$cache/$1/.kvshm-peer-env" failed="$cache/$1.failed"
     local reqs=${REQS[$peer]} hash
     hash=$( { echo "$reqs"; echo "${CHECK[$peer]}"; "$py" --version 2>&1; } | sha256sum | cut -d' ' -f1)
-    if [ -f "$marker" ] && [ "$(cat "$marker")" = "$hash" ] && [ -x "$venv/bin/python" ] \
-            && [ -z "${KVSHM_PEERS_REBUILD:-}" ]; then
+    if marker_ok "$venv" "$marker" "$hash" && [ -z "${KVSHM_PEERS_REBUILD:-}" ]; then
         log "$peer: reusing $venv"
         return 0
     fi
     rm -f "$failed"
-    if [ -e "$venv" ]; then
-        [ -f "$venv/pyvenv.cfg" ] || { echo "$peer: $venv exists and is not a venv" > "$failed"; return 1; }
-        rm -rf "$venv"
-    fi
     local t0; t0=$(date +%s)
     log "$peer: creating $venv ($reqs)"
-    if ! "$py" -m venv "$venv" >"$cache/$peer.log" 2>&1; then
-        echo "python -m venv failed: $(tail -1 "$cache/$peer.log")" > "$failed"; return 1
+    if ! venv_new "$py" "$venv" >"$cache/$peer.log" 2>&1; then
+        echo "$peer: ${KV_ERR:-python -m venv failed}: $(tail -1 "$cache/$peer.log")" > "$failed"
+        return 1
     fi
     # shellcheck disable=SC2086
     if ! "$venv/bin/python" -m pip install -q --disable-pip-version-check $reqs \
@@ -84,8 +83,7 @@ for peer in "${peers[@]}"; do
         echo "peers-env: ERROR: unknown peer '$peer' (known: ${ALL[*]})" >&2; rc=2; continue
     fi
     (
-        exec 9>"$cache/$peer.lock"
-        command -v flock >/dev/null 2>&1 && flock 9
+        venv_lock "$cache/$peer"
         build "$peer"
     )
     if [ $? -ne 0 ]; then

@@ -34,19 +34,17 @@ fi
 # Engine integrations (LMCache, SGLang, vLLM) run in their own venv, made by
 # scripts/integration-env.sh (.ci/run makes it; it is reused when already there).
 ivenv=${KVSHM_INTEGRATION_VENV:-/root/.cache/kvshm-ci/integration-venv}
-# Only a complete venv: integration-env.sh writes its marker (the sha256 of that script
-# and the Python version) last, and holds "$ivenv.lock" while it builds; wait for a
+# Only a complete venv: integration-env.sh writes its marker (scripts/lib/venv.sh's
+# recipe_hash of that script) last, and holds "$ivenv.lock" while it builds; wait for a
 # build in progress (a shared lock), then require a marker that matches this checkout.
+KV_TAG=test.sh
+# shellcheck source=scripts/lib/venv.sh
+. scripts/lib/venv.sh
 ienv_ok=
 if [ -x "$ivenv/bin/python" ]; then
-    if command -v flock >/dev/null 2>&1 && [ -e "$ivenv.lock" ]; then
-        exec 8<"$ivenv.lock"
-        flock -s 8 || { echo "test.sh: cannot lock $ivenv.lock" >&2; exit 1; }
-    fi
-    want=$( { cat scripts/integration-env.sh; "${PYTHON:-python3}" --version 2>&1; } \
-            | sha256sum | cut -d' ' -f1)
-    if [ -f "$ivenv/.kvshm-integration-env" ] && \
-            [ "$(cat "$ivenv/.kvshm-integration-env")" = "$want" ]; then
+    venv_lock "$ivenv" shared
+    if marker_ok "$ivenv" "$ivenv/.kvshm-integration-env" \
+            "$(recipe_hash "${PYTHON:-python3}" scripts/integration-env.sh)"; then
         ienv_ok=1
     else
         echo "test.sh: $ivenv is partial or built by another version of" \

