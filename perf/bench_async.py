@@ -21,6 +21,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -86,12 +87,16 @@ def main() -> None:
 
     shapes = SHAPES
     if args.shapes:
-        shapes = [tuple(int(x) for x in sh.split("x")) for sh in args.shapes.split(",")]
+        shapes = []
+        for sh in args.shapes.split(","):
+            n, size = (int(x) for x in sh.split("x"))
+            shapes.append((n, size))
     opts = {}
     if args.copy_threads is not None:
         opts["copy_threads"] = args.copy_threads
     if args.copy_threshold is not None:
         opts["copy_threshold"] = args.copy_threshold
+    new_loop: Callable[[], asyncio.AbstractEventLoop]
     if args.uvloop:
         import uvloop
 

@@ -93,10 +93,12 @@ def run(code: str, *args: str) -> subprocess.Popen:
 
 def bystander(address: str, seconds: float, heavy: subprocess.Popen | None) -> list[float]:
     b = run(BYSTANDER, address, str(seconds))
+    assert b.stdin is not None and b.stdout is not None
     assert b.stdout.readline().strip() == "ready"
     b.stdin.write("go\n")
     b.stdin.flush()
     if heavy is not None:
+        assert heavy.stdin is not None
         heavy.stdin.write("go\n")
         heavy.stdin.flush()
     lat = json.loads(b.stdout.readline())
@@ -115,6 +117,7 @@ def main() -> None:
                        prealloc_size=args.pool_gib) as srv:
         alone = bystander(srv.address, args.seconds / 2, None)
         h = run(HEAVY, srv.address, str(args.keys), tests, str(args.seconds))
+        assert h.stdout is not None
         assert h.stdout.readline().strip() == "ready"
         loaded = bystander(srv.address, args.seconds, h)
         took = json.loads(h.stdout.readline())

@@ -52,7 +52,7 @@ def check_device(args: argparse.Namespace) -> str | None:
 
 
 def bench(address: str, transport: str, size: int, batch: int, rounds: int,
-          rdma: dict[str, Any] | None) -> dict[str, float]:
+          rdma: dict[str, Any] | None) -> dict[str, Any]:
     from kvshm import Client
 
     keys = [f"bench/{size}/{i}" for i in range(batch)]

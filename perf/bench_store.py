@@ -89,7 +89,7 @@ def bench_raw_socket(n: int, size: int, reps: int) -> float:
 
         def run() -> None:
             for d in data:
-                conn.sendall(d)
+                conn.sendall(d.data)
             conn.recv(1)
 
         run()

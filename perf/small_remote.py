@@ -80,8 +80,12 @@ def worker_main(spec: dict[str, Any]) -> None:
         import threading
 
         done = threading.Event()
-        threading.Thread(target=lambda: (sys.stdin.readline(), done.set()),
-                         daemon=True).start()
+
+        def wait_for_stop() -> None:
+            sys.stdin.readline()
+            done.set()
+
+        threading.Thread(target=wait_for_stop, daemon=True).start()
         while not done.is_set():
             t0 = time.monotonic()
             ok = op()
@@ -204,9 +208,9 @@ def bench_batches(address: str, server_pid: int, r: Any, redis_pid: int | None,
                 if rg != vals:
                     raise RuntimeError("redis MGET returned other bytes")
     out: dict[str, Any] = {"keys": n, "value_bytes": len(vals[0])}
-    for k, v in res.items():
-        if v:
-            out[k] = statistics.median(v)
+    for name, figs in res.items():
+        if figs:
+            out[name] = statistics.median(figs)
     if r is not None:
         out["put_vs_redis"] = out["put"] / out["rset"]
         out["get_vs_redis"] = out["get"] / out["rmget"]

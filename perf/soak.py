@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
@@ -62,7 +63,7 @@ def worker(wid: int, address: str, transport: str, seconds: float, nkeys: int,
            out: mp.Queue) -> None:
     rng = random.Random(wid)
     lat: list[float] = []
-    stats = {"puts": 0, "gets": 0, "deletes": 0, "hits": 0, "misses": 0, "corrupt": 0,
+    stats: dict[str, Any] = {"puts": 0, "gets": 0, "deletes": 0, "hits": 0, "misses": 0, "corrupt": 0,
              "errors": 0, "error_samples": []}
     seq = 0
     try:

@@ -1,8 +1,9 @@
 """mypy passes on the typed core, and the stubs of the compiled modules say what they do.
 
-For now mypy checks the stubs, kvshm/errors.py and kvshm/__init__.py only: modules these
-import are analysed but their own errors are not reported (``--follow-imports=silent``),
-so that modules in the middle of an edit do not fail this test.
+For now mypy checks the stubs, kvshm/errors.py, kvshm/__init__.py and every perf/ script:
+modules these import are analysed but their own errors are not reported
+(``--follow-imports=silent``), so that modules in the middle of an edit do not fail this
+test.
 """
 
 from __future__ import annotations
@@ -45,6 +46,15 @@ def mypy(tmp_path_factory: pytest.TempPathFactory) -> Mypy:
 
 def test_mypy_passes_on_the_typed_core(mypy: Mypy) -> None:
     out, status = mypy(*(str(ROOT / f) for f in CHECKED))
+    assert status == 0, out
+
+
+def test_mypy_passes_on_perf(mypy: Mypy) -> None:
+    """Every benchmark script under perf/ (and the peers' client they share with the
+    replay, kvshm/replay/peer_client.py), with the same settings."""
+    scripts = sorted(str(p) for p in (ROOT / "perf").glob("*.py"))
+    assert len(scripts) > 10
+    out, status = mypy(*scripts, str(ROOT / "kvshm/replay/peer_client.py"))
     assert status == 0, out
 
 
