@@ -194,17 +194,13 @@ class Unavailable(Exception):
 
 
 def peer_python(peer: str, cache: str) -> str:
-    venv = os.path.join(cache, VENV_OF[peer])
-    marker = os.path.join(venv, ".kvshm-peer-env")
-    py = os.path.join(venv, "bin", "python")
-    if not (os.path.exists(marker) and os.path.exists(py)):
-        failed = os.path.join(cache, VENV_OF[peer] + ".failed")
-        why = ""
-        if os.path.exists(failed):
-            with open(failed) as f:
-                why = "; last build: " + f.read().strip()[:300]
-        raise Unavailable(f"no venv at {venv} (run scripts/peers-env.sh {VENV_OF[peer]}){why}")
-    return py
+    """The python of the peer's venv (kvshm.replay.peers' lookup, shared with the replay)."""
+    from kvshm.replay.peers import PeerUnavailable, venv_python
+
+    try:
+        return venv_python(VENV_OF[peer], cache)
+    except PeerUnavailable as exc:
+        raise Unavailable(str(exc)) from None
 
 
 def run_worker(py: str, peer: str, spec: dict[str, Any], timeout: float,

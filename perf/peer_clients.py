@@ -14,19 +14,29 @@ caller's buffer, ``fresh`` bytes); a missing one is a "-" in the table.
 
 from __future__ import annotations
 
-import hashlib
+import importlib.util
 import json
 import os
-import socket
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 
 import _common  # noqa: E402
 from _common import pct  # noqa: E402
+
+# The peers' client calls are kvshm/replay/peer_client.py's (shared with `kvshm replay
+# --backend`), loaded by path: a peer's venv has no kvshm to import.
+if TYPE_CHECKING:
+    from kvshm.replay import peer_client as wire
+else:
+    _spec = importlib.util.spec_from_file_location(
+        "kvshm_peer_client", os.path.join(HERE, "..", "kvshm", "replay", "peer_client.py"))
+    wire = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(wire)
 
 LAT_CAP_S = 20.0     # seconds a peer's 4 KiB latency loop may take (then fewer samples)
 
@@ -113,84 +123,49 @@ class RedisAdapter(Adapter):
 
 
 class LmServerAdapter(Adapter):
-    """LMCache's lm-server through LMCache's own wire messages on one socket."""
+    """LMCache's lm-server through LMCache's own wire messages on one socket
+    (kvshm/replay/peer_client.py's LmServerWire)."""
 
     def __init__(self, port: int) -> None:
-        import torch
-        from lmcache.utils import CacheEngineKey
-        from lmcache.v1.memory_management import MemoryFormat
-        from lmcache.v1.protocol import (ClientCommand, ClientMetaMessage, ServerMetaMessage,
-                                         ServerReturnCode)
+        self.w = w = wire.LmServerWire(port, "bench")
 
-        self.s = socket.create_connection(("127.0.0.1", port))
-        self.s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        s = self.s
-        rlen = ServerMetaMessage.packlength()
-        hdr = bytearray(rlen)
+        def one(a: Any) -> memoryview:
+            return memoryview(a).cast("B")
 
-        def key_of(k: str) -> Any:
-            h = int.from_bytes(hashlib.blake2b(k.encode(), digest_size=7).digest(), "little")
-            return CacheEngineKey("bench", 1, 0, h, torch.uint8)
+        def read_into(keys: list[str], arrays: list[Any]) -> list[int]:
+            views = [one(a) for a in arrays]
+            sizes = w.read_into(keys, views)
+            for k, n, v in zip(keys, sizes, views):
+                if n < 0:
+                    raise KeyError(f"lm-server: miss {k}")
+                if n > v.nbytes:
+                    raise RuntimeError(f"lm-server: {k} has {n} bytes, the buffer {v.nbytes}")
+            return sizes
 
-        def put_msg(k: str, n: int) -> bytes:
-            return ClientMetaMessage(ClientCommand.PUT, key_of(k), n, MemoryFormat.KV_2LTD,
-                                     torch.uint8, torch.Size([n])).serialize()
-
-        def get_msg(k: str) -> bytes:
-            return ClientMetaMessage(ClientCommand.GET, key_of(k), 0, MemoryFormat(1),
-                                     torch.float16, torch.Size([0, 0, 0, 0])).serialize()
-
-        def recv_exact(mv: memoryview) -> None:
-            got, n = 0, mv.nbytes
-            while got < n:
-                r = s.recv_into(mv[got:], n - got)
-                if not r:
-                    raise ConnectionError("lm-server closed the connection")
-                got += r
-
-        def read_reply() -> int:
-            recv_exact(memoryview(hdr))
-            meta = ServerMetaMessage.deserialize(bytes(hdr))
-            if meta.code != ServerReturnCode.SUCCESS:
-                raise KeyError("lm-server: miss")
-            return int(meta.length)
+        def read_fresh(keys: list[str]) -> list[bytearray]:
+            got = w.read_fresh(keys)
+            for k, g in zip(keys, got):
+                if g is None:
+                    raise KeyError(f"lm-server: miss {k}")
+            return got  # type: ignore[return-value]
 
         def put(k: str, a: Any) -> None:
-            s.sendall(put_msg(k, a.nbytes))
-            s.sendall(a)                       # PUT has no reply
+            w.put([k], [one(a)])               # PUT has no reply
 
         def put_batch(keys: list[str], arrays: list[Any]) -> None:
-            for k, a in zip(keys, arrays):
-                put(k, a)
+            w.put(keys, [one(a) for a in arrays])
 
         def get_into(k: str, a: Any) -> int:
-            s.sendall(get_msg(k))
-            n = read_reply()
-            recv_exact(memoryview(a).cast("B")[:n])
-            return n
+            return read_into([k], [a])[0]
 
         def get(k: str) -> bytearray:
-            s.sendall(get_msg(k))
-            buf = bytearray(read_reply())
-            recv_exact(memoryview(buf))
-            return buf
+            return read_fresh([k])[0]
 
         def get_batch_into(keys: list[str], arrays: list[Any]) -> None:
-            s.sendall(b"".join(get_msg(k) for k in keys))     # pipelined
-            for a in arrays:
-                recv_exact(memoryview(a).cast("B")[:read_reply()])
-
-        def get_batch(keys: list[str]) -> list[bytearray]:
-            s.sendall(b"".join(get_msg(k) for k in keys))
-            out = []
-            for _ in keys:
-                buf = bytearray(read_reply())
-                recv_exact(memoryview(buf))
-                out.append(buf)
-            return out
+            read_into(keys, arrays)             # pipelined
 
         self.put, self.put_batch, self.get, self.get_into = put, put_batch, get, get_into
-        self.get_batch, self.get_batch_into = get_batch, get_batch_into
+        self.get_batch, self.get_batch_into = read_fresh, get_batch_into
         self.paths = {"note": "the server writes a reply's header and value in two sends "
                       "without TCP_NODELAY, so a value shorter than a segment waits for the "
                       "client's delayed ACK (~40 ms); LMCache's own connector sees the same. "
@@ -201,48 +176,37 @@ class LmServerAdapter(Adapter):
                       "fresh": "GET + recv_into a new bytearray / 100 pipelined GETs"}
 
     def close(self) -> None:
-        self.s.close()
+        self.w.close()
 
 
 class MooncakeAdapter(Adapter):
     """Mooncake Store client that mounts no memory: every byte goes to the holder over TCP."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
-        from mooncake.store import MooncakeDistributedStore
+        self.st = st = wire.mooncake_connect(spec)
 
-        self.st = MooncakeDistributedStore()
-        rc = self.st.setup("127.0.0.1", spec["metadata"], 0, spec["local_buffer"], "tcp", "",
-                           spec["master"])
-        if rc != 0:
-            raise RuntimeError(f"mooncake setup returned {rc}")
-        st = self.st
-        self._registered: set[int] = set()
-
-        def reg(a: Any) -> int:
-            ptr = a.ctypes.data
-            if ptr not in self._registered:
-                # one registration per arena: the caller passes views of a registered arena
-                self._registered.add(ptr)
-            return int(ptr)
+        def ptr(a: Any) -> int:
+            # the caller passes views of an arena registered with register()
+            return int(a.ctypes.data)
 
         def put(k: str, a: Any) -> None:
-            rc = st.put_from(k, reg(a), a.nbytes)
+            rc = st.put_from(k, ptr(a), a.nbytes)
             if rc != 0:
                 raise RuntimeError(f"mooncake put_from {k}: {rc}")
 
         def put_batch(keys: list[str], arrays: list[Any]) -> None:
-            rcs = st.batch_put_from(keys, [reg(a) for a in arrays], [a.nbytes for a in arrays])
+            rcs = st.batch_put_from(keys, [ptr(a) for a in arrays], [a.nbytes for a in arrays])
             if any(rc != 0 for rc in rcs):
                 raise RuntimeError(f"mooncake batch_put_from: {sorted(set(rcs))}")
 
         def get_into(k: str, a: Any) -> int:
-            n = st.get_into(k, reg(a), a.nbytes)
+            n = st.get_into(k, ptr(a), a.nbytes)
             if n < 0:
                 raise KeyError(f"mooncake get_into {k}: {n}")
             return int(n)
 
         def get_batch_into(keys: list[str], arrays: list[Any]) -> None:
-            ns = st.batch_get_into(keys, [reg(a) for a in arrays], [a.nbytes for a in arrays])
+            ns = st.batch_get_into(keys, [ptr(a) for a in arrays], [a.nbytes for a in arrays])
             if any(n < 0 for n in ns):
                 raise KeyError(f"mooncake batch_get_into: {sorted(set(ns))}")
 
@@ -254,9 +218,7 @@ class MooncakeAdapter(Adapter):
                       "fresh": "get / get_batch"}
 
     def register(self, arena: Any) -> None:
-        rc = self.st.register_buffer(arena.ctypes.data, arena.nbytes)
-        if rc != 0:
-            raise RuntimeError(f"mooncake register_buffer: {rc}")
+        wire.mooncake_register(self.st, arena.ctypes.data, arena.nbytes)
 
     def delete(self, keys: list[str]) -> None:
         # Nothing: a read takes a lease (the master's default 10 s) that a remove must wait
@@ -307,31 +269,33 @@ def run_workload(ad: Adapter, count: int, reps: int, lat_iters: int,
         if bad:
             raise RuntimeError(f"{what}: {bad} values came back wrong")
 
+    put1, putb, get1, get1_into = ad.put, ad.put_batch, ad.get, ad.get_into
+    getb, getb_into = ad.get_batch, ad.get_batch_into
     for rep in range(reps):
         for size, tag, srcs, outs, want in plan:
             nb = size * count
             k1 = [f"s{tag}r{rep}-{i}" for i in range(count)]
             kb = [f"b{tag}r{rep}-{i}" for i in range(count)]
-            if ad.put is not None:
-                timed(f"put1_{tag}", nb, lambda: [ad.put(k, a) for k, a in zip(k1, srcs)])
-            if ad.put_batch is not None:
-                timed(f"putB_{tag}", nb, lambda: ad.put_batch(kb, srcs))
-            if ad.get_into is not None:
+            if put1 is not None:
+                timed(f"put1_{tag}", nb, lambda: [put1(k, a) for k, a in zip(k1, srcs)])
+            if putb is not None:
+                timed(f"putB_{tag}", nb, lambda: putb(kb, srcs))
+            if get1_into is not None:
                 for o in outs:
                     o[:8] = 0
                 timed(f"get1_{tag}_into", nb,
-                      lambda: [ad.get_into(k, o) for k, o in zip(k1, outs)])
+                      lambda: [get1_into(k, o) for k, o in zip(k1, outs)])
                 check(f"single get {tag} into", outs, want)
-            if ad.get_batch_into is not None:
+            if getb_into is not None:
                 for o in outs:
                     o[:8] = 0
-                timed(f"getB_{tag}_into", nb, lambda: ad.get_batch_into(kb, outs))
+                timed(f"getB_{tag}_into", nb, lambda: getb_into(kb, outs))
                 check(f"x{count} get {tag} into", outs, want)
-            if ad.get is not None:
-                got = timed(f"get1_{tag}_fresh", nb, lambda: [ad.get(k) for k in k1])
+            if get1 is not None:
+                got = timed(f"get1_{tag}_fresh", nb, lambda: [get1(k) for k in k1])
                 check(f"single get {tag} fresh", got, want)
-            if ad.get_batch is not None:
-                got = timed(f"getB_{tag}_fresh", nb, lambda: ad.get_batch(kb))
+            if getb is not None:
+                got = timed(f"getB_{tag}_fresh", nb, lambda: getb(kb))
                 check(f"x{count} get {tag} fresh", got, want)
                 del got
             ad.delete(k1 + kb)
@@ -341,13 +305,18 @@ def run_workload(ad: Adapter, count: int, reps: int, lat_iters: int,
     small[:] = pattern(4, 4096)
     want4 = small.tobytes()
     buf = out_arena[off:off + 4096]
-    put = ad.put or (lambda k, a: ad.put_batch([k], [a]))   # type: ignore[misc]
-    put("lat-4k", small)
-    for kind, fn in (("into", ad.get_into and (lambda: ad.get_into("lat-4k", buf))),
-                     ("fresh", ad.get and (lambda: ad.get("lat-4k")))):
-        if not fn:
+    if put1 is not None:
+        put1("lat-4k", small)
+    elif putb is not None:
+        putb(["lat-4k"], [small])
+    reads: list[tuple[str, Callable[[], Any] | None]] = [
+        ("into", None if get1_into is None else (lambda: get1_into("lat-4k", buf))),
+        ("fresh", None if get1 is None else (lambda: get1("lat-4k")))]
+    for kind, fn in reads:
+        if fn is None:
             continue
-        lat, bad = [], 0
+        lat: list[float] = []
+        bad = 0
         cap = time.monotonic() + LAT_CAP_S
         for i in range(lat_iters + lat_iters // 10):
             if time.monotonic() > cap and len(lat) >= 20:

@@ -13,6 +13,10 @@ the store reads into it and writes from it with its best path:
 - ``["match", keys]`` -> ``{"n": leading keys held}``
 - ``["get", keys, offsets, caps]`` -> ``{"sizes": [bytes read or -1 (miss)]}``
 - ``["put", keys, offsets, sizes]`` -> ``{"refused": n, "codes": {rc: count}}``
+
+The peers' client calls themselves (:class:`LmServerWire`, :func:`mooncake_connect`,
+:func:`mooncake_register`) are also perf/bench_peers' (perf/peer_clients.py loads this
+file by path in the peer's venv): one implementation for the replay and the benchmark.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import hashlib
 import json
 import socket
 import sys
-from typing import Any
+from typing import Any, Sequence
 
 
 class Staging:
@@ -36,39 +40,49 @@ class Staging:
         self.path = path
 
 
-class LmServer:
-    """lm-server through LMCache's own wire messages on one socket: EXIST for match,
-    pipelined GETs read with recv_into into the staging buffer (as LMCServerConnector
-    reads), PUT (no reply) for writes."""
+# ------------------------------------------------------------------ the peers' wire
+# Shared with perf/peer_clients.py (which loads this file by path in the peer's venv):
+# one implementation of each peer's client calls, used by the replay and bench_peers.
 
-    read_path = ("pipelined GETs on one socket, recv_into the caller's buffer (as "
-                 "LMCache's LMCServerConnector); match = pipelined EXISTs; write = PUTs "
-                 "(no reply)")
 
-    def __init__(self, spec: dict[str, Any], st: Staging) -> None:
+class LmServerWire:
+    """LMCache's lm-server through LMCache's own wire messages on one TCP socket
+    (``lmcache.v1.protocol``), as its LMCServerConnector speaks them: a 0-length-value
+    message per GET / EXIST, a header + value per PUT (no reply). Requests of a batch are
+    pipelined (all sent, then every reply read).
+
+    Parameters
+    ----------
+    port : int
+        lm-server's port on 127.0.0.1.
+    namespace : str
+        The ``CacheEngineKey`` model name the keys live under (a key is its 56-bit
+        blake2b hash there).
+    """
+
+    def __init__(self, port: int, namespace: str) -> None:
         import torch
         from lmcache.utils import CacheEngineKey
         from lmcache.v1.memory_management import MemoryFormat
         from lmcache.v1.protocol import (ClientCommand, ClientMetaMessage, ServerMetaMessage,
                                          ServerReturnCode)
 
-        self.st = st
-        self.s = socket.create_connection(("127.0.0.1", spec["port"]))
+        self.s = socket.create_connection(("127.0.0.1", port))
         self.s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.rlen = ServerMetaMessage.packlength()
-        self.hdr = bytearray(self.rlen)
-        self.SM, self.OK = ServerMetaMessage, ServerReturnCode.SUCCESS
+        self._hdr = bytearray(ServerMetaMessage.packlength())
+        self._meta, self._ok = ServerMetaMessage, ServerReturnCode.SUCCESS
 
         def key_of(k: str) -> Any:
             h = int.from_bytes(hashlib.blake2b(k.encode(), digest_size=7).digest(), "little")
-            return CacheEngineKey("kvshm-replay", 1, 0, h, torch.uint8)
+            return CacheEngineKey(namespace, 1, 0, h, torch.uint8)
 
         empty = (MemoryFormat(1), torch.float16, torch.Size([0, 0, 0, 0]))
-        self.msg = lambda cmd, k: ClientMetaMessage(cmd, key_of(k), 0, *empty).serialize()
-        self.put_msg = lambda k, n: ClientMetaMessage(
+        get, exist = ClientCommand.GET, ClientCommand.EXIST
+        self._get_msg = lambda k: ClientMetaMessage(get, key_of(k), 0, *empty).serialize()
+        self._exist_msg = lambda k: ClientMetaMessage(exist, key_of(k), 0, *empty).serialize()
+        self._put_msg = lambda k, n: ClientMetaMessage(
             ClientCommand.PUT, key_of(k), n, MemoryFormat.KV_2LTD, torch.uint8,
             torch.Size([n])).serialize()
-        self.GET, self.EXIST = ClientCommand.GET, ClientCommand.EXIST
 
     def _recv_exact(self, mv: memoryview) -> None:
         got, n = 0, mv.nbytes
@@ -79,44 +93,115 @@ class LmServer:
             got += r
 
     def _reply(self) -> tuple[bool, int]:
-        self._recv_exact(memoryview(self.hdr))
-        meta = self.SM.deserialize(bytes(self.hdr))
-        return meta.code == self.OK, int(meta.length)
+        """(hit, value bytes that follow) of the next reply header."""
+        self._recv_exact(memoryview(self._hdr))
+        meta = self._meta.deserialize(bytes(self._hdr))
+        return meta.code == self._ok, int(meta.length)
 
-    def match(self, keys: list[str]) -> int:
-        self.s.sendall(b"".join(self.msg(self.EXIST, k) for k in keys))
-        n, counting = 0, True
-        for _ in keys:                 # read every reply, count the leading hits
-            ok, _len = self._reply()
-            counting = counting and ok
-            n += counting
-        return n
+    def exist(self, keys: Sequence[str]) -> list[bool]:
+        """Pipelined EXISTs: whether each key is held."""
+        self.s.sendall(b"".join(self._exist_msg(k) for k in keys))
+        return [self._reply()[0] for _ in keys]
 
-    def get(self, keys: list[str], offs: list[int], caps: list[int]) -> list[int]:
-        self.s.sendall(b"".join(self.msg(self.GET, k) for k in keys))
-        mv = memoryview(self.st.arr)
+    def read_into(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[int]:
+        """Pipelined GETs, each value received (recv_into) into its byte view of
+        ``outs``. Returns the bytes of each value, -1 for a miss; a value larger than
+        its view is read past (into a scratch buffer) and its size returned."""
+        self.s.sendall(b"".join(self._get_msg(k) for k in keys))
         sizes = []
-        for off, cap in zip(offs, caps):
+        for mv in outs:
             ok, n = self._reply()
             if not ok:
                 sizes.append(-1)
                 continue
-            if n <= cap:
-                self._recv_exact(mv[off:off + n])
-            else:
-                self._recv_exact(memoryview(bytearray(n)))
+            self._recv_exact(mv[:n] if n <= mv.nbytes else memoryview(bytearray(n)))
             sizes.append(n)
         return sizes
 
-    def put(self, keys: list[str], offs: list[int], sizes: list[int]) -> dict[str, Any]:
-        mv = memoryview(self.st.arr)
-        for k, off, n in zip(keys, offs, sizes):
-            self.s.sendall(self.put_msg(k, n))
-            self.s.sendall(mv[off:off + n])
-        return {"refused": 0, "codes": {}}
+    def read_fresh(self, keys: Sequence[str]) -> list[bytearray | None]:
+        """Pipelined GETs, each value received into a new bytearray (None: a miss)."""
+        self.s.sendall(b"".join(self._get_msg(k) for k in keys))
+        out: list[bytearray | None] = []
+        for _ in keys:
+            ok, n = self._reply()
+            buf = bytearray(n) if ok else None
+            if buf is not None:
+                self._recv_exact(memoryview(buf))
+            out.append(buf)
+        return out
+
+    def put(self, keys: Sequence[str], values: Sequence[memoryview]) -> None:
+        """A PUT per value (header, then the bytes). lm-server does not reply: a put
+        is done when the socket took its bytes (no acknowledged write)."""
+        for k, v in zip(keys, values):
+            self.s.sendall(self._put_msg(k, v.nbytes))
+            self.s.sendall(v)
 
     def close(self) -> None:
         self.s.close()
+
+
+def mooncake_connect(spec: dict[str, Any], segment: int = 0,
+                     local_buffer: int | None = None) -> Any:
+    """A set-up ``MooncakeDistributedStore`` on the TCP transfer engine: ``segment``
+    bytes mounted into the store (0: a client that holds nothing, every byte crosses
+    TCP to the holder), ``local_buffer`` bytes of its own transfer buffer (default
+    ``spec["local_buffer"]``). ``spec``: ``metadata`` (HTTP metadata URL) and
+    ``master`` (host:port), from :func:`kvshm.replay.peers.start_mooncake`.
+    Raises RuntimeError when setup returns non-zero."""
+    from mooncake.store import MooncakeDistributedStore
+
+    m = MooncakeDistributedStore()
+    buf = spec["local_buffer"] if local_buffer is None else local_buffer
+    rc = m.setup("127.0.0.1", spec["metadata"], segment, buf, "tcp", "", spec["master"])
+    if rc != 0:
+        raise RuntimeError(f"mooncake setup returned {rc}")
+    return m
+
+
+def mooncake_register(m: Any, ptr: int, nbytes: int) -> None:
+    """Register ``nbytes`` at address ``ptr`` with the store ``m`` (reads into and
+    writes from it go without a copy); RuntimeError on a non-zero return."""
+    rc = m.register_buffer(ptr, nbytes)
+    if rc != 0:
+        raise RuntimeError(f"mooncake register_buffer: {rc}")
+
+
+# ------------------------------------------------------------------ the replay's clients
+
+
+class LmServer:
+    """The replay's lm-server client: EXIST for match, pipelined GETs read with
+    recv_into into the staging buffer (as LMCServerConnector reads), PUT (no reply) for
+    writes."""
+
+    read_path = ("pipelined GETs on one socket, recv_into the caller's buffer (as "
+                 "LMCache's LMCServerConnector); match = pipelined EXISTs; write = PUTs "
+                 "(no reply)")
+
+    def __init__(self, spec: dict[str, Any], st: Staging) -> None:
+        self.st = st
+        self.w = LmServerWire(spec["port"], "kvshm-replay")
+
+    def match(self, keys: list[str]) -> int:
+        n = 0
+        for ok in self.w.exist(keys):     # every reply read, the leading hits counted
+            if not ok:
+                break
+            n += 1
+        return n
+
+    def get(self, keys: list[str], offs: list[int], caps: list[int]) -> list[int]:
+        mv = memoryview(self.st.arr)
+        return self.w.read_into(keys, [mv[o:o + c] for o, c in zip(offs, caps)])
+
+    def put(self, keys: list[str], offs: list[int], sizes: list[int]) -> dict[str, Any]:
+        mv = memoryview(self.st.arr)
+        self.w.put(keys, [mv[o:o + n] for o, n in zip(offs, sizes)])
+        return {"refused": 0, "codes": {}}
+
+    def close(self) -> None:
+        self.w.close()
 
 
 class Mooncake:
@@ -128,14 +213,8 @@ class Mooncake:
                  "batch_is_exist; write = batch_put_from")
 
     def __init__(self, spec: dict[str, Any], st: Staging) -> None:
-        from mooncake.store import MooncakeDistributedStore
-
         self.st = st
-        self.m = MooncakeDistributedStore()
-        rc = self.m.setup("127.0.0.1", spec["metadata"], 0, spec["local_buffer"], "tcp", "",
-                          spec["master"])
-        if rc != 0:
-            raise RuntimeError(f"mooncake setup returned {rc}")
+        self.m = mooncake_connect(spec)
         self.base = 0
         self.size = 0
 
@@ -143,9 +222,7 @@ class Mooncake:
         if self.base:
             self.m.unregister_buffer(self.base)
         self.base, self.size = int(self.st.arr.ctypes.data), int(self.st.arr.nbytes)
-        rc = self.m.register_buffer(self.base, self.size)
-        if rc != 0:
-            raise RuntimeError(f"mooncake register_buffer: {rc}")
+        mooncake_register(self.m, self.base, self.size)
 
     def match(self, keys: list[str]) -> int:
         n = 0
@@ -206,13 +283,10 @@ def serve(peer: str, spec: dict[str, Any]) -> None:
 def mooncake_holder(spec: dict[str, Any]) -> None:
     """Mount ``spec["segment"]`` bytes into the store (the store's capacity), print
     ``ready``, wait for EOF on stdin."""
-    from mooncake.store import MooncakeDistributedStore
-
-    m = MooncakeDistributedStore()
-    rc = m.setup("127.0.0.1", spec["metadata"], spec["segment"], 16 << 20, "tcp", "",
-                 spec["master"])
-    if rc != 0:
-        raise SystemExit(f"mooncake holder setup returned {rc}")
+    try:
+        m = mooncake_connect(spec, segment=spec["segment"], local_buffer=16 << 20)
+    except RuntimeError as exc:
+        raise SystemExit(f"mooncake holder: {exc}") from None
     print("ready", flush=True)
     sys.stdin.read()
     m.close()

@@ -32,8 +32,8 @@ from typing import Any, Iterator, Sequence
 from kvshm.replay.options import ReplayError
 from kvshm.replay.servers import Child, die_with_parent, free_port
 
-__all__ = ["PEERS", "VENV_OF", "peers_cache", "peer_python", "PeerUnavailable",
-           "start_lm_server", "start_mooncake", "PeerBackend", "peer_servers"]
+__all__ = ["PEERS", "VENV_OF", "peers_cache", "peer_python", "venv_python",
+           "PeerUnavailable", "start_lm_server", "start_mooncake", "PeerBackend", "peer_servers"]
 
 #: --backend name -> the venv of scripts/peers-env.sh that holds it
 VENV_OF = {"lmcache": "lmcache", "mooncake": "mooncake"}
@@ -58,21 +58,30 @@ def peers_cache() -> str:
     return os.environ.get("KVSHM_PEERS_CACHE", "/root/.cache/kvshm-peers")
 
 
-def peer_python(backend: str, cache: str | None = None) -> str:
-    """The python of the peer's venv, or :class:`PeerUnavailable` naming the script."""
+def venv_python(name: str, cache: str | None = None) -> str:
+    """The python of scripts/peers-env.sh's venv ``name`` under ``cache`` (default
+    :func:`peers_cache`), or :class:`PeerUnavailable` naming the script (and the reason
+    its last build left in ``<name>.failed``). Used by the replay and perf/bench_peers."""
     cache = cache or peers_cache()
-    venv = os.path.join(cache, VENV_OF[backend])
+    venv = os.path.join(cache, name)
     py = os.path.join(venv, "bin", "python")
     if not (os.path.exists(os.path.join(venv, ".kvshm-peer-env")) and os.path.exists(py)):
         why = ""
-        failed = os.path.join(cache, VENV_OF[backend] + ".failed")
+        failed = os.path.join(cache, name + ".failed")
         if os.path.exists(failed):
             with open(failed) as f:
                 why = "; its last build: " + f.read().strip()[:300]
-        raise PeerUnavailable(f"--backend {backend}: no peer venv at {venv}; build it with "
-                              f"scripts/peers-env.sh {VENV_OF[backend]} (or set "
-                              f"KVSHM_PEERS_CACHE){why}")
+        raise PeerUnavailable(f"no venv at {venv}; build it with scripts/peers-env.sh "
+                              f"{name} (or set KVSHM_PEERS_CACHE){why}")
     return py
+
+
+def peer_python(backend: str, cache: str | None = None) -> str:
+    """The python of the ``--backend``'s venv, or :class:`PeerUnavailable`."""
+    try:
+        return venv_python(VENV_OF[backend], cache)
+    except PeerUnavailable as exc:
+        raise PeerUnavailable(f"--backend {backend}: {exc}") from None
 
 
 def start_lm_server(py: str) -> tuple[Child, int]:
