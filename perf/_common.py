@@ -166,6 +166,41 @@ def redis_parser() -> str:
 # --------------------------------------------------------------------------- echo peers
 
 
+# --------------------------------------------------------------------------- kvshm
+
+
+def small_server() -> Any:
+    """An in-process kvshm Server for the single-key benchmarks: a free port, no
+    management port, a 16 MiB pool of 4 KiB blocks on a segment name of its own. Call
+    ``stop()`` on it."""
+    import uuid
+
+    from kvshm.server import Server
+
+    name = f"kvshm-bench-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return Server(service_port=0, manage_port=None, prealloc_size=1 / 64, block_size=4,
+                  shm_name=name).start()
+
+
+def local_and_remote(address: str) -> tuple[Any, Any]:
+    """Two same-host clients of ``address``: one that reads lock-free through the shared
+    index (``local``), one whose every read goes through the server (made while
+    ``$KVSHM_NO_LOCAL_READS``, :data:`kvshm.localread.ENV_DISABLE`, is set)."""
+    from kvshm.client import Client
+    from kvshm.localread import ENV_DISABLE
+
+    local = Client(address)
+    os.environ[ENV_DISABLE] = "1"
+    try:
+        remote = Client(address)
+    except BaseException:
+        local.close()
+        raise
+    finally:
+        del os.environ[ENV_DISABLE]
+    return local, remote
+
+
 def zmq_echo_server(endpoint: str) -> None:
     """A bare pyzmq ROUTER that sends every message back (runs until killed).
 

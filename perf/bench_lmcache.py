@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,30 +42,14 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, HERE)
+
+import _common  # noqa: E402
+from _common import free_port, stop, wait_port  # noqa: E402
+
 CHUNK = 256
 COLUMNS = [("put", "MiB/s", True), ("get", "MiB/s", True), ("get1", "MiB/s", True),
            ("contains", "us/key", False), ("exists", "us/call", False)]
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
-def wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"{what} did not listen on {port} within {timeout} s")
 
 
 # --------------------------------------------------------------------------- worker
@@ -223,6 +206,7 @@ def main() -> int:
     results: dict[str, dict] = {}
     procs: list[subprocess.Popen] = []
     tmp = tempfile.mkdtemp(prefix="kvshm-bench-lmcache-")
+    tmps = [tmp]
     srv = ServerProcess(prealloc_size=max(0.25, 1.5 * total / 2 ** 30))
     try:
         results["kvshm"] = run_worker("kvshm", srv.address, args)
@@ -236,28 +220,21 @@ def main() -> int:
             wait_port(port, p, "lm-server")
             results["lm-server"] = run_worker("lm-server", f"127.0.0.1:{port}", args)
         if not args.skip_redis:
-            exe = shutil.which("redis-server")
-            if exe is None:
-                print("redis-server not found: Redis skipped (apt-get install redis-server)")
+            try:
+                p, port, rdir = _common.start_redis(maxmemory=0)    # 0: no limit
+            except FileNotFoundError as exc:
+                print(f"{exc}: Redis skipped")
             else:
-                port = free_port()
-                p = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1",
-                                      "--save", "", "--appendonly", "no", "--dir", tmp],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 procs.append(p)
-                wait_port(port, p, "redis-server")
+                tmps.append(rdir)
                 results["redis"] = run_worker("redis", f"127.0.0.1:{port}", args)
     finally:
         for p in procs:
-            p.terminate()
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+            stop(p)
         srv.stop()
         srv.remove_segment()
-        shutil.rmtree(tmp, ignore_errors=True)
+        for d in tmps:
+            shutil.rmtree(d, ignore_errors=True)
 
     k = results["kvshm"]
     print(f"\nLMCache 0.5.6 RemoteBackend, {args.chunks} chunks of {k['chunk_mib']:.2f} MiB "

@@ -33,14 +33,13 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 
 import numpy as np
 import zmq
 
-from kvshm.client import Client
-from kvshm.localread import ENV_DISABLE
-from kvshm.server import Server
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common  # noqa: E402
 
 
 def timed(fn, n: int) -> list[float]:
@@ -104,18 +103,11 @@ def main() -> int:
     ap.add_argument("--size", type=int, default=4096, help="value bytes")
     args = ap.parse_args()
 
-    name = f"kvshm-bench-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    srv = Server(service_port=0, manage_port=None, prealloc_size=1 / 64, block_size=4,
-                 shm_name=name).start()
+    srv = _common.small_server()
     ctx = zmq.Context()
     echo, echo_close = echo_pair(ctx, args.size)
     try:
-        local = Client(srv.address)
-        os.environ[ENV_DISABLE] = "1"
-        try:
-            remote = Client(srv.address)
-        finally:
-            del os.environ[ENV_DISABLE]
+        local, remote = _common.local_and_remote(srv.address)
         assert local._session.local is not None and remote._session.local is None
         value = os.urandom(args.size)
         local.put("bench", value)

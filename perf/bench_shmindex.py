@@ -35,9 +35,10 @@ import uuid
 
 from kvshm import Pool
 from kvshm._shmindex import IndexReader, IndexWriter, default_slots
-from kvshm.client import Client
-from kvshm.localread import ENV_DISABLE
-from kvshm.server import Server
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common  # noqa: E402
 
 BS = 4096
 
@@ -115,16 +116,9 @@ def part_table(args: argparse.Namespace) -> None:
 
 
 def part_client(args: argparse.Namespace) -> None:
-    name = f"kvshm-bench-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    srv = Server(service_port=0, manage_port=None, prealloc_size=1 / 64, block_size=4,
-                 shm_name=name).start()
+    srv = _common.small_server()
     try:
-        local = Client(srv.address)
-        os.environ[ENV_DISABLE] = "1"
-        try:
-            remote = Client(srv.address)
-        finally:
-            del os.environ[ENV_DISABLE]
+        local, remote = _common.local_and_remote(srv.address)
         keys = [f"req-{i:04d}-0123456789abcdef0123".encode() for i in range(64)]
         local.put_batch(keys, [b"v"] * 64)
         cases = {

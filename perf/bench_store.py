@@ -26,14 +26,18 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
+from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, HERE)
 
+import _common  # noqa: E402
 import kvshm  # noqa: E402
+from _common import cpu_seconds, stop  # noqa: E402
 from servers import ServerProcess  # noqa: E402
 
 
@@ -126,34 +130,26 @@ def bench_kvshm(address: str, transport: str, n: int, size: int, reps: int
     return put, get, get_fresh
 
 
-def start_redis(maxmemory: int):
-    exe = shutil.which("redis-server")
-    if exe is None:
-        return None, None
+def start_redis(maxmemory: int) -> tuple[subprocess.Popen | None, Any, str | None]:
+    """redis-server (perf/_common.py) and a redis-py client of it; (None, None, None)
+    without redis-server on PATH."""
     import redis
 
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    d = tempfile.mkdtemp(prefix="kvshm-bench-redis-")
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", d, "--maxmemory", str(maxmemory),
-                             "--maxmemory-policy", "allkeys-lru",
-                             "--proto-max-bulk-len", str(1 << 30)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        proc, port, d = _common.start_redis(maxmemory)
+    except FileNotFoundError:
+        return None, None, None
     r = redis.Redis(host="127.0.0.1", port=port)
     deadline = time.monotonic() + 10
     while True:
         try:
             r.ping()
-            break
+            return proc, r, d
         except redis.ConnectionError:
             if time.monotonic() > deadline:
-                proc.kill()
+                stop(proc)
                 raise
-            time.sleep(0.02)   # redis has no ready line on a pipe; poll its PING
-    return proc, r
+            time.sleep(0.02)   # accepting already; a PING answers once it is loaded
 
 
 def bench_redis(r, n: int, size: int, reps: int) -> tuple[float, float]:
@@ -206,12 +202,6 @@ def bench_queries(address: str, reps: int) -> tuple[float, float, float, float]:
             lat[int(len(lat) * 0.99)] * 1e6)
 
 
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        parts = f.read().rsplit(")", 1)[1].split()
-    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=5)
@@ -220,8 +210,10 @@ def main() -> None:
     args = ap.parse_args()
     shapes = [(256, 1 << 20), (256, 64 << 10)]
     rows = []
+    load0 = os.getloadavg()[0]
     with ServerProcess(prealloc_size=args.pool_gib) as srv:
-        redis_proc, r = (None, None) if args.skip_redis else start_redis(int(args.pool_gib * 2**30))
+        redis_proc, r, rdir = ((None, None, None) if args.skip_redis
+                               else start_redis(int(args.pool_gib * 2**30)))
         try:
             for n, size in shapes:
                 label = f"{n} x {size // 1024} KiB"
@@ -238,11 +230,12 @@ def main() -> None:
             time.sleep(2.0)
             idle = cpu_seconds(srv.pid) - t0
         finally:
-            if redis_proc is not None:
-                redis_proc.terminate()
-                redis_proc.wait(10)
+            stop(redis_proc)
+            if rdir:
+                shutil.rmtree(rdir, ignore_errors=True)
 
-    print(f"\nkvshm store benchmark (median of {args.reps}; GB/s = 1e9 bytes/s)\n")
+    print(f"\nkvshm store benchmark (median of {args.reps}; GB/s = 1e9 bytes/s; "
+          f"{os.cpu_count()} CPUs, load average {load0:.1f} -> {os.getloadavg()[0]:.1f})\n")
     hdr = ("values", "memcpy", "raw tcp", "shm put", "shm into", "shm fresh", "tcp put",
            "tcp into", "tcp fresh", "redis set", "redis mget")
     print(f"{hdr[0]:>14}  " + "  ".join(f"{h:>10}" for h in hdr[1:]))
