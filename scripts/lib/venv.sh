@@ -62,6 +62,20 @@ venv_new() {
     "$1" -m venv "$2" || { KV_ERR="python -m venv failed"; return 1; }
 }
 
+# reuse_or_new PY VENV MARKER HASH REBUILD_VAR DIST...: when VENV was built by the recipe
+# HASH (and $REBUILD_VAR is empty), say so with the versions of DIST... and EXIT 0 (the
+# script is done); otherwise make a fresh VENV (venv_new) and return.
+reuse_or_new() {
+    local py=$1 venv=$2 marker=$3 hash=$4 rebuild=$5 versions; shift 5
+    if marker_ok "$venv" "$marker" "$hash" && [ -z "${!rebuild:-}" ]; then
+        versions=$(venv_versions "$venv" "$@" | tr '\n' ' ') \
+            || kv_die "the venv $venv does not run; rerun with $rebuild=1"
+        kv_log "reusing $venv (built by this version of the script): $versions"
+        exit 0
+    fi
+    venv_new "$py" "$venv" || kv_die "$KV_ERR"
+}
+
 # step NAME CMD...: run CMD, time it, exit naming the step when it fails.
 step() {
     local name=$1; shift
