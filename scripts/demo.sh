@@ -10,9 +10,9 @@
 # distinct blocks, so eviction runs all along and the hit rate shows whether it keeps the
 # right blocks: it is printed beside an exact LRU over the same capacity and the hit rate
 # no cache can beat. Every block read back is checked byte for byte. Needs Python >= 3.10,
-# a C compiler and ~1 GiB free in /dev/shm. Measured on the shared 2-core VM: 225 s in a
-# fresh clone (venv, install, build, replay), 25 s again (installed already; the replay is
-# 18.5 s of it).
+# a C compiler and ~1 GiB free in /dev/shm. Measured on the shared 2-core VM while other
+# jobs ran (load 8-14): 225-372 s in a fresh clone (venv, install, build, replay), 25-27 s
+# again (installed already; the replay is 17-18.5 s of it).
 #
 # Environment: PYTHON (default python3) makes the venv; KVSHM_VENV (default .venv) is
 # where. An editable install already in that venv (a development checkout) is used as
