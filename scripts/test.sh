@@ -21,20 +21,15 @@ if [ -n "${KVSHM_WITH_TORCH:-}" ]; then
     "$venv/bin/python" -c 'import torch' 2>/dev/null || \
         "$venv/bin/python" -m pip install -q "torch==${KVSHM_TORCH_VERSION:-2.13.0}"
 fi
-# nonzero RC WHAT: pytest's exit status RC, with 5 (it collected nothing) made a failure
-nonzero() {
-    if [ "$1" -eq 5 ]; then
-        echo "test.sh: $2 collected no tests: that is a failure" >&2
-        echo 1
-    else
-        echo "$1"
-    fi
-}
 set +e
 # the main venv has no engine: its integration modules skip whatever CI requires
 env -u KVSHM_REQUIRE_ENGINES "$venv/bin/python" -m pytest "$@"
-rc=$(nonzero $? "pytest")
+rc=$?
 set -e
+if [ "$rc" -eq 5 ]; then
+    echo "test.sh: pytest collected no tests: that is a failure" >&2
+    rc=1
+fi
 
 # Engine integrations (LMCache, SGLang, vLLM) run in their own venv, made by
 # scripts/integration-env.sh (.ci/run makes it; it is reused when already there).
@@ -63,8 +58,12 @@ if [ -n "$ienv_ok" ]; then
     set +e
     PYTHONPATH="$PWD" "$ivenv/bin/python" -m pytest tests/integrations -m integration -q -ra \
         --ignore=tests/integrations/test_vllm_e2e.py --ignore=tests/integrations/test_vllm_pd.py
-    irc=$(nonzero $? "the engine integration suite")
+    irc=$?
     set -e
+    if [ "$irc" -eq 5 ]; then
+        echo "test.sh: no integration tests collected: that is a failure" >&2
+        irc=1
+    fi
     [ "$rc" -eq 0 ] && rc=$irc
 elif [ -n "${KVSHM_REQUIRE_ENGINES:-}" ]; then
     echo "test.sh: KVSHM_REQUIRE_ENGINES is set and there is no integration venv at $ivenv" >&2
@@ -83,9 +82,13 @@ if [ -x "$vvenv/bin/python" ] && [ -f "$vvenv/.kvshm-vllm-env" ]; then
     t0=$(date +%s)
     PYTHONPATH="$PWD" "$vvenv/bin/python" -m pytest tests/integrations/test_vllm_e2e.py \
         tests/integrations/test_vllm_pd.py -m integration -q -ra -p no:cacheprovider
-    vrc=$(nonzero $? "the vLLM end-to-end suite")
+    vrc=$?
     echo "test.sh: vLLM end to end took $(( $(date +%s) - t0 )) s"
     set -e
+    if [ "$vrc" -eq 5 ]; then
+        echo "test.sh: no vLLM end-to-end tests collected: that is a failure" >&2
+        vrc=1
+    fi
     [ "$rc" -eq 0 ] && rc=$vrc
 elif [ -n "${KVSHM_REQUIRE_ENGINES:-}" ]; then
     echo "test.sh: KVSHM_REQUIRE_ENGINES is set and there is no vLLM venv at $vvenv" >&2
