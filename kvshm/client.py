@@ -40,6 +40,8 @@ from kvshm.errors import (
     ServerUnavailable,
     TransportError,
     ValueTooLarge,
+    WriteRefused,
+    WritesLost,
 )
 from kvshm.movers import Layout, OneSidedMover, ShmMover, placed
 from kvshm.zmq_ctrl.channel import Channel, check_resolvable, endpoint_of
@@ -56,6 +58,9 @@ Key = str | bytes
 TRANSPORTS = ("auto", "shm", "tcp", "rdma")
 #: Seconds an idle client waits before it sends queued RELEASE/COMMIT on its own.
 IDLE_FLUSH_S = 0.1
+#: Bytes a write-behind client keeps reserved (``write_behind=True``): 32 MiB, and at
+#: most 1/16 of the pool (the server's per-session cap, kvshm.store.reserve).
+WRITE_BEHIND_BYTES = 32 << 20
 #: A client maps a pool up to this size pre-faulted (MAP_POPULATE); larger ones fault
 #: pages in as they are first touched. 4 GiB costs a client 8 MiB of page tables.
 POPULATE_MAX_BYTES = 4 << 30
@@ -67,6 +72,9 @@ class _Req(NamedTuple):
     frames: Sequence[Any] = ()
     stateful: bool = False      # offsets/grants involved: needs this server instance
     retry_stale: bool = True    # after a server restart, say HELLO and resend
+    # sent without waiting for its reply: called with the request id before it goes
+    # (the reply reaches _Session.late_reply); the operation gets an empty OK reply
+    noreply: Callable[[int], None] | None = None
 
 
 class _Reply(NamedTuple):
@@ -111,6 +119,112 @@ def _xxh(view: memoryview) -> int:
     return xxhash.xxh64_intdigest(view)
 
 
+class _WriteBehind:
+    """A write-behind client's reservation and its writes not yet acknowledged.
+
+    The server hands out runs of free blocks (RESERVE, :mod:`kvshm.store.reserve`); a put takes
+    the blocks it needs from them, copies the value in and sends PLACE without waiting.
+    ``runs`` is this client's view of what it still holds, ``gen`` the reservation's
+    generation (0: none; the next RESERVE resets). ``outstanding`` maps each PLACE's
+    request id to its keys until its reply is read; ``placed`` serves this client's own
+    reads of them meanwhile. ``copying`` counts copies into the reservation in flight:
+    a reset (which frees the old blocks on the server) waits until none is.
+    """
+
+    __slots__ = ("mover", "pool", "bs", "want", "gen", "runs", "free", "reserve_rid",
+                 "outstanding", "placed", "copying", "lock", "max_extents")
+
+    def __init__(self, mover: ShmMover, block_size: int, want_blocks: int) -> None:
+        self.mover = mover
+        self.pool = mover.pool
+        self.bs = block_size
+        self.want = want_blocks
+        self.gen = 0
+        self.runs: list[list[int]] = []     # [first block, count], in grant order
+        self.free = 0
+        self.reserve_rid = 0                # a RESERVE in flight (its reply not read)
+        self.outstanding: dict[int, list[bytes]] = {}
+        self.placed = localread.Placed()
+        self.copying = 0
+        self.lock = threading.Lock()
+        self.max_extents = 8                # kvshm.index.MAX_EXTENTS: runs of one value
+
+    def nblocks(self, size: int) -> int:
+        return max(1, -(-size // self.bs))
+
+    def take(self, need: Sequence[int]
+             ) -> tuple[int, list[list[list[int]]], ShmMover, int] | None:
+        """Blocks for each value (``[[first block, count], ...]`` each), all or none,
+        with the generation, the mover and the block size they belong to; counted as a
+        copy in flight (:meth:`copy_done`)."""
+        with self.lock:
+            if not self.gen or sum(need) > self.free:
+                return None
+            runs = self.runs
+            out: list[list[list[int]]] = []
+            undo: list[tuple[int, int]] = []
+            ok = True
+            for n in need:
+                got: list[list[int]] = []
+                # one run when one holds it, else the first runs that together do
+                j = next((i for i, r in enumerate(runs) if r[1] >= n), -1)
+                idx = [j] if j >= 0 else list(range(len(runs)))
+                left = n
+                for i in idx:
+                    if left == 0 or len(got) == self.max_extents:
+                        break
+                    r = runs[i]
+                    k = min(r[1], left)
+                    if k == 0:
+                        continue
+                    got.append([r[0], k])
+                    undo.append((i, k))
+                    r[0] += k
+                    r[1] -= k
+                    left -= k
+                if left:
+                    ok = False
+                    break
+                out.append(got)
+            if not ok:
+                for i, k in reversed(undo):     # give back in reverse: runs restored
+                    runs[i][0] -= k
+                    runs[i][1] += k
+                return None
+            self.runs = [r for r in runs if r[1] > 0]
+            self.free -= sum(need)
+            self.copying += 1
+            return self.gen, out, self.mover, self.bs
+
+    def copy_done(self) -> None:
+        with self.lock:
+            self.copying -= 1
+
+    def low(self) -> bool:
+        """Whether to ask for more now (under half of the target held, none asked)."""
+        return not self.reserve_rid and self.free * 2 < self.want
+
+    def apply_reserve(self, body: dict[str, Any], reset: bool) -> None:
+        gen = body.get("gen")
+        runs = body.get("runs") or []
+        with self.lock:
+            if reset or gen != self.gen:
+                self.gen = int(gen) if type(gen) is int else 0
+                self.runs, self.free = [], 0
+            for r in runs:
+                self.runs.append([int(r[0]), int(r[1])])
+                self.free += int(r[1])
+
+    def void(self) -> list[int]:
+        """Forget the reservation (a new HELLO); returns the PLACE ids not answered."""
+        with self.lock:
+            self.gen = 0
+            self.runs, self.free = [], 0
+            self.reserve_rid = 0
+            rids = list(self.outstanding)
+            return rids
+
+
 class _Session:
     """Per-client state shared by the sync and async clients (no I/O here).
 
@@ -123,9 +237,20 @@ class _Session:
     """
 
     def __init__(self, transport: str, lazy_commit: bool, rdma: Any = None,
-                 token: "bytes | Callable[[], bytes | None] | None" = None) -> None:
+                 token: "bytes | Callable[[], bytes | None] | None" = None,
+                 write_behind: bool | int = False) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if write_behind is True:
+            write_behind = WRITE_BEHIND_BYTES
+        if type(write_behind) is not int and write_behind is not False or write_behind < 0:
+            raise ValueError(f"write_behind must be a bool or a byte count >= 0, got "
+                             f"{write_behind!r}")
+        #: bytes to keep reserved for writes that do not wait (0: off)
+        self.write_behind = int(write_behind)
+        self.wb: _WriteBehind | None = None
+        self.wb_refused: dict[bytes, int] = {}   # refused PLACE keys, not yet raised
+        self.wb_lost: list[bytes] = []           # unacknowledged PLACE keys, not raised
         self.transport = transport
         self.nonce = os.urandom(16)
         # the server's door token, or how to read it (again at each HELLO: a restarted
@@ -238,7 +363,128 @@ class _Session:
                                "those keys were not stored")
 
     def piggyback_pending(self) -> bool:
-        return bool(self.commits or self.aborts or self.releases)
+        wb = self.wb
+        return bool(self.commits or self.aborts or self.releases or
+                    (wb is not None and (wb.outstanding or wb.reserve_rid)))
+
+    # ---------------------------------------------------------------- write-behind
+
+    def late_reply(self, rid: int, status: int, body: dict[str, Any]) -> None:
+        """A reply nobody waited for (kvshm.zmq_ctrl.channel.Channel.on_stray): the
+        answer to a PLACE or a RESERVE sent ahead; others are dropped."""
+        wb = self.wb
+        if wb is None:
+            return
+        if rid == wb.reserve_rid:
+            wb.reserve_rid = 0
+            if status == Status.OK:
+                wb.apply_reserve(body, reset=False)
+            elif status == Status.STALE_EPOCH:
+                self.need_hello = True
+            return
+        with wb.placed.lock:
+            keys = wb.outstanding.pop(rid, None)
+            if keys is None:
+                return
+            if status != Status.OK:
+                if status == Status.STALE_EPOCH:     # the server restarted: gone
+                    self.need_hello = True
+                    self.wb_lost.extend(keys)
+                else:
+                    for k in keys:
+                        self.wb_refused[k] = status
+            else:
+                self.note_reply(body)
+                st = body.get("st") or []
+                if any(x == Status.OK for x in st):
+                    self.releases.append(rid)     # the pins the PLACE holds
+                for k, x in zip(keys, st):
+                    if x != Status.OK:
+                        self.wb_refused[k] = x
+                        if x == Status.STALE_EPOCH:
+                            wb.gen = 0          # voided on the server: reset it
+                if len(st) < len(keys):
+                    for k in keys[len(st):]:
+                        self.wb_refused[k] = Status.INTERNAL
+            m = wb.placed.map
+            for k in keys:
+                v = m.get(k)
+                if v is not None and v[0] == rid:
+                    del m[k]
+
+    def raise_wb_errors(self) -> None:
+        """Raise WritesLost / WriteRefused for write-behind puts the server did not
+        store (each reported once)."""
+        if self.wb_lost:
+            lost, self.wb_lost = self.wb_lost, []
+            names = ", ".join(repr(k) for k in lost[:5])
+            more = f" and {len(lost) - 5} more" if len(lost) > 5 else ""
+            raise WritesLost(f"{len(lost)} write(s) made behind were not acknowledged by "
+                             f"the server (it restarted or the connection was reset): "
+                             f"{names}{more}; they may not be stored", lost)
+        if self.wb_refused:
+            failed, self.wb_refused = self.wb_refused, {}
+            parts = []
+            for k, st in list(failed.items())[:5]:
+                name = Status(st).name if st in Status._value2member_map_ else str(st)
+                parts.append(f"{k!r} ({name})")
+            more = f" and {len(failed) - 5} more" if len(failed) > 5 else ""
+            raise WriteRefused(f"the server refused {len(failed)} write(s) made behind: "
+                               f"{', '.join(parts)}{more}; they were not stored",
+                               {k: Status(v) if v in Status._value2member_map_ else v
+                                for k, v in failed.items()})
+
+    def _wb_after_hello(self, same_server: bool) -> None:
+        wb = self.wb
+        if wb is not None:
+            rids = wb.void()
+            with wb.placed.lock:
+                for rid in rids:
+                    self.wb_lost.extend(wb.outstanding.pop(rid, []))
+                    if same_server:
+                        self.releases.append(rid)   # it may hold pins: drop them
+                wb.placed.map.clear()
+        m = self.mover
+        bs = int(self.hello.get("pool", {}).get("block_size", 0) or 0)
+        if not (self.write_behind and isinstance(m, ShmMover) and bs > 0):
+            self.wb = None
+            return
+        want = max(1, min(self.write_behind, self.capacity // 16) // bs)
+        if wb is None:
+            self.wb = _WriteBehind(m, bs, want)
+        else:
+            # the same object: a copy still running into the old reservation keeps
+            # counting in ``copying``, so the reset that frees it waits for it
+            wb.mover, wb.pool, wb.bs, wb.want = m, m.pool, bs, want
+
+    def read_own(self, key: Key, out: Any) -> Any:
+        """This client's value of ``key`` written behind and not yet answered: bytes
+        (``out`` None) or the size copied into ``out``; None when there is none."""
+        wb = self.wb
+        if wb is None:
+            return None
+        bk = self.keys([key])[0]
+        if bk not in wb.placed:
+            return None
+        with wb.mover.copying() as pool:
+            if out is None:
+                return wb.placed.get(pool, bk)
+            n = wb.placed.get_into(pool, bk, byte_view(out, writable=True,
+                                                       what=f"output for key {key!r}"))
+            return None if n == localread.MISS else n
+
+    def own_flags(self, keys: Sequence[Key]) -> list[bool] | None:
+        """Per key, whether it is this client's write behind not yet answered; None
+        when none is (the common case, checked first)."""
+        wb = self.wb
+        if wb is None or not wb.placed:
+            return None
+        flags = [k in wb.placed for k in self.keys(keys)]
+        return flags if any(flags) else None
+
+    def placed_any(self, bkeys: Sequence[bytes]) -> bool:
+        wb = self.wb
+        return wb is not None and bool(wb.placed) and any(k in wb.placed for k in bkeys)
 
     def bye(self) -> tuple[int, dict[str, Any]] | None:
         """The BYE to send at close (epoch, body with what is left to settle), or None
@@ -323,6 +569,7 @@ class _Session:
                 self.local = localread.attach(h, self.mover, self.epoch,
                                               self.limits.max_key_bytes)
                 self.need_hello = False
+                self._wb_after_hello(same_server)
                 return
             unproven.close()
             if self.transport == "shm":
@@ -332,11 +579,13 @@ class _Session:
                     "/dev/shm the server's?")
             self.mover = self._pick_mover(h, address, shm=False)
             self.need_hello = False
+            self._wb_after_hello(same_server)
             return
         self._retire_mover()
         self.mover = self._pick_mover(h, address)
         self.local = localread.attach(h, self.mover, self.epoch, self.limits.max_key_bytes)
         self.need_hello = False
+        self._wb_after_hello(same_server)
 
     def local_reader(self) -> Any:
         """The shared-index reader when a read may skip the server now, else None (not
@@ -483,10 +732,20 @@ class _Session:
         ``lazy`` overrides the session's ``lazy_commit`` for this call (kvshm.layerwise).
         """
         self.raise_lost_commits()
+        self.raise_wb_errors()
         bkeys = self.keys(keys)
-        src = _Buffers(bkeys, self._values(bkeys, values)) if source is None else source
+        if source is None:
+            views = self._values(bkeys, values)
+            wb = self.wb
+            if wb is not None and bkeys and lazy is None and self.mover is wb.mover:
+                return (yield from self.op_put_behind(bkeys, views, checksum))
+            src: Any = _Buffers(bkeys, views)
+        else:
+            src = source
         if not bkeys:
             return None
+        if self.wb is not None and self.wb.placed:
+            self.wb.placed.drop(bkeys)   # written again this way: no longer read from there
         body: dict[str, Any] = {"keys": bkeys}
         if checksum:
             body["sums"] = [_xxh(v) for v in src.buffers()]
@@ -536,6 +795,77 @@ class _Session:
             return None
         raise ServerUnavailable("the server restarted twice during one put; retry")
 
+    def op_put_behind(self, bkeys: list[bytes], views: list[memoryview],
+                      checksum: bool) -> OpGen:
+        """Write-behind put: copy into reserved blocks, send PLACE, do not wait.
+
+        Falls back to the ALLOC/COMMIT path when the values do not fit what is
+        reserved (nothing reserved yet and a refill in flight, quota, a value larger
+        than half the reservation).
+        """
+        wb = self.wb
+        assert wb is not None
+        need = [wb.nblocks(v.nbytes) for v in views]
+        total = sum(need)
+        got = None
+        if total * 2 <= wb.want:
+            got = wb.take(need)
+            if got is None and not wb.reserve_rid and wb.copying == 0:
+                # dry (or reset due): one round trip for the reservation
+                reset = not wb.gen
+                try:
+                    r = yield _Req(Op.RESERVE, {"blocks": wb.want - (0 if reset else wb.free),
+                                                "reset": reset},
+                                   stateful=True, retry_stale=False)
+                except _Restarted:
+                    r = None
+                if r is not None and r.status == Status.OK and self.wb is wb:
+                    wb.apply_reserve(r.body, reset)
+                    got = wb.take(need)
+        if got is None:
+            return (yield from self.op_put_batch(bkeys, views, checksum, lazy=False))
+        gen, runs, mover, bs = got
+        sizes = [v.nbytes for v in views]
+        try:
+            sums = [_xxh(v) for v in views] if checksum else None
+            with mover.copying() as pool:
+                for v, ext in zip(views, runs):
+                    pos = 0
+                    n = v.nbytes
+                    for b0, c in ext:
+                        k = min(c * bs, n - pos)
+                        if k <= 0:
+                            break
+                        pool.write(b0 * bs, v[pos:pos + k])
+                        pos += k
+        finally:
+            wb.copy_done()
+        extents = [[(b0 * bs, c * bs) for b0, c in ext] for ext in runs]
+        body: dict[str, Any] = {"gen": gen, "keys": bkeys, "sizes": sizes, "runs": runs}
+        if sums is not None:
+            body["sums"] = sums
+
+        def sent(rid: int) -> None:
+            with wb.placed.lock:
+                wb.outstanding[rid] = bkeys
+            wb.placed.add(rid, bkeys, sizes, extents, sums)
+
+        yield _Req(Op.PLACE, body, stateful=True, noreply=sent)
+        if wb.low() and wb.gen == gen and self.wb is wb:
+            def asked(rid: int) -> None:
+                wb.reserve_rid = rid
+
+            yield _Req(Op.RESERVE, {"blocks": wb.want - wb.free, "reset": False},
+                       stateful=True, noreply=asked)
+        return None
+
+    def op_sync_behind(self) -> OpGen:
+        """One round trip: every reply to PLACE/RESERVE sent before it is read by then
+        (the server answers one connection in order)."""
+        r = yield _Req(Op.COMMIT, {}, stateful=True, retry_stale=False)
+        _check(r, "flush")
+        return None
+
     def op_lookup_copy(self, keys: Iterable[Key], outs: Sequence[Any] | None,
                        verify: bool, sink: Any = None, _again: bool = False) -> OpGen:
         """Shared read path: returns (sizes, data) where data is bytes per hit or None.
@@ -553,6 +883,16 @@ class _Session:
                      for k, o in zip(bkeys, outs)]
         if not bkeys:
             return [], []
+        wb = self.wb
+        if wb is not None and wb.placed and self.placed_any(bkeys):
+            if sink is None and not verify and all(k in wb.placed for k in bkeys):
+                got = self._read_placed(bkeys, views)    # own writes, not yet answered
+                if got is not None:
+                    return got
+            try:       # the others too: once the server has them all, ask as usual
+                yield from self.op_sync_behind()
+            except _Restarted:
+                pass
         lr = self.local_reader()
         if lr is not None and not verify:
             done = localread.read_batch(lr, bkeys, views, sink, self.mover)
@@ -637,6 +977,28 @@ class _Session:
             self._verify(bkeys, sizes, r.body.get("sums"), data)
         return sizes, data
 
+    def _read_placed(self, bkeys: Sequence[bytes], views: Sequence[memoryview] | None
+                     ) -> tuple[list[int], list[Any]] | None:
+        wb = self.wb
+        assert wb is not None
+        sizes: list[int] = []
+        data: list[Any] = []
+        with wb.mover.copying() as pool:
+            for i, k in enumerate(bkeys):
+                if views is not None:
+                    n = wb.placed.get_into(pool, k, views[i])
+                    if n == localread.MISS:
+                        return None          # answered meanwhile: ask as usual
+                    sizes.append(n)
+                    data.append(views[i][:n])
+                else:
+                    b = wb.placed.get(pool, k)
+                    if b is None:
+                        return None
+                    sizes.append(len(b))
+                    data.append(b)
+        return sizes, data
+
     @staticmethod
     def _check_out(key: bytes, view: memoryview, size: int) -> None:
         if view.nbytes < size:
@@ -665,6 +1027,7 @@ class _Session:
         r = yield _Req(Op.COMMIT, {}, stateful=True, retry_stale=False)
         _check(r, "flush")
         self.raise_lost_commits()    # note_reply saw this reply's commit_failed already
+        self.raise_wb_errors()       # the PLACE replies before it were read by now
         return None
 
 
@@ -811,11 +1174,27 @@ class Client:
         The server's operator token (DRAIN, PURGE, EVICT). Default: read from the
         default operator token file of a server of this user on this host, if any
         (:mod:`kvshm.security`); a local client of the server's uid needs none.
+    write_behind : bool or int
+        Same-host writes that do not wait (off by default). When the client is local
+        (the shm mover, liveness proven) it keeps a reservation of free pool blocks
+        (True: ``WRITE_BEHIND_BYTES`` = 32 MiB, an int: that many bytes; at most 1/16 of
+        the pool), refilled ahead of need; a put copies the value into reserved
+        blocks and sends PLACE without waiting for the reply. This client reads its own
+        writes at once; other clients see them once the server processed the PLACE;
+        :meth:`flush` waits for all. A write the server refused raises
+        :class:`~kvshm.errors.WriteRefused` (naming keys and reasons) from the next
+        call, one it never acknowledged (server restart, connection reset)
+        :class:`~kvshm.errors.WritesLost`. Values larger than half the reservation,
+        remote clients and ``put_batch(..., pin_ttl=...)`` take the ALLOC/COMMIT path.
+        Reserved blocks are held from the pool (and count against the pending quota), so the
+        pool behaves as slightly smaller than an exact LRU of its size.
 
     Raises
     ------
     ServerUnavailable
         The server did not answer HELLO within ``timeout``.
+    WriteRefused, WritesLost
+        From any call after a write made behind failed (see ``write_behind``).
     AuthenticationFailed
         The server refused the CURVE handshake (missing or wrong keys), or the HELLO
         (no valid door token).
@@ -836,18 +1215,21 @@ class Client:
                  connect: bool = True, context: zmq.Context | None = None,
                  rdma: Any = None, token: bytes | None = None,
                  token_file: str | None = None,
-                 operator_token: bytes | None = None) -> None:
+                 operator_token: bytes | None = None,
+                 write_behind: bool | int = False) -> None:
         if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
             raise ValueError(f"timeout must be > 0, got {timeout}")
         self.address = address
         self._base_endpoint = endpoint_of(address)
         check_resolvable(self._base_endpoint)
         self._session = _Session(transport, lazy_commit, rdma,
-                                 _door_token(self._base_endpoint, token, token_file))
+                                 _door_token(self._base_endpoint, token, token_file),
+                                 write_behind)
         self._session.operator_token = _operator_token(self._base_endpoint, operator_token)
         self._chan = Channel(self._base_endpoint, timeout, context=context,
                              socket_setup=_curve_setup(curve_server_key, curve_keypair),
                              label=address)
+        self._chan.on_stray = self._session.late_reply
         self._closed = False
         self._timer: threading.Timer | None = None
         self._timer_lock = threading.Lock()
@@ -861,6 +1243,8 @@ class Client:
         s = self._session
         s.check_owner()
         s.need_hello = True
+        if s.wb is not None and s.wb.outstanding:
+            self._chan.drain()      # replies already here are not lost with the socket
         self._chan.reset(self._base_endpoint)
         for _ in range(4):
             rid = s.new_id()
@@ -889,6 +1273,8 @@ class Client:
         if self._closed:
             raise KvshmError("client is closed")
         s = self._session
+        if req.noreply is not None:
+            return self._send_only(drive, req)
         with self._chan.lock:
             for attempt in range(3):
                 if s.need_hello:
@@ -914,6 +1300,24 @@ class Client:
         raise ServerUnavailable(f"kvshm server at {self.address} keeps forgetting this "
                                 "client's session; retry")
 
+    def _send_only(self, drive: _Drive, req: _Req) -> _Reply:
+        s = self._session
+        with self._chan.lock:
+            if s.need_hello:
+                self._hello_locked()
+            self._chan.drain()          # replies already here: refusals, refills
+            rid, body = drive.prepare(req)
+            assert req.noreply is not None
+            req.noreply(rid)
+            try:
+                self._chan.send(req.op, body, req.frames, req_id=rid, epoch=s.epoch)
+            except BaseException:
+                drive.failed()
+                s.need_hello = True
+                s.late_reply(rid, Status.STALE_EPOCH, {})   # not sent: reported as lost
+                raise
+        return _Reply(rid, Status.OK, {}, [])
+
     def run_op(self, gen: OpGen) -> Any:
         """Drive an operation generator (``kvshm.client._Session.op_*``, or one of
         :mod:`kvshm.paged`, :mod:`kvshm.layerwise`, :mod:`kvshm.integrations`) to its
@@ -926,10 +1330,12 @@ class Client:
         """The protocol state the operation generators take (keys, limits, movers)."""
         return self._session
 
-    def _run(self, gen: OpGen) -> Any:
+    def _run(self, gen: OpGen, check: bool = True) -> Any:
         s = self._session
         try:
             s.check_owner()
+            if check and (s.wb_lost or s.wb_refused):
+                s.raise_wb_errors()
             if s.need_hello and not self._closed:
                 # HELLO before the operation starts (it picks its mover first): after an
                 # RDMA completion error this makes the next call run on a fresh connection
@@ -979,9 +1385,9 @@ class Client:
             self._arm_idle_flush()
             return
         try:
-            # a plain COMMIT: refused lazy commits are kept for the caller's next
-            # put/flush (note_reply), never swallowed here
-            self._run(self._session.op_simple(Op.COMMIT, {}, "flush"))
+            # a plain COMMIT: refused lazy commits and writes made behind are kept for
+            # the caller's next call (note_reply, late_reply), never swallowed here
+            self._run(self._session.op_simple(Op.COMMIT, {}, "flush"), check=False)
         except Exception as exc:
             log.debug("idle flush to %s failed: %s", self.address, exc)
 
@@ -1042,7 +1448,13 @@ class Client:
     def get(self, key: Key, *, verify: bool = False) -> bytes:
         """The value of ``key``. Raises KeyNotFound on a miss, CorruptValue on a checksum
         mismatch with ``verify``."""
-        lr = self._session.local_reader()
+        s = self._session
+        if s.wb is not None and s.wb.placed and not verify:
+            s.raise_wb_errors()
+            v = s.read_own(key, None)           # this client's write, not yet answered
+            if v is not None:
+                return v  # type: ignore[no-any-return]
+        lr = s.local_reader()
         if lr is not None and not verify:       # same host: no round trip
             v = lr.get(key)
             if v is not localread.FALLBACK:
@@ -1060,7 +1472,13 @@ class Client:
         Returns the value's size in bytes. Raises KeyNotFound, or ValueError when
         ``out`` is smaller than the value.
         """
-        lr = self._session.local_reader()
+        s = self._session
+        if s.wb is not None and s.wb.placed and not verify:
+            s.raise_wb_errors()
+            n = s.read_own(key, out)           # this client's write, not yet answered
+            if n is not None:
+                return n  # type: ignore[no-any-return]
+        lr = s.local_reader()
         if lr is not None and not verify:       # same host: no round trip
             n = lr.get_into(key, out)
             if n != localread.FALLBACK:
@@ -1111,7 +1529,13 @@ class Client:
         return self.exists_batch([key])[0]
 
     def exists_batch(self, keys: Sequence[Key]) -> list[bool]:
-        """Whether each key is present (committed)."""
+        """Whether each key is present (committed, or written behind by this client)."""
+        own = self._session.own_flags(keys)
+        if own is not None:
+            return [a or b for a, b in zip(own, self._exists(keys))]
+        return self._exists(keys)
+
+    def _exists(self, keys: Sequence[Key]) -> list[bool]:
         lr = self._session.local_reader()
         if lr is not None and localread.fits(keys, self._session.limits):
             found = lr.exists_batch(keys)   # checks the keys itself: odd ones fall back
@@ -1124,6 +1548,9 @@ class Client:
 
     def match_prefix(self, keys: Sequence[Key]) -> int:
         """How many leading keys of ``keys`` the store holds (a prefix match)."""
+        if self._session.own_flags(keys) is not None:
+            found = self.exists_batch(keys)
+            return found.index(False) if False in found else len(found)
         lr = self._session.local_reader()
         if lr is not None and localread.fits(keys, self._session.limits):
             n = lr.match_prefix(keys)       # checks the keys itself: odd ones fall back
@@ -1142,6 +1569,8 @@ class Client:
         bkeys = self._session.keys(keys)
         if not bkeys:
             return 0
+        if self._session.wb is not None:
+            self._session.wb.placed.drop(bkeys)   # the DELETE follows the PLACE
         return self._run(self._session.op_simple(Op.DELETE, {"keys": bkeys}, "delete"))["n"]  # type: ignore[no-any-return]
 
     def evict(self, to_ratio: float) -> int:
@@ -1173,6 +1602,8 @@ class Client:
 
     def purge(self) -> int:
         """Remove every entry. Returns entries removed."""
+        if self._session.wb is not None:
+            self._session.wb.placed.clear()
         return self._run(self._session.op_simple(Op.PURGE, {}, "purge"))["n"]  # type: ignore[no-any-return]
 
     def stats(self, *, verify: bool = False, latency: bool = False) -> dict[str, Any]:
@@ -1185,15 +1616,23 @@ class Client:
         return self._run(self._session.op_simple(Op.STATS, body, "stats"))["stats"]  # type: ignore[no-any-return]
 
     def flush(self) -> None:
-        """Send queued RELEASE/COMMIT now (one round trip). Raises LeaseExpired if a lazy
-        commit came too late."""
+        """Send queued RELEASE/COMMIT now and wait for the replies of every write made
+        behind (one round trip). Raises LeaseExpired if a lazy commit came too late,
+        WriteRefused / WritesLost for writes made behind that were not stored."""
         if self._session.piggyback_pending():
             self._run(self._session.op_commit_flush())
         else:
             self._session.raise_lost_commits()
+            self._session.raise_wb_errors()
 
     def ping(self) -> dict[str, Any]:
         """Say HELLO again; returns the server's HELLO reply."""
+        wb = self._session.wb
+        if wb is not None and wb.outstanding and not self._session.need_hello:
+            try:   # their replies first: a new HELLO drops the socket they come on
+                self._run(self._session.op_sync_behind(), check=False)
+            except KvshmError as exc:
+                log.debug("sync before ping failed: %s", exc)
         with self._chan.lock:
             self._hello_locked()
         return dict(self._session.hello)
@@ -1219,8 +1658,9 @@ class Client:
             return
         try:
             if self._session.piggyback_pending() and not self._session.need_hello:
-                self._run(self._session.op_commit_flush())
-        except LeaseExpired as exc:
+                self._run(self._session.op_commit_flush(), check=False)
+            self._session.raise_wb_errors()
+        except (LeaseExpired, WriteRefused, WritesLost) as exc:
             log.warning("kvshm client %s closed: %s", self.address, exc)
         except KvshmError as exc:
             log.debug("flush at close failed: %s", exc)

@@ -20,6 +20,8 @@ __all__ = [
     "CorruptValue",
     "TransportError",
     "AuthenticationFailed",
+    "WriteRefused",
+    "WritesLost",
 ]
 
 
@@ -76,3 +78,24 @@ class TransportError(KvshmError, OSError):
 
 class AuthenticationFailed(KvshmError, PermissionError):
     """The server refused the connection's security handshake (CurveZMQ keys)."""
+
+
+class WriteRefused(KvshmError):
+    """Writes made behind (``write_behind=True``) that the server refused; raised by the
+    client's next call after it learnt of them. ``failed`` maps each refused key to its
+    :class:`~kvshm.zmq_ctrl.protocol.Status` (the reason); none of them was stored (an
+    old value of such a key stays)."""
+
+    def __init__(self, message: str, failed: "dict[bytes, object] | None" = None) -> None:
+        super().__init__(message)
+        self.failed = dict(failed or {})
+
+
+class WritesLost(KvshmError):
+    """Writes made behind that the server never acknowledged: it restarted (they are
+    gone), or the connection was dropped before their replies came (they may or may not
+    be stored). ``keys`` lists them; raised by the client's next call."""
+
+    def __init__(self, message: str, keys: "list[bytes] | None" = None) -> None:
+        super().__init__(message)
+        self.keys = list(keys or [])

@@ -10,18 +10,22 @@ table does not hold or a full reads ring means the read goes to the server as be
 eviction decision, so eviction stays exact LRU.
 
 TCP and RDMA clients keep the protocol; so does a client with lazy commits not yet sent
-(its own writes must stay visible to it) and a read with ``verify=True``.
+(its own writes must stay visible to it) and a read with ``verify=True``. A client that
+writes behind (``write_behind=True``) reads its own values not yet acknowledged from
+the blocks it placed them in (:class:`Placed`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Any, Sequence
 
 from kvshm._shmindex import FALLBACK, MISS, IndexReader
 
-__all__ = ["attach", "fits", "read_batch", "FALLBACK", "MISS", "IndexReader", "ENV_DISABLE"]
+__all__ = ["attach", "fits", "read_batch", "Placed", "FALLBACK", "MISS", "IndexReader",
+           "ENV_DISABLE"]
 
 log = logging.getLogger(__name__)
 
@@ -86,3 +90,90 @@ def read_batch(reader: IndexReader, keys: Sequence[bytes], views: Sequence[Any] 
     if FALLBACK in vals:
         return None
     return [len(v) if isinstance(v, bytes) else -1 for v in vals], vals
+
+
+class Placed:
+    """This client's own write-behind values whose PLACE the server has not answered.
+
+    ``key -> (request id, size in bytes, byte extents [(offset, length), ...], checksum)``.
+    The server pins a placed entry under its PLACE's request id until this client
+    RELEASEs it (after reading the reply, :meth:`settle`), so its blocks cannot be reused
+    while it is listed here: reads of these keys copy straight from them (read your own
+    writes, no round trip). :attr:`lock` is held during such a copy and while a reply is
+    settled, so a release is never queued while a copy of that value runs.
+    """
+
+    __slots__ = ("map", "lock")
+
+    def __init__(self) -> None:
+        self.map: dict[bytes, tuple[int, int, list[tuple[int, int]], int | None]] = {}
+        self.lock = threading.Lock()
+
+    def __bool__(self) -> bool:
+        return bool(self.map)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.map
+
+    def add(self, rid: int, keys: Sequence[bytes], sizes: Sequence[int],
+            extents: Sequence[list[tuple[int, int]]], sums: Sequence[Any] | None) -> None:
+        with self.lock:
+            for i, k in enumerate(keys):
+                self.map[k] = (rid, sizes[i], extents[i], None if sums is None else sums[i])
+
+    def settle(self, rid: int, keys: Sequence[bytes]) -> None:
+        """Forget ``keys`` where they still name request ``rid`` (a later write of the
+        same key stays)."""
+        with self.lock:
+            m = self.map
+            for k in keys:
+                v = m.get(k)
+                if v is not None and v[0] == rid:
+                    del m[k]
+
+    def drop(self, keys: Sequence[bytes]) -> None:
+        """Forget ``keys`` whatever wrote them (deleted, or written again another way)."""
+        with self.lock:
+            for k in keys:
+                self.map.pop(k, None)
+
+    def clear(self) -> None:
+        with self.lock:
+            self.map.clear()
+
+    def get(self, pool: Any, key: bytes) -> bytes | None:
+        """The placed value of ``key`` (new bytes), or None when it is not listed."""
+        with self.lock:
+            v = self.map.get(key)
+            if v is None:
+                return None
+            size, ext = v[1], v[2]
+            if len(ext) == 1:
+                return pool.read_bytes(ext[0][0], size)
+            parts = []
+            left = size
+            for off, n in ext:
+                k = min(n, left)
+                parts.append(pool.read_bytes(off, k))
+                left -= k
+            return b"".join(parts)
+
+    def get_into(self, pool: Any, key: bytes, view: memoryview) -> int:
+        """Copy the placed value of ``key`` into ``view``; its size, or MISS when it is
+        not listed. Raises ValueError when ``view`` is too small."""
+        with self.lock:
+            v = self.map.get(key)
+            if v is None:
+                return MISS
+            size, ext = v[1], v[2]
+            if view.nbytes < size:
+                raise ValueError(f"output buffer for key {key!r} holds {view.nbytes} "
+                                 f"bytes; the value is {size} bytes")
+            pos = 0
+            for off, n in ext:
+                k = min(n, size - pos)
+                if k <= 0:
+                    break
+                pool.read_into(off, view[pos:pos + k], k)
+                pos += k
+            return size

@@ -405,6 +405,7 @@ class Server:
         self.epoch = int.from_bytes(os.urandom(6), "little") | 1
         self.cluster_ops: Any = None   # kvshm.zmq_ctrl.ops_cluster.ClusterOps
         self.session_ops: Any = None   # kvshm.zmq_ctrl.ops_session.SessionOps (BYE)
+        self.local_ops: Any = None     # kvshm.zmq_ctrl.ops_local.LocalOps
         self.membership: Any = None    # kvshm.cluster.membership.Membership (--cluster)
 
     # ------------------------------------------------------------------ set-up
@@ -532,6 +533,9 @@ class Server:
             from kvshm.cluster.config import attach
 
             attach(self)        # handoff pins, CLUSTER_VIEW; etcd membership with --cluster
+            from kvshm.zmq_ctrl import ops_local
+
+            self.local_ops = ops_local.attach(self.loop, self.store)  # RESERVE, PLACE
             if cfg.manage_port is not None:
                 from kvshm.manage import ManageServer
                 from kvshm.security import is_loopback

@@ -103,10 +103,16 @@ class _Accounting:
                           for e in g.entries)
             blocks += sum(e.nblocks for e in self._dead)
             blocks += sum(p.entry.nblocks for p in self._promoting.values())
+            if self.reservations is not None:
+                blocks += self.reservations.blocks
             s["entry_blocks"] = blocks
             s["accounting_ok"] = blocks == a.num_used
             t = self.index.shared
             if t is not None and t.live + t.unpublished != len(self.index):
+                s["accounting_ok"] = False
+        if self.reservations is not None:      # kvshm.store.reserve
+            s["reservations"] = self.reservations.stats(verify)
+            if verify and not s["reservations"]["accounting_ok"]:
                 s["accounting_ok"] = False
         if self.tier is not None:
             tc = self.tier_counters

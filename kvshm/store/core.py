@@ -17,6 +17,7 @@ from kvshm.index import MAX_EXTENTS, Entry, Index
 from kvshm.store.accounting import _Accounting
 from kvshm.store.config import StoreConfig
 from kvshm.store.outcome import QUOTA_REFUSED, Outcome
+from kvshm.store.reserve import _Reserving
 from kvshm.store.sessions import _ALLOC, _PIN, Session, _Grant, _Quota, _Sessions
 from kvshm.store.space import _Space
 from kvshm.store.tiered import ReadHold, _Promotion, _Tiered
@@ -24,7 +25,7 @@ from kvshm.store.tiered import ReadHold, _Promotion, _Tiered
 __all__ = ["Store"]
 
 
-class Store(_Sessions, _Space, _Tiered, _Accounting):
+class Store(_Sessions, _Space, _Tiered, _Accounting, _Reserving):
     """Key -> value store over a :class:`~kvshm.Pool`.
 
     Parameters
@@ -70,6 +71,9 @@ class Store(_Sessions, _Space, _Tiered, _Accounting):
         # cuts every QP of that client so a late one-sided WRITE fails at the NIC.
         self.reclaim_hook: Callable[[Session], Any] | None = None
         self._held = 0
+        #: Same-host clients' reservations (a kvshm.store.reserve.Reservations attaches
+        #: itself); None: RESERVE/PLACE not served.
+        self.reservations: Any = None
         # A tier below the pool (attach_tier); None: evicted entries are dropped.
         self.tier: Any = None
         self.clean_target = 0       # bytes the cleaner keeps free or clean

@@ -182,6 +182,8 @@ class _Sessions:
                     old.quota.pinned -= n
                     new.quota.pinned += n
         old.grants = {}
+        if self.reservations is not None:      # kvshm.store.reserve
+            self.reservations.moved(old, new)
         self._end(old)
 
     def close_session(self, session: Session, why: str = "closed") -> int:
@@ -205,6 +207,8 @@ class _Sessions:
         return n
 
     def _end(self, session: Session) -> None:
+        if self.reservations is not None:      # before its quota may be dropped
+            self.reservations.ended(session)
         session.closed = True
         self._sessions.pop(session.id, None)
         q = session.quota

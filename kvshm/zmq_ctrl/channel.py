@@ -101,6 +101,9 @@ class Channel:
         self._hs_failed = 0         # handshakes the peer closed (see _handshake_failed)
         self.lock = threading.Lock()
         self._pid = os.getpid()
+        #: ``fn(req_id, status, body)`` for a reply no call waits for (a request sent
+        #: with :meth:`send`); None: such replies are dropped.
+        self.on_stray: Callable[[int, int, dict[str, Any]], None] | None = None
 
     def _socket(self) -> zmq.Socket:
         if self._pid != os.getpid():   # forked: never touch the parent's socket
@@ -210,8 +213,48 @@ class Channel:
                 self.reset()
                 raise ProtocolError(f"bad reply from {self._where()}: {exc}") from None
             if rid != req_id:
-                continue   # a reply to an abandoned request: drop it
+                # a reply sent without a wait (send), or of an abandoned request
+                if self.on_stray is not None:
+                    self.on_stray(rid, status, rbody)
+                continue
             return rid, status, rbody, msg[1:]
+
+    def send(self, op: int, body: dict[str, Any], frames: Sequence[Any] = (), *,
+             epoch: int = 0, req_id: int) -> None:
+        """Send one request whose reply nobody waits for: it goes to :attr:`on_stray`
+        when a later :meth:`request` or :meth:`drain` reads it. Call with :attr:`lock`
+        held. Raises ServerUnavailable when it cannot be sent (the socket is reset)."""
+        sock = self._socket()
+        try:
+            sock.send_multipart([encode_request(op, req_id, epoch, body), *frames],
+                                copy=False)
+        except zmq.ZMQError as exc:
+            self.reset()
+            raise ServerUnavailable(f"cannot send to kvshm server at {self._where()}: "
+                                    f"{exc}") from None
+        except BaseException:
+            self.reset()
+            raise
+
+    def drain(self) -> None:
+        """Hand the replies already here to :attr:`on_stray`, without waiting. Call with
+        :attr:`lock` held."""
+        sock = self._sock
+        if sock is None or self._pid != os.getpid():
+            return
+        while True:
+            try:
+                msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:
+                return
+            try:
+                status, rid, rbody = decode_reply(msg[0].buffer)
+            except DecodeError:
+                continue
+            if self.on_stray is not None:
+                self.on_stray(rid, status, rbody)
 
     def _handshake_failed(self) -> None:
         """A security handshake failed. The server refusing this client's key (AUTH) or

@@ -94,6 +94,8 @@ class Op(enum.IntEnum):
     RENEW = 42
     UNPIN = 43
     DRAIN = 44
+    RESERVE = 50  # same-host write-behind (kvshm.zmq_ctrl.ops_local)
+    PLACE = 51
     BYE = 52               # end this session now (kvshm.zmq_ctrl.ops_session)
 
 
