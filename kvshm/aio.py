@@ -144,7 +144,29 @@ class _Conn:
             fut = self.waiting.pop(rid, None)
             if fut is not None and not fut.done():
                 fut.set_result((status, body, msg[1:]))
-            # else: the reply of a cancelled or timed-out request: dropped
+            elif fut is None:
+                # a request sent without a wait (write-behind PLACE/RESERVE), or of a
+                # cancelled or timed-out one (dropped there)
+                self.client._session.late_reply(rid, status, body)
+
+    async def send(self, op: int, body: dict[str, Any], frames: Sequence[Any],
+                   epoch: int, rid: int) -> None:
+        """Send a request whose reply nobody awaits (it goes to the session's
+        ``late_reply``)."""
+        if self.failed is not None:
+            raise type(self.failed)(str(self.failed))
+        try:
+            await self.sock.send_multipart([encode_request(op, rid, epoch, body), *frames],
+                                           copy=False)
+        except zmq.ZMQError as exc:
+            self.fail(ServerUnavailable, f"cannot send to kvshm server at "
+                      f"{self.client._where(self.endpoint)}: {exc}")
+            raise ServerUnavailable(str(self.failed)) from None
+        except BaseException as exc:
+            self.fail(ServerUnavailable, f"connection to kvshm server at "
+                      f"{self.client._where(self.endpoint)} dropped after a failed "
+                      f"send ({exc!r})")
+            raise
 
     async def _watch(self) -> None:
         from zmq.utils.monitor import parse_monitor_message
@@ -280,6 +302,9 @@ class AsyncClient:
     ----------
     address, transport, timeout, lazy_commit, curve_server_key, curve_keypair, rdma
         As :class:`kvshm.Client`. ``timeout`` (seconds) bounds every await.
+    write_behind : bool or int
+        As :class:`kvshm.Client`: same-host puts copy into reserved blocks and send
+        PLACE without awaiting its reply (the copy runs inline on the event loop).
     context : zmq.asyncio.Context or zmq.Context, optional
         A plain Context is shadowed; default ``zmq.asyncio.Context.instance()``.
     copy_threshold : int
@@ -309,7 +334,8 @@ class AsyncClient:
                  curve_keypair: tuple[bytes, bytes] | str | None = None,
                  context: zmq.Context | None = None, rdma: Any = None,
                  copy_threshold: int = 1 << 20, copy_threads: int = 4,
-                 token: bytes | None = None, token_file: str | None = None) -> None:
+                 token: bytes | None = None, token_file: str | None = None,
+                 write_behind: bool | int = False) -> None:
         if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
             raise ValueError(f"timeout must be > 0, got {timeout}")
         if copy_threads < 1:
@@ -320,7 +346,8 @@ class AsyncClient:
         self._base_endpoint = endpoint_of(address)
         check_resolvable(self._base_endpoint)
         self._session = _Session(transport, lazy_commit, rdma,
-                                 _door_token(self._base_endpoint, token, token_file))
+                                 _door_token(self._base_endpoint, token, token_file),
+                                 write_behind)
         self._session.operator_token = _operator_token(self._base_endpoint, None)
         self._socket_setup = _curve_setup(curve_server_key, curve_keypair)
         if context is None:
@@ -430,6 +457,23 @@ class AsyncClient:
         if self._closed:
             raise KvshmError("client is closed")
         s = self._session
+        if req.noreply is not None:
+            if s.need_hello or self._conn is None:
+                await self._ready()
+            conn = self._conn
+            rid, body = drive.prepare(req)
+            req.noreply(rid)
+            try:
+                if conn is None:
+                    raise ServerUnavailable(f"not connected to kvshm server at "
+                                            f"{self.address}")
+                await conn.send(req.op, body, req.frames, s.epoch, rid)
+            except BaseException:
+                drive.failed()
+                s.need_hello = True
+                s.unsent(rid)         # not sent: this call's exception says so
+                raise
+            return _Reply(rid, Status.OK, {}, [])
         for attempt in range(3):
             if s.need_hello or self._conn is None:
                 await self._ready()
@@ -471,8 +515,11 @@ class AsyncClient:
         """The protocol state the operation generators take (keys, limits, movers)."""
         return self._session
 
-    async def _run(self, gen: OpGen) -> Any:
+    async def _run(self, gen: OpGen, check: bool = True) -> Any:
         try:
+            s = self._session
+            if check and (s.wb_lost or s.wb_refused):
+                s.raise_wb_errors()
             await self._ready()
         except BaseException:
             gen.close()
@@ -511,7 +558,8 @@ class AsyncClient:
 
         async def flush() -> None:
             try:
-                await self._run(self._session.op_simple(Op.COMMIT, {}, "flush"))
+                await self._run(self._session.op_simple(Op.COMMIT, {}, "flush"),
+                                check=False)
             except Exception as exc:
                 log.debug("idle flush to %s failed: %s", self.address, exc)
 
@@ -575,9 +623,11 @@ class AsyncClient:
         s = self._session
         if s.piggyback_pending() and not s.need_hello and self._conn is not None:
             try:
-                await self._run(s.op_commit_flush())
+                await self._run(s.op_commit_flush(), check=False)
+                s.raise_wb_errors()
             except KvshmError as exc:
-                log.debug("flush at close failed: %s", exc)
+                log.log(logging.WARNING if s.wb is not None else logging.DEBUG,
+                        "flush at close failed: %s", exc)
         self._closed = True
         conn, self._conn = self._conn, None
         if conn is not None and conn.failed is None and not conn.waiting:
@@ -729,7 +779,13 @@ class AsyncClient:
         return (await self.exists_batch([key]))[0]
 
     async def exists_batch(self, keys: Sequence[Key]) -> list[bool]:
-        """Whether each key is present (committed)."""
+        """Whether each key is present (committed, or written behind by this client)."""
+        own = self._session.own_flags(keys)
+        if own is not None:
+            return [a or b for a, b in zip(own, await self._exists(keys))]
+        return await self._exists(keys)
+
+    async def _exists(self, keys: Sequence[Key]) -> list[bool]:
         lr = self._session.local_reader()
         if lr is not None and localread.fits(keys, self._session.limits):
             found = lr.exists_batch(keys)   # same host: no round trip
@@ -742,6 +798,9 @@ class AsyncClient:
 
     async def match_prefix(self, keys: Sequence[Key]) -> int:
         """How many leading keys of ``keys`` the store holds."""
+        if self._session.own_flags(keys) is not None:
+            found = await self.exists_batch(keys)
+            return found.index(False) if False in found else len(found)
         lr = self._session.local_reader()
         if lr is not None and localread.fits(keys, self._session.limits):
             n = lr.match_prefix(keys)       # same host: no round trip
@@ -760,6 +819,8 @@ class AsyncClient:
         bkeys = await self._keys(keys)
         if not bkeys:
             return 0
+        if self._session.wb is not None:
+            self._session.wb.placed.drop(bkeys)   # the DELETE follows the PLACE
         return (await self._simple(Op.DELETE, {"keys": bkeys}, "delete"))["n"]
 
     async def evict(self, to_ratio: float) -> int:
@@ -784,6 +845,8 @@ class AsyncClient:
 
     async def purge(self) -> int:
         """Remove every entry. Returns entries removed."""
+        if self._session.wb is not None:
+            self._session.wb.placed.clear()
         return (await self._simple(Op.PURGE, {}, "purge"))["n"]
 
     async def stats(self, *, verify: bool = False, latency: bool = False) -> dict[str, Any]:
@@ -794,8 +857,10 @@ class AsyncClient:
 
     async def flush(self) -> None:
         """Send queued RELEASE/ABORT/COMMIT now (one round trip). Raises LeaseExpired if
-        a lazy commit came too late."""
+        a lazy commit came too late, WriteRefused / WritesLost for writes made behind
+        (``write_behind``, as :class:`kvshm.Client`) that were not stored."""
         if self._session.piggyback_pending():
             await self._run(self._session.op_commit_flush())
         else:
             self._session.raise_lost_commits()
+            self._session.raise_wb_errors()

@@ -412,6 +412,21 @@ class _Session:
                 if v is not None and v[0] == rid:
                     del m[k]
 
+    def unsent(self, rid: int) -> None:
+        """A PLACE/RESERVE that could not be sent: forget it (the caller raises)."""
+        wb = self.wb
+        if wb is None:
+            return
+        if rid == wb.reserve_rid:
+            wb.reserve_rid = 0
+        with wb.placed.lock:
+            keys = wb.outstanding.pop(rid, None) or []
+            m = wb.placed.map
+            for k in keys:
+                v = m.get(k)
+                if v is not None and v[0] == rid:
+                    del m[k]
+
     def raise_wb_errors(self) -> None:
         """Raise WritesLost / WriteRefused for write-behind puts the server did not
         store (each reported once)."""
@@ -1314,7 +1329,7 @@ class Client:
             except BaseException:
                 drive.failed()
                 s.need_hello = True
-                s.late_reply(rid, Status.STALE_EPOCH, {})   # not sent: reported as lost
+                s.unsent(rid)         # not sent: this call's exception says so
                 raise
         return _Reply(rid, Status.OK, {}, [])
 
