@@ -1414,8 +1414,81 @@ class Client:
         Raises
         ------
         ValueTooLarge, InvalidKey, PoolFull, QuotaExceeded, ServerUnavailable
+        WriteRefused, WritesLost
+            With ``write_behind``: an earlier write made behind was not stored.
         """
+        if self._session.wb is not None and not checksum and self._put_behind(key, value):
+            return
         self._run(self._session.op_put_batch([key], [value], checksum))
+
+    def _put_behind(self, key: Key, value: Any) -> bool:
+        """The common write-behind put (one value that fits the reservation, nothing to
+        report) without the operation machinery: take blocks, copy, send PLACE and, when
+        the reservation runs low, a RESERVE ahead. False: nothing done, take the
+        general path (which also raises what is due)."""
+        s = self._session
+        wb = s.wb
+        if (wb is None or self._closed or s.need_hello or s.wb_lost or s.wb_refused
+                or s.lost_commits or s.mover is not wb.mover or os.getpid() != s.pid):
+            return False
+        bkey = key.encode() if type(key) is str else key
+        if type(bkey) is not bytes or not 0 < len(bkey) <= s.limits.max_key_bytes:
+            return False
+        view = byte_view(value, what=f"value for key {key!r}")
+        size = view.nbytes
+        if size > s.capacity or (s.limits.max_value_bytes and
+                                 size > s.limits.max_value_bytes):
+            return False
+        n = wb.nblocks(size)
+        if n * 2 > wb.want:
+            return False
+        got = wb.take((n,))
+        if got is None:
+            return False
+        gen, runs, mover, bs = got
+        try:
+            pool = mover.begin()
+            try:
+                pos = 0
+                for b0, c in runs[0]:
+                    k = min(c * bs, size - pos)
+                    if k <= 0:
+                        break
+                    pool.write(b0 * bs, view[pos:pos + k] if k != size else view)
+                    pos += k
+            finally:
+                mover.end()
+        finally:
+            wb.copy_done()
+        keys = [bkey]
+        extents = [[(b0 * bs, c * bs) for b0, c in runs[0]]]
+        chan = self._chan
+        with chan.lock:
+            chan.drain()                        # replies already here: refusals, refills
+            rid = s.new_id()
+            body = s.take_piggyback({"gen": gen, "keys": keys, "sizes": [size],
+                                     "runs": runs})
+            with wb.placed.lock:
+                wb.outstanding[rid] = keys
+            wb.placed.add(rid, keys, [size], extents, None)
+            try:
+                chan.send(Op.PLACE, body, req_id=rid, epoch=s.epoch)
+            except BaseException:
+                s.requeue(body)
+                s.need_hello = True
+                s.unsent(rid)
+                raise
+            if wb.low() and wb.gen == gen:
+                rid = s.new_id()
+                wb.reserve_rid = rid
+                try:
+                    chan.send(Op.RESERVE, {"blocks": wb.want - wb.free, "reset": False},
+                              req_id=rid, epoch=s.epoch)
+                except KvshmError:
+                    wb.reserve_rid = 0
+                    s.need_hello = True
+        self._arm_idle_flush()
+        return True
 
     def put_batch(self, keys: Sequence[Key], values: Sequence[Any], *,
                   checksum: bool = False, pin_ttl: float | None = None) -> Any:

@@ -84,6 +84,16 @@ class ShmMover:
             if self._busy == 0:
                 self._cv.notify_all()
 
+    def begin(self) -> Pool:
+        """Count a copy of the caller's own as in flight (as :meth:`copying`, without
+        a context manager: the write-behind put's hot path); :meth:`end` after it.
+        Raises ServerUnavailable once the mover is closing."""
+        self._enter()
+        return self.pool
+
+    def end(self) -> None:
+        self._exit()
+
     @contextlib.contextmanager
     def copying(self) -> Iterator[Pool]:
         """The pool, for a copy of the caller's own (``Pool.scatter``/``gather`` of KV

@@ -199,6 +199,63 @@ def bench_single_sizes(c: Any, size: int, ws_bytes: int, reps: int) -> dict[str,
             "get_vs_copy": mbps(get_t) / mbps(cpy_t)}
 
 
+def bench_put_behind(c: Any, size: int, ws_bytes: int, reps: int,
+                     token: bytes | None = None) -> dict[str, Any]:
+    """Single write-behind ``put`` (``Client(write_behind=True)``) of ``size`` over a
+    working set of distinct values, beside numpy.copyto over an equally large working
+    set and the plain ``put`` in the same pass; ``put_flush_MBps`` also counts the
+    ``flush()`` that waits for every PLACE reply (the bytes the server holds by then).
+    Every value is read back through the server's index after the flush."""
+    import kvshm
+
+    n = max(4, ws_bytes // size)
+    srcs = [pattern(2000 + i, size) for i in range(n)]
+    outs = [np.empty(size, np.uint8) for _ in range(n)]
+    keys = [f"behind-{size}-{i}" for i in range(n)]
+    put_t: list[float] = []
+    plain_t: list[float] = []
+    cpy_t: list[float] = []
+    totals: list[float] = []
+    with kvshm.Client(c.address, transport="shm", timeout=60,
+                      token=token) as plain:
+        plain.put_batch(keys, srcs)              # warm the pool pages and the keys
+        for _ in range(reps):
+            for i in range(n):
+                t = _now()
+                np.copyto(outs[i], srcs[i])
+                cpy_t.append(_now() - t)
+            for i in range(n):
+                t = _now()
+                plain.put(keys[i], srcs[i])
+                plain_t.append(_now() - t)
+            t0 = _now()
+            for i in range(n):
+                t = _now()
+                c.put(keys[i], srcs[i])
+                put_t.append(_now() - t)
+            c.flush()
+            totals.append(_now() - t0)
+            for o in outs:
+                o[:] = 0
+            for i in range(n):
+                plain.get_into(keys[i], outs[i])
+            bad = sum(not np.array_equal(o, s) for o, s in zip(outs, srcs))
+            if bad:
+                raise RuntimeError(f"{bad} of {n} {size}-byte values written behind "
+                                   "read back wrong")
+        plain.delete(keys)
+
+    def mbps(ts: list[float]) -> float:
+        return size / statistics.median(ts) / 1e6
+
+    flush = n * size / statistics.median(totals) / 1e6
+    return {"values": n, "bytes": size, "put_MBps": mbps(put_t),
+            "plain_put_MBps": mbps(plain_t), "copy_MBps": mbps(cpy_t),
+            "put_flush_MBps": flush, "put_vs_copy": mbps(put_t) / mbps(cpy_t),
+            "plain_put_vs_copy": mbps(plain_t) / mbps(cpy_t),
+            "put_flush_vs_copy": flush / mbps(cpy_t)}
+
+
 def bench_local_queries(c: Any, n: int) -> dict[str, Any]:
     keys = [f"prefix-{i:04d}".encode() for i in range(64)]
     c.put_batch(keys, [b"q" * 16] * 64)
@@ -281,6 +338,14 @@ def report(res: dict[str, Any]) -> None:
                   f"  get {s['get_MBps']:8.0f}  numpy copy {s['copy_MBps']:8.0f}   "
                   f"put/copy {s['put_vs_copy']:.2f}  get/copy {s['get_vs_copy']:.2f}  "
                   f"(target {tgt})")
+        print("  single put written behind (write_behind=True), same working sets; plain "
+              "put and numpy copy in the same pass (MB/s of the median op)")
+        for s in loc.get("single_behind", []):
+            tgt = ">= 0.8" if s["bytes"] >= 1 << 20 else ">= 0.4"
+            print(f"    {s['bytes'] // 1024:5d} KiB x {s['values']:5d}: put {s['put_MBps']:8.0f}"
+                  f"  plain put {s['plain_put_MBps']:8.0f}  numpy copy {s['copy_MBps']:8.0f}"
+                  f"   put/copy {s['put_vs_copy']:.2f} (target {tgt})  plain/copy "
+                  f"{s['plain_put_vs_copy']:.2f}  puts+flush/copy {s['put_flush_vs_copy']:.2f}")
         q = loc["queries"]
         print(f"  kvshm exists, 1 key                   {fmt_lat(q['exists'])}")
         print(f"  kvshm match_prefix, 64 keys           {fmt_lat(q['match_prefix_64'])}")
@@ -394,12 +459,21 @@ def main(argv: list[str] | None = None) -> int:
                     finally:
                         shutil.rmtree(ipc_dir, ignore_errors=True)
                     loc["baselines"] = b
+                    from kvshm.security import find_token
+                    from kvshm.zmq_ctrl.channel import endpoint_of
+
+                    # read once: the clients of the write-behind rows come later
+                    tok = find_token(endpoint_of(srv.address))
                     with kvshm.Client(srv.address, transport="shm", timeout=60) as c:
                         loc["get_4k"] = bench_local_4k(c, args.iters)
                         loc["single"] = [bench_single_sizes(c, size, ws, args.reps)
                                          for size in (64 << 10, 1 << 20)]
                         loc["queries"] = bench_local_queries(c, args.iters)
                         c.purge()
+                    with kvshm.Client(srv.address, transport="shm", timeout=60,
+                                      write_behind=True, token=tok) as w:
+                        loc["single_behind"] = [bench_put_behind(w, size, ws, args.reps, tok)
+                                                for size in (64 << 10, 1 << 20)]
                     g, q = loc["get_4k"], loc["queries"]
                     echo = b["zmq_echo_ipc"]["p50_us"]
                     loc["ratios"] = {

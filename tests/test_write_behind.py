@@ -406,12 +406,12 @@ WRITER = """
     c.put("first", b"f" * 1000)
     c.flush()
     if sys.argv[2] == "stall":
-        orig = ShmMover.copying
-        def copying(self):
+        orig = ShmMover.begin
+        def begin(self):
             print("copying", flush=True)
             time.sleep(float(sys.argv[3]))      # SIGSTOPped in here, past the lease
             return orig(self)
-        ShmMover.copying = copying
+        ShmMover.begin = begin                  # the copy into the reserved blocks
         c.put("late", b"L" * 100_000)
         print("placed", flush=True)
         c.flush()
@@ -472,7 +472,10 @@ def test_stopped_client_past_the_lease_corrupts_nothing():
             wait_for(lambda: time.monotonic() > t0 + 1.0, what="twice the lease")
             assert other.stats()["reservations"]["blocks"] == held   # still held
             os.kill(p.pid, signal.SIGCONT)
-            wait_line(p, "flushed")
+            try:
+                wait_line(p, "flushed")
+            except AssertionError as exc:
+                raise AssertionError(f"{exc} (exit status {p.wait(10)})") from None
             assert p.wait(30) == 0, p.stderr.read()
             got = other.get_batch([f"other{j}" for j in range(2 * n)])
             bad = [j for j, v in enumerate(got)

@@ -244,6 +244,8 @@ class Channel:
             return
         while True:
             try:
+                if not sock.get(zmq.EVENTS) & zmq.POLLIN:
+                    return          # (cheaper than a recv that raises Again)
                 msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
