@@ -1464,7 +1464,10 @@ class Client:
         extents = [[(b0 * bs, c * bs) for b0, c in runs[0]]]
         chan = self._chan
         with chan.lock:
-            chan.drain()                        # replies already here: refusals, refills
+            if wb.reserve_rid or not len(wb.outstanding) & 15:
+                # replies already here (refusals, refills): read while a refill is
+                # awaited, else every 16th put (a read costs as much as the send)
+                chan.drain()
             rid = s.new_id()
             body = s.take_piggyback({"gen": gen, "keys": keys, "sizes": [size],
                                      "runs": runs})
