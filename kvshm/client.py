@@ -152,6 +152,24 @@ class _WriteBehind:
     def nblocks(self, size: int) -> int:
         return max(1, -(-size // self.bs))
 
+    def take1(self, n: int) -> tuple[int, list[list[list[int]]], ShmMover, int] | None:
+        """:meth:`take` of one value of ``n`` blocks from the front of the first run
+        that holds it (the common case); None: use :meth:`take`."""
+        with self.lock:
+            if not self.gen or n > self.free:
+                return None
+            for r in self.runs:
+                if r[1] >= n:
+                    got = [[r[0], n]]
+                    r[0] += n
+                    r[1] -= n
+                    if not r[1]:
+                        self.runs.remove(r)
+                    self.free -= n
+                    self.copying += 1
+                    return self.gen, [got], self.mover, self.bs
+            return None
+
     def take(self, need: Sequence[int]
              ) -> tuple[int, list[list[list[int]]], ShmMover, int] | None:
         """Blocks for each value (``[[first block, count], ...]`` each), all or none,
@@ -1442,7 +1460,7 @@ class Client:
         n = wb.nblocks(size)
         if n * 2 > wb.want:
             return False
-        got = wb.take((n,))
+        got = wb.take1(n) or wb.take((n,))
         if got is None:
             return False
         gen, runs, mover, bs = got

@@ -226,8 +226,11 @@ class Channel:
         held. Raises ServerUnavailable when it cannot be sent (the socket is reset)."""
         sock = self._socket()
         try:
-            sock.send_multipart([encode_request(op, req_id, epoch, body), *frames],
-                                copy=False)
+            if frames:
+                sock.send_multipart([encode_request(op, req_id, epoch, body), *frames],
+                                    copy=False)
+            else:       # one small frame: a plain send is the cheapest
+                sock.send(encode_request(op, req_id, epoch, body))
         except zmq.ZMQError as exc:
             self.reset()
             raise ServerUnavailable(f"cannot send to kvshm server at {self._where()}: "
