@@ -74,6 +74,9 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-key-bytes", type=pos_int, default=4096, help="longest key (default 4096)")
     p.add_argument("--max-batch", type=pos_int, default=1_000_000,
                    help="most keys per request (default 1000000)")
+    p.add_argument("--slice-keys", type=pos_int, default=2048,
+                   help="a request of more keys is served in slices of this many, other "
+                        "clients' requests served between them (default 2048)")
     p.add_argument("--max-client-pending", type=bytes_t, default=None, metavar="SIZE",
                    help="what one client may hold in uncommitted writes: 256MiB; a plain "
                         "number is bytes (default 3/4 of the pool; 0: no limit)")
@@ -160,6 +163,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         shm_name=args.shm_name,
         max_key_bytes=args.max_key_bytes,
         max_batch=args.max_batch,
+        slice_keys=args.slice_keys,
         max_client_pending_bytes=args.max_client_pending,
         max_client_pinned_bytes=args.max_client_pinned,
         curve_secret_key=args.curve_secret_key,

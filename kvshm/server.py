@@ -88,6 +88,10 @@ class ServerConfig:
         Segment name; default ``kvshm-<port>-<pid>-<random>``.
     max_key_bytes, max_batch : int
         Request limits (see :class:`~kvshm.zmq_ctrl.protocol.Limits`).
+    slice_keys : int
+        A request of more keys is served in slices of this many, other clients'
+        requests served between two slices (default 2048,
+        :data:`kvshm.zmq_ctrl.router.SLICE_KEYS`).
     max_client_pending_bytes, max_client_pinned_bytes : int, optional
         Per-client limits in bytes: uncommitted writes, and pinned reads. None (the
         default): 3/4 of the pool each; 0: no limit.
@@ -173,6 +177,7 @@ class ServerConfig:
     shm_name: str | None = None
     max_key_bytes: int = 4096
     max_batch: int = 1_000_000
+    slice_keys: int = 2048
     max_client_pending_bytes: int | None = None
     max_client_pinned_bytes: int | None = None
     curve_secret_key: str | None = None
@@ -294,6 +299,8 @@ class ServerConfig:
             raise ConfigError("max_key_bytes", "must be >= 1")
         if self.max_batch < 1:
             raise ConfigError("max_batch", "must be >= 1")
+        if type(self.slice_keys) is not int or self.slice_keys < 1:
+            raise ConfigError("slice_keys", "must be an int >= 1")
         if self.dev_name is not None and (not isinstance(self.dev_name, str)
                                           or not self.dev_name.strip()):
             raise ConfigError("dev_name", f"must be a device name, got {self.dev_name!r}")
@@ -516,7 +523,8 @@ class Server:
                                     log_handshakes=socket_setup is not None,
                                     sock=self._router, bound=bound,
                                     door_token=self.door.token,
-                                    operator_token=self.door.operator)
+                                    operator_token=self.door.operator,
+                                    slice_keys=cfg.slice_keys)
             self._router = None           # the loop owns it now
             from kvshm.zmq_ctrl.ops_session import SessionOps
 

@@ -105,7 +105,7 @@ class Store(_Sessions, _Space, _Tiered, _Accounting, _Reserving):
 
     def alloc_entries(self, session: Session | bytes, req_id: int, keys: Sequence[Any],
                       sizes: Sequence[Any], sums: Sequence[Any] | None = None, *,
-                      defer: bool = False, drop: bool = False
+                      defer: bool = False, drop: bool = False, extend: bool = False
                       ) -> tuple[list[int], list[int]] | None:
         """ALLOC: reserve blocks for each key as a pending entry.
 
@@ -121,6 +121,8 @@ class Store(_Sessions, _Space, _Tiered, _Accounting, _Reserving):
         With a tier, ``defer`` returns None instead of POOL_FULL while spills in flight
         may make room (ask again after :meth:`service` made progress); ``drop`` makes
         room by dropping dirty entries instead of waiting for them to be spilled.
+        ``extend``: these keys are a later slice of request ``req_id``: their entries join
+        its grant (one COMMIT or ABORT settles all slices).
         """
         session = self._as_session(session)
         budget = None
@@ -137,7 +139,8 @@ class Store(_Sessions, _Space, _Tiered, _Accounting, _Reserving):
                    else e.byte_extents(bs) for e in entries]
         if granted:
             self._pending += len(granted)
-            self._add_grant(_ALLOC, session, req_id, granted, sum(e.size for e in granted))
+            self._add_grant(_ALLOC, session, req_id, granted, sum(e.size for e in granted),
+                            extend)
         return offsets, statuses
 
     def place(self, e: Entry) -> int | list[list[int]]:
@@ -214,12 +217,13 @@ class Store(_Sessions, _Space, _Tiered, _Accounting, _Reserving):
         return statuses
 
     def lookup(self, session: Session | bytes, req_id: int, keys: Sequence[Any],
-               hold: ReadHold | None = None
+               hold: ReadHold | None = None, *, extend: bool = False
                ) -> tuple[list[int], list[int], list[int | None]]:
         """LOOKUP: pin each hit and refresh its LRU position.
 
         With a tier, call :meth:`prepare_read` first (it promotes what lives below);
         ``hold`` is the one it filled (to count the hits that came from the tier).
+        ``extend``: a later slice of request ``req_id`` (its pins join the same grant).
 
         Returns
         -------
@@ -269,7 +273,7 @@ class Store(_Sessions, _Space, _Tiered, _Accounting, _Reserving):
         self.counters["hits"] += hits
         self.counters["misses"] += n - hits
         if pinned:
-            self._add_grant(_PIN, session, req_id, pinned, nbytes)
+            self._add_grant(_PIN, session, req_id, pinned, nbytes, extend)
             self.counters["gets"] += hits
             self.counters["bytes_out"] += nbytes
         return offsets, sizes, sums

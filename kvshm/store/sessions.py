@@ -106,12 +106,27 @@ class _Sessions:
         return s
 
     def _add_grant(self, kind: int, session: Session, req_id: int, entries: list[Entry],
-                   nbytes: int) -> None:
+                   nbytes: int, extend: bool = False) -> None:
+        """Make the grant ``req_id`` of ``session`` over ``entries`` (counted against its
+        principal). ``extend``: a later slice of the same request (the router serves a
+        large request in slices): the entries join the grant the earlier slices made, and
+        its lease starts again, so a long request cannot lose its first slices' blocks."""
         prev = session.grants.get(req_id)
-        if prev is not None:          # a reused request id: settle the old grant first
-            self._settle(prev, commit=False)
         deadline = self._clock() + self.config.lease_timeout
         nblocks = sum(e.nblocks for e in entries)
+        if prev is not None:
+            if extend and prev.kind == kind:
+                prev.entries.extend(entries)
+                prev.nbytes += nbytes
+                prev.nblocks += nblocks
+                prev.deadline = deadline
+                self._leases.append((deadline, prev))
+                if kind == _ALLOC:
+                    session.quota.pending += nblocks
+                else:
+                    session.quota.pinned += nblocks
+                return
+            self._settle(prev, commit=False)   # a reused request id: settle the old first
         g = _Grant(kind, session, req_id, entries, deadline, nbytes, nblocks)
         session.grants[req_id] = g
         self._ngrants += 1

@@ -27,6 +27,20 @@ door token or a CURVE key a HELLO is refused and no other request is served. A n
 HELLO with the same client ``nonce`` replaces the old session (its grants move over);
 a session whose liveness proof is gone is closed and its grants reclaimed at once.
 
+Large requests in slices. A request of more than ``slice_keys`` keys (EXISTS,
+MATCH_PREFIX, DELETE, ALLOC, PUT, LOOKUP, GET) is served ``slice_keys`` keys at a time:
+its handler raises :class:`_Sliced`, the request joins the loop's runnable requests, and
+each turn of the loop serves every queued message and then one slice of each runnable
+request (round robin, so several large requests advance together). Its reply goes out
+when its last slice is done. Per-key results are those of one request: the slices of an
+ALLOC or LOOKUP make one grant (``extend=`` of the store), a quota spent by the first
+slices refuses the keys of the later ones, and a slice that must wait for the tier parks
+the request as above (once forced, its later slices are forced too, so the wait stays
+bounded by ``tier_wait``). A RELEASE/ABORT naming it, or its session's end, abandons it:
+the grant made so far is settled (by that RELEASE/ABORT or by the session's close) and no
+later slice runs. Between two slices the store may change: a sliced EXISTS is not a
+snapshot, as two requests are not.
+
 Nothing a client sends may raise out of the loop: every handler runs under a catch-all
 that answers INTERNAL, and the store's lease and liveness checks never raise.
 """
@@ -68,6 +82,14 @@ LATENCY_BUCKETS = (50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e
 
 
 _STALE_CHECK_S = 0.002   # poll interval while zero-copy sends are in flight
+
+#: Keys a request may have before it is served in slices (``ServerConfig.slice_keys``,
+#: ``kvshm serve --slice-keys``): ~1-4 ms of loop time per slice on this VM (an ALLOC key
+#: costs ~1 us, an EXISTS key ~0.4 us in the pure-Python loops).
+SLICE_KEYS = 2048
+
+#: A slice step's answer: one slice done, more to come.
+_MORE = object()
 
 #: The store's per-key outcomes (kvshm.store.Outcome) as wire statuses.
 _OUTCOME_STATUS: dict[int, Status] = {
@@ -113,9 +135,17 @@ class _Defer(Exception):
         self.on_poke = on_poke
 
 
+class _Sliced(_Defer):
+    """Raised by a handler: serve the request in slices. ``attempt(force)`` does one
+    slice and returns ``_MORE``, the reply (status, body, frames) after the last one, or
+    None to wait for the store's progress (as :class:`_Defer`); ``cleanup()`` runs if the
+    request is abandoned (cancelled, its session gone, the server stops)."""
+
+
 class _Parked:
     __slots__ = ("ident", "session", "req_id", "op", "attempt", "cleanup", "extra",
-                 "on_sent", "t0", "deadline", "cancelled", "src", "on_poke")
+                 "on_sent", "t0", "deadline", "cancelled", "src", "on_poke", "sliced",
+                 "forced")
 
     def __init__(self, ident: bytes, session: Session, req_id: int, op: int, d: _Defer,
                  extra: dict[str, Any], on_sent: list[Any], t0: float,
@@ -133,6 +163,8 @@ class _Parked:
         self.on_sent = on_sent
         self.t0 = t0
         self.deadline = deadline
+        self.sliced = isinstance(d, _Sliced)
+        self.forced = False         # a slice was forced: the later ones are too
 
 
 def _list(body: dict[str, Any], name: str, *, ints: bool = False, optional: bool = False
@@ -209,6 +241,9 @@ class ServiceLoop:
         A HELLO carrying it (``body["operator_token"]``) opens an operator session
         (:attr:`Session.operator`: DRAIN, PURGE, EVICT); a proof-holding local session
         of this server's uid or root is one without it.
+    slice_keys : int
+        Requests of more keys are served in slices of this many, other requests served
+        between two slices (default :data:`SLICE_KEYS`; see the module docstring).
     """
 
     #: Sessions kept at most; beyond, the oldest without grants are closed.
@@ -221,7 +256,17 @@ class ServiceLoop:
                  context: zmq.Context | None = None, max_frame_bytes: int = -1,
                  log_handshakes: bool = False, sock: zmq.Socket | None = None,
                  bound: Sequence[str] = (), door_token: bytes | None = None,
-                 operator_token: bytes | None = None) -> None:
+                 operator_token: bytes | None = None,
+                 slice_keys: int = SLICE_KEYS) -> None:
+        if slice_keys < 1:
+            raise ValueError("slice_keys must be >= 1")
+        self.slice_keys = slice_keys
+        self._runnable: collections.deque[_Parked] = collections.deque()
+        #: sliced_requests (served in slices), slices (run), abandoned (cancelled or
+        #: their session gone before the last slice)
+        self.slice_counters = {"sliced_requests": 0, "slices": 0, "abandoned": 0}
+        self._poller: zmq.Poller | None = None
+        self._next_evict: float | None = None
         self.store = store
         self.epoch = epoch
         self.hello = dict(hello)
@@ -328,10 +373,11 @@ class ServiceLoop:
         for _, entries, nblocks, sess, *_ in self._sending:
             self.store.sent(sess, nblocks, entries)
         self._sending.clear()
-        for p in self._parked:
+        for p in [*self._parked, *self._runnable]:
             if p.cleanup is not None:
                 p.cleanup()
         self._parked.clear()
+        self._runnable.clear()
         if self._monitor is not None:
             self._sock.disable_monitor()
             self._monitor.close(0)
@@ -344,52 +390,76 @@ class ServiceLoop:
 
     def run(self) -> None:
         """Serve until :meth:`stop`."""
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
-        if self._monitor is not None:
-            poller.register(self._monitor, zmq.POLLIN)
-        next_evict = (time.monotonic() + self._periodic[0]) if self._periodic else None
-        sock = self._sock
         while self._running:
-            timeout = self._next_timeout(next_evict)
+            self.turn()
+
+    @property
+    def in_progress(self) -> int:
+        """Large requests being served in slices (runnable or parked)."""
+        return len(self._runnable) + sum(1 for p in self._parked if p.sliced)
+
+    def turn(self, timeout_ms: int | None = None) -> None:
+        """One turn of the loop: wait for a message or a timer (at most ``timeout_ms``;
+        None: until the next timer; no wait while large requests are in progress),
+        serve what is queued, then leases, the tier, ticks, parked requests, one slice of
+        each large request in progress, sends in flight, periodic eviction. :meth:`run`
+        calls it until :meth:`stop`; tests drive it directly."""
+        poller = self._poller
+        if poller is None:
+            poller = self._poller = zmq.Poller()
+            poller.register(self._sock, zmq.POLLIN)
+            poller.register(self._wake_r, zmq.POLLIN)
+            if self._monitor is not None:
+                poller.register(self._monitor, zmq.POLLIN)
+            if self._periodic:
+                self._next_evict = time.monotonic() + self._periodic[0]
+        sock = self._sock
+        if self._runnable:
+            timeout: int | None = 0
+        else:
+            timeout = self._next_timeout(self._next_evict)
+            if timeout_ms is not None:
+                timeout = timeout_ms if timeout is None else min(timeout, timeout_ms)
+        try:
+            events = dict(poller.poll(timeout))
+        except zmq.ZMQError as exc:
+            if exc.errno == errno.EINTR:
+                return
+            raise
+        if self._wake_r in events:
             try:
-                events = dict(poller.poll(timeout))
-            except zmq.ZMQError as exc:
-                if exc.errno == errno.EINTR:
-                    continue
-                raise
-            if self._wake_r in events:
+                os.read(self._wake_r, 4096)
+            except BlockingIOError:
+                pass
+        if self._monitor is not None and self._monitor in events:
+            self._log_handshakes()
+        if sock in events:
+            # Drain what is queued, bounded so timers still run under load.
+            for _ in range(256):
                 try:
-                    os.read(self._wake_r, 4096)
-                except BlockingIOError:
-                    pass
-            if self._monitor is not None and self._monitor in events:
-                self._log_handshakes()
-            if sock in events:
-                # Drain what is queued, bounded so timers still run under load.
-                for _ in range(256):
-                    try:
-                        msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self._handle(msg)
-            now = time.monotonic()
-            self._housekeep(now)
-            self._tier_deadline = self.store.service(now)
-            if self._ticks:
-                self._tick_deadline = min((d for d in (t(now) for t in self._ticks)
-                                           if d is not None), default=None)
-            if self._parked:
-                self._retry_parked(now)
-            if self._sending:
-                self._reap_sends(now)
-            if next_evict is not None and now >= next_evict:
-                assert self._periodic is not None
-                n = self.store.periodic_evict(self._periodic[1], self._periodic[2])
-                if n:
-                    log.info("periodic eviction freed %d entries", n)
-                next_evict = now + self._periodic[0]
+                    msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._handle(msg)
+        now = time.monotonic()
+        self._housekeep(now)
+        self._tier_deadline = self.store.service(now)
+        if self._ticks:
+            self._tick_deadline = min((d for d in (t(now) for t in self._ticks)
+                                       if d is not None), default=None)
+        if self._parked:
+            self._retry_parked(now)
+        if self._runnable:
+            self._run_slices()
+        if self._sending:
+            self._reap_sends(now)
+        next_evict = self._next_evict
+        if next_evict is not None and now >= next_evict:
+            assert self._periodic is not None
+            n = self.store.periodic_evict(self._periodic[1], self._periodic[2])
+            if n:
+                log.info("periodic eviction freed %d entries", n)
+            self._next_evict = now + self._periodic[0]
 
     def _housekeep(self, now: float) -> None:
         """Leases and liveness proofs. Never raises: a bug here must not end the loop
@@ -453,6 +523,8 @@ class ServiceLoop:
             t = max(0.0, min(deadlines) - now)
         if self._sending:
             t = _STALE_CHECK_S if t is None else min(t, _STALE_CHECK_S)
+        if self._runnable:
+            t = 0.0
         # at most an hour: a timer far away (or infinite) is looked at again then
         return None if t is None else int(min(t, 3600.0) * 1000) + 1
 
@@ -487,17 +559,17 @@ class ServiceLoop:
         self._seen_pokes = pokes
         parked, self._parked = self._parked, []
         for p in parked:
-            force = now >= p.deadline
+            force = now >= p.deadline or p.forced
             if p.on_poke and not (poked or force or p.cancelled or p.session.closed):
                 self._parked.append(p)
                 continue
             if p.cancelled or p.session.closed:
                 # its client gave up on it (RELEASE/ABORT of its id) or is gone: make no
                 # grant it would never settle
-                self._parked_by.pop((p.session.id, p.req_id), None)
-                if p.cleanup is not None:
-                    p.cleanup()
+                self._abandon(p)
                 continue
+            if force and p.sliced:
+                p.forced = True
             try:
                 r = p.attempt(force)
                 if r is None and force:
@@ -511,6 +583,9 @@ class ServiceLoop:
             if r is None:
                 self._parked.append(p)
                 continue
+            if r is _MORE:                  # a sliced request: its next slice runs now
+                self._runnable.append(p)
+                continue
             self._parked_by.pop((p.session.id, p.req_id), None)
             status, rbody, frames = r
             self._reply(p.ident, p.session, p.req_id, p.op, status, rbody, frames, p.extra,
@@ -518,6 +593,44 @@ class ServiceLoop:
         # Progress the attempts made themselves (their own evictions) is no reason to
         # attempt again; the next completion or free is.
         self._seen_progress = self.store.progress
+
+    def _abandon(self, p: _Parked) -> None:
+        # cancelled (RELEASE/ABORT of its id) or its session is gone: no reply, no grant
+        self._parked_by.pop((p.session.id, p.req_id), None)
+        if p.sliced:
+            self.slice_counters["abandoned"] += 1
+        if p.cleanup is not None:
+            p.cleanup()
+
+    def _run_slices(self) -> None:
+        """One slice of each large request in progress, in turn."""
+        for _ in range(len(self._runnable)):
+            p = self._runnable.popleft()
+            if p.cancelled or p.session.closed:
+                self._abandon(p)
+                continue
+            self.slice_counters["slices"] += 1
+            try:
+                r = p.attempt(p.forced)
+                if r is None and p.forced:
+                    raise RuntimeError("a forced slice did not answer")
+            except Exception as exc:
+                log.exception("internal error in a slice of op %s", p.op)
+                self._count_error("internal")
+                if p.cleanup is not None:
+                    p.cleanup()
+                r = Status.INTERNAL, {"error": f"internal error: {exc!r}"}, []
+            if r is _MORE:
+                self._runnable.append(p)
+                continue
+            if r is None:                   # must wait for the tier: parked
+                p.deadline = time.monotonic() + self.store.config.tier_wait
+                self._parked.append(p)
+                continue
+            self._parked_by.pop((p.session.id, p.req_id), None)
+            status, rbody, frames = r
+            self._reply(p.ident, p.session, p.req_id, p.op, status, rbody, frames, p.extra,
+                        p.on_sent, p.t0, p.src)
 
     def _reap_sends(self, now: float) -> None:
         keep = []
@@ -660,7 +773,11 @@ class ServiceLoop:
             p = _Parked(ident, session, req_id, op, d, reply_extra, on_sent, t0,
                         time.monotonic() + (self.store.config.tier_wait if d.wait is None
                                             else d.wait), msg[1])
-            self._parked.append(p)
+            if p.sliced:
+                self.slice_counters["sliced_requests"] += 1
+                self._runnable.append(p)
+            else:
+                self._parked.append(p)
             self._parked_by[(session.id, req_id)] = p
             return
         except _Malformed as exc:
@@ -865,6 +982,8 @@ class ServiceLoop:
             raise _Malformed("sums must be a list as long as keys")
         self._check_batch(keys)
         store = self.store
+        if len(keys) > self.slice_keys:
+            self._alloc_in_slices(session, req_id, keys, sizes, sums)
         if store.tier is None:
             offsets, statuses = store.alloc_entries(session, req_id, keys, sizes,  # type: ignore[misc]
                                                     sums)
@@ -879,13 +998,96 @@ class ServiceLoop:
 
         return _attempt_now(attempt)
 
+    def _alloc_in_slices(self, session: Session, req_id: int, keys: list[Any],
+                         sizes: list[Any], sums: list[Any] | None) -> None:
+        store = self.store
+        S = self.slice_keys
+        n = len(keys)
+        offsets: list[Any] = []
+        statuses: list[int] = []
+
+        def step(force: bool) -> Any:
+            a = len(offsets)
+            b = a + S
+            tier = store.tier is not None
+            r = store.alloc_entries(session, req_id, keys[a:b], sizes[a:b],
+                                    None if sums is None else sums[a:b],
+                                    defer=tier and not force, drop=tier and force,
+                                    extend=a > 0)
+            if r is None:
+                return None
+            offsets.extend(r[0])
+            statuses.extend(r[1])
+            if len(offsets) < n:
+                return _MORE
+            return Status.OK, {"offsets": offsets, "st": _wire_statuses(statuses)}, []
+
+        raise _Sliced(step)
+
     def _on_commit(self, session, req_id, body, frames, on_sent):
         # the commit/abort lists were applied by _piggyback; report what failed
         return Status.OK, {}, []
 
     def _on_lookup(self, session, req_id, body, frames, on_sent):
         keys = self._keys(body)
+        if len(keys) > self.slice_keys:
+            offsets: list[Any] = []
+            sizes: list[int] = []
+            sums: list[Any] = []
+
+            def part(a: int, b: int, hold: Any) -> Any:
+                o, sz, sm = self.store.lookup(session, req_id, keys[a:b], hold,
+                                              extend=a > 0)
+                offsets.extend(o)
+                sizes.extend(sz)
+                sums.extend(sm)
+
+            def reply() -> tuple[int, dict[str, Any], list[Any]]:
+                rbody: dict[str, Any] = {"offsets": offsets, "sizes": sizes}
+                if any(x is not None for x in sums):
+                    rbody["sums"] = sums
+                return Status.OK, rbody, []
+
+            self._read_in_slices(keys, part, reply)
         return self._read(keys, lambda hold: self._lookup_reply(session, req_id, keys, hold))
+
+    def _read_in_slices(self, keys: list[Any], part: Callable[[int, int, Any], Any],
+                        reply: Callable[[], tuple[int, dict[str, Any], list[Any]]],
+                        cleanup: Callable[[], None] | None = None) -> None:
+        """Serve a read of many keys in slices: ``part(a, b, hold)`` answers keys
+        ``a:b`` (after the tier promoted what lives only below), ``reply()`` the whole."""
+        store = self.store
+        S = self.slice_keys
+        n = len(keys)
+        state: list[Any] = [0, None]            # next key, the slice's ReadHold
+
+        def step(force: bool) -> Any:
+            a = state[0]
+            b = min(n, a + S)
+            hold = None
+            if store.tier is not None:
+                hold = state[1]
+                if hold is None:
+                    hold = state[1] = store.read_hold()
+                if not store.prepare_read(keys[a:b], hold, force):
+                    return None
+            try:
+                part(a, b, hold)
+            finally:
+                if hold is not None:
+                    store.release_hold(hold)
+                    state[1] = None
+            state[0] = b
+            return _MORE if b < n else reply()
+
+        def abandon() -> None:
+            if state[1] is not None:
+                store.release_hold(state[1])
+                state[1] = None
+            if cleanup is not None:
+                cleanup()
+
+        raise _Sliced(step, abandon)
 
     def _lookup_reply(self, session: Session, req_id: int, keys: list[Any], hold: Any
                       ) -> tuple[int, dict[str, Any], list[Any]]:
@@ -917,6 +1119,23 @@ class ServiceLoop:
             raise _Malformed("sums must be a list as long as keys")
         self._check_batch(keys)
         store = self.store
+        if len(keys) > self.slice_keys:
+            S = self.slice_keys
+            st: list[int] = []
+
+            def step(force: bool) -> Any:
+                a = len(st)
+                b = a + S
+                tier = store.tier is not None
+                r = store.put(keys[a:b], frames[a:b], None if sums is None else sums[a:b],
+                              defer=tier and not force, drop=tier and force)
+                if r is None:
+                    return None
+                st.extend(r)
+                return _MORE if len(st) < len(keys) else (
+                    Status.OK, {"st": _wire_statuses(st)}, [])
+
+            raise _Sliced(step)
         if store.tier is None:
             return Status.OK, {"st": _wire_statuses(store.put(keys, frames, sums))}, []
 
@@ -928,6 +1147,37 @@ class ServiceLoop:
 
     def _on_get(self, session, req_id, body, frames, on_sent):
         keys = self._keys(body)
+        if len(keys) > self.slice_keys:
+            if self._sending:
+                self._settle_own_sends(session)
+            copy_over = not session.sending     # decided once, as for one request
+            sizes: list[int] = []
+            counts: list[int] = []
+            sums: list[Any] = []
+            out: list[Any] = []
+
+            def part(a: int, b: int, hold: Any) -> None:
+                sz, cn, sm, fr = self._get_part(keys[a:b], on_sent, hold, session,
+                                                copy_over)
+                sizes.extend(sz)
+                counts.extend(cn)
+                sums.extend(sm)
+                out.extend(fr)
+
+            def reply() -> tuple[int, dict[str, Any], list[Any]]:
+                rbody: dict[str, Any] = {"sizes": sizes, "counts": counts}
+                if any(x is not None for x in sums):
+                    rbody["sums"] = sums
+                return Status.OK, rbody, out
+
+            def cleanup() -> None:
+                # abandoned before its reply: what its slices pinned or counted goes
+                self.store.sent(session, sum(x for x in on_sent if isinstance(x, int)),
+                                [e for e in on_sent if not isinstance(e, int)])
+                on_sent.clear()
+                out.clear()
+
+            self._read_in_slices(keys, part, reply, cleanup)
         return self._read(keys, lambda hold: self._get_reply(keys, on_sent, hold, session))
 
     def _read(self, keys: list[Any], reply: Callable[[Any], tuple[int, dict[str, Any],
@@ -957,19 +1207,29 @@ class ServiceLoop:
         against the principal until the frame is sent; hits beyond its budget are
         refused (size QUOTA_REFUSED), so a peer that does not read cannot pin the pool
         nor grow this process."""
-        store = self.store
         if self._sending:
             self._settle_own_sends(session)
+        sizes, counts, sums, out = self._get_part(keys, on_sent, hold, session,
+                                                  not session.sending)
+        rbody: dict[str, Any] = {"sizes": sizes, "counts": counts}
+        if any(s is not None for s in sums):
+            rbody["sums"] = sums
+        return Status.OK, rbody, out
+
+    def _get_part(self, keys: list[Any], on_sent: list[Any], hold: Any, session: Session,
+                  copy_over: bool) -> tuple[list[int], list[int], list[Any], list[Any]]:
+        """The hits of ``keys`` as GET frames (see :meth:`_get_reply`): sizes, counts,
+        checksums and frames; what it pinned or queued is added to ``on_sent``."""
+        store = self.store
         entries, sums = store.pin_for_send(keys, hold)
         sizes = [e.size if e is not None else -1 for e in entries]
         budget = store.send_budget(session)
         cap = self.send_cap_blocks - session.quota.sending
         budget = cap if budget is None else min(budget, cap)
-        # A session with nothing unsent always gets its whole reply: hits beyond the
-        # zero-copy budget are copied (server memory bounded by one reply per reading
-        # session), so every reader makes progress whatever its principal's other
+        # A session with nothing unsent always gets its whole reply (``copy_over``): hits
+        # beyond the zero-copy budget are copied (server memory bounded by one reply per
+        # reading session), so every reader makes progress whatever its principal's other
         # connections hold. One with replies queued and unread gets only the budget.
-        copy_over = not session.sending
         refused = []
         if not copy_over and any(e is not None for e in entries):
             for i, e in enumerate(entries):
@@ -1034,21 +1294,53 @@ class ServiceLoop:
         if queued:
             store.sending(session, queued)
             on_sent.append(queued)
-        rbody: dict[str, Any] = {"sizes": sizes, "counts": counts}
-        if any(s is not None for s in sums):
-            rbody["sums"] = sums
-        return Status.OK, rbody, out
+        return sizes, counts, sums, out
 
     def _on_exists(self, session, req_id, body, frames, on_sent):
         keys = self._keys(body)
+        S = self.slice_keys
+        if len(keys) > S:
+            found: list[bool] = []
+
+            def step(force: bool) -> Any:
+                a = len(found)
+                found.extend(self.store.exists(keys[a:a + S]))
+                return _MORE if len(found) < len(keys) else (Status.OK, {"found": found}, [])
+
+            raise _Sliced(step)
         return Status.OK, {"found": self.store.exists(keys)}, []
 
     def _on_match_prefix(self, session, req_id, body, frames, on_sent):
         keys = self._keys(body)
+        S = self.slice_keys
+        if len(keys) > S:
+            at = [0]
+
+            def step(force: bool) -> Any:
+                a = at[0]
+                part = keys[a:a + S]
+                m = self.store.match_prefix(part)
+                at[0] = a + m
+                if m < len(part) or at[0] == len(keys):
+                    return Status.OK, {"n": at[0]}, []
+                return _MORE
+
+            raise _Sliced(step)
         return Status.OK, {"n": self.store.match_prefix(keys)}, []
 
     def _on_delete(self, session, req_id, body, frames, on_sent):
         keys = self._keys(body)
+        S = self.slice_keys
+        if len(keys) > S:
+            state = [0, 0]                      # next key, removed so far
+
+            def step(force: bool) -> Any:
+                a = state[0]
+                state[1] += self.store.delete(keys[a:a + S])
+                state[0] = a + S
+                return _MORE if state[0] < len(keys) else (Status.OK, {"n": state[1]}, [])
+
+            raise _Sliced(step)
         return Status.OK, {"n": self.store.delete(keys)}, []
 
     def _on_evict(self, session, req_id, body, frames, on_sent):
@@ -1087,6 +1379,8 @@ class ServiceLoop:
         s["errors"] = sum(self.errors.values())
         s["error_kinds"] = dict(self.errors)
         s["sending"] = len(self._sending)
+        s["slices"] = dict(self.slice_counters, in_progress=self.in_progress,
+                           slice_keys=self.slice_keys)
         if body.get("latency"):
             s["latency"] = {op.name: {"buckets": list(LATENCY_BUCKETS[:-1]),
                                       "counts": self.latency[op],
