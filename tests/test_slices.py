@@ -225,7 +225,7 @@ def test_sliced_alloc_gives_every_key_what_one_request_would(shm_name: str) -> N
         stats = b.store.stats(verify=True)
         assert stats["pending"] == granted and stats["grants"] == 1
         b.send(s, Op.COMMIT, {"commit": [rid]})
-        b.turn()
+        b.until(s)                                      # a commit of 1,500: in slices too
         assert b.recv(s)[0] == Status.OK
         stats = b.store.stats(verify=True)
         assert stats["num_keys"] == granted and stats["pending"] == 0
@@ -259,7 +259,7 @@ def test_abort_of_a_request_in_slices_cancels_it(bed: Bed) -> None:
         bed.turn()
     assert bed.store.stats()["pending"] > 0
     bed.send(s, Op.COMMIT, {"abort": [rid]})      # its client gave up on it
-    bed.turn()
+    bed.until(s)                                  # (the abort of 300 entries: in slices)
     st, r, _, _ = bed.recv(s)
     assert st == Status.OK and r != rid
     bed.settle()
@@ -285,7 +285,7 @@ def test_sliced_lookup_pins_every_hit_once_and_release_drops_them(bed: Bed) -> N
     stats = bed.store.stats()
     assert (stats["pins"], stats["grants"]) == (500, 1)
     bed.send(s, Op.RELEASE, {"release": [rid]})
-    bed.turn()
+    assert bed.until(s) >= 500 // SLICE               # 500 pins: released in slices
     bed.recv(s)
     stats = bed.store.stats(verify=True)
     assert (stats["pins"], stats["grants"]) == (0, 0)
@@ -382,10 +382,73 @@ def test_sliced_put_and_lookup_wait_for_the_ssd_tier_between_slices(shm_name: st
             assert bytes(b.pool.view(off, BS, readonly=True)) == vals[i]
         assert b.store.tier_counters["promotions"] > 0
         b.send(s, Op.RELEASE, {"release": [rid]})
-        b.turn()
+        b.until(s)
         b.recv(s)
         stats = b.store.stats(verify=True)
         assert stats["accounting_ok"] and stats["grants"] == 0
     finally:
         b.store.close_tier()
         b.close()
+
+
+def test_a_large_commit_is_settled_in_slices_and_then_answered(bed: Bed) -> None:
+    n = 1_000
+    keys = keys_of(n)
+    big, small = bed.client(), bed.client()
+    rid = bed.send(big, Op.ALLOC, {"keys": keys, "sizes": [BS] * n})
+    bed.until(big)
+    assert bed.recv(big)[2]["st"] == [Status.OK] * n
+    bed.send(big, Op.COMMIT, {"commit": [rid, 999_999]})      # 999,999: no such grant
+    turns = 0
+    while True:
+        bed.send(small, Op.EXISTS, {"keys": [keys[-1]]})
+        bed.turn()
+        turns += 1
+        if bed.arrived(big):
+            break
+        # answered between two slices of the commit: the last key is not in yet
+        assert bed.recv(small)[2]["found"] == [False]
+    assert turns >= n // SLICE
+    st, _, body, _ = bed.recv(big)
+    assert st == Status.OK and body["commit_failed"] == [999_999]
+    stats = bed.store.stats(verify=True)
+    assert (stats["num_keys"], stats["pending"], stats["grants"]) == (n, 0, 0)
+    assert (stats["commits"], stats["puts"]) == (1, n) and stats["accounting_ok"]
+
+
+def test_a_large_release_rides_on_a_request_that_is_served_after_it(bed: Bed) -> None:
+    keys = keys_of(800)
+    put_some(bed, keys)
+    s = bed.client()
+    rid = bed.send(s, Op.LOOKUP, {"keys": keys})
+    bed.until(s)
+    bed.recv(s)
+    assert bed.store.stats()["pins"] == 800
+    bed.send(s, Op.EXISTS, {"keys": keys[:3], "release": [rid]})
+    n = bed.until(s)
+    assert n >= 800 // SLICE
+    assert bed.recv(s)[2]["found"] == [True] * 3
+    stats = bed.store.stats(verify=True)
+    assert (stats["pins"], stats["grants"]) == (0, 0)
+
+
+def test_a_session_that_dies_mid_commit_loses_only_what_was_not_committed(bed: Bed) -> None:
+    n = 1_000
+    keys = keys_of(n)
+    s = bed.client()
+    rid = bed.send(s, Op.ALLOC, {"keys": keys, "sizes": [BS] * n})
+    bed.until(s)
+    bed.recv(s)
+    bed.send(s, Op.COMMIT, {"commit": [rid]})
+    for _ in range(3):
+        bed.turn()
+    installed = len(bed.store.index)
+    assert 0 < installed < n
+    sess = next(iter(bed.loop._by_ident.values()))
+    bed.store.close_session(sess)
+    bed.settle()
+    stats = bed.store.stats(verify=True)
+    assert stats["num_keys"] == installed
+    assert (stats["pending"], stats["grants"]) == (0, 0) and stats["accounting_ok"]
+    assert stats["used_bytes"] == installed * BS
+    assert [k in bed.store.index for k in keys] == [True] * installed + [False] * (n - installed)

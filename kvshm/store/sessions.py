@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Sequence
 
 from kvshm.index import Entry
 
@@ -158,6 +158,65 @@ class _Sessions:
             q.pinned -= g.nblocks
             for e in g.entries:
                 self._unpin(e)
+
+    def grant_entries(self, session: Session, req_ids: Sequence[int]) -> int:
+        """Entries held by the grants ``req_ids`` of ``session`` (what settling them
+        costs; the router settles large grants in slices)."""
+        grants = session.grants
+        n = 0
+        for rid in req_ids:
+            g = grants.get(rid)
+            if g is not None:
+                n += len(g.entries)
+        return n
+
+    def settle_some(self, session: Session, req_id: int, how: str, n: int) -> int:
+        """Settle at most ``n`` entries of grant ``req_id``, in its order: ``how`` is
+        "commit" or "abort" (an ALLOC grant) or "release" (a LOOKUP grant). The grant's
+        last entries settle it as :meth:`commit` / :meth:`abort` / :meth:`release` would
+        (same counters); until then it stays, smaller, with its lease started again.
+        Returns the entries settled, -1 when there is no such grant (a COMMIT of it
+        failed)."""
+        g = session.grants.get(req_id)
+        kind = _PIN if how == "release" else _ALLOC
+        if g is None or g.kind != kind:
+            return -1
+        k = len(g.entries)
+        if k <= n:
+            if how == "commit":
+                self.commit(session, [req_id])      # type: ignore[attr-defined]
+            elif how == "abort":
+                self.abort(session, [req_id])       # type: ignore[attr-defined]
+            else:
+                self.release(session, [req_id])     # type: ignore[attr-defined]
+            return k
+        part = g.entries[:n]
+        del g.entries[:n]
+        nblocks = nbytes = 0
+        for e in part:
+            nblocks += e.nblocks
+            nbytes += e.size
+        g.nblocks -= nblocks
+        g.nbytes -= nbytes
+        q = session.quota
+        if kind == _ALLOC:
+            q.pending -= nblocks
+            self._pending -= n
+            if how == "commit":
+                for e in part:
+                    self._install(e)
+                self.counters["puts"] += n
+                self.counters["bytes_in"] += nbytes
+            else:
+                for e in part:
+                    self._free(e)
+        else:
+            q.pinned -= nblocks
+            for e in part:
+                self._unpin(e)
+        g.deadline = self._clock() + self.config.lease_timeout
+        self._leases.append((g.deadline, g))
+        return n
 
     def open_session(self, principal: Any, *, nonce: bytes = b"", proof: Any = None,
                      label: str = "") -> Session:

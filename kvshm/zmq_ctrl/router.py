@@ -762,6 +762,10 @@ class ServiceLoop:
         session.seen = t0
         try:
             if fresh:
+                if self._settle_is_large(session, body):
+                    assert handler is not None
+                    self._settle_in_slices(session, req_id, body, msg[2:], on_sent,
+                                           reply_extra, handler)
                 self._piggyback(session, body, reply_extra)
             if op in self._stateful and not fresh:
                 status, rbody, frames = Status.STALE_EPOCH, {
@@ -950,6 +954,79 @@ class ServiceLoop:
             failed = self.store.commit(session, _list(body, "commit", ints=True))
             if failed:
                 extra["commit_failed"] = failed
+
+    def _settle_is_large(self, session: Session, body: dict[str, Any]) -> bool:
+        """Whether the grants this request's commit/abort/release lists name hold more
+        than ``slice_keys`` entries (settled in slices, :meth:`_settle_in_slices`)."""
+        if not session.grants:
+            return False
+        n = 0
+        for name in ("release", "abort", "commit"):
+            rids = body.get(name)
+            if rids and isinstance(rids, list):
+                try:
+                    n += self.store.grant_entries(session, rids)
+                except TypeError:           # an unhashable id: _piggyback refuses it
+                    return False
+        return n > self.slice_keys
+
+    def _settle_in_slices(self, session: Session, req_id: int, body: dict[str, Any],
+                          frames: list[Any], on_sent: list[Any], extra: dict[str, Any],
+                          handler: Callable[..., Any]) -> None:
+        """Settle the grants a request names (release, abort, commit, in that order, as
+        :meth:`_piggyback`) ``slice_keys`` entries per slice, then serve the request
+        itself (which may be sliced or parked in turn). RELEASE/ABORT cancel parked
+        requests at once; COMMITs that fail are reported as ``commit_failed``."""
+        rel = _list(body, "release", ints=True, optional=True)
+        ab = _list(body, "abort", ints=True, optional=True)
+        com = _list(body, "commit", ints=True, optional=True)
+        if rel:
+            self._cancel_parked(session, rel)
+        if ab:
+            self._cancel_parked(session, ab)
+        todo = collections.deque([*(("release", r) for r in rel),
+                                  *(("abort", r) for r in ab),
+                                  *(("commit", r) for r in com)])
+        failed: list[int] = []
+        store = self.store
+        S = self.slice_keys
+        inner: list[Any] = [None, None]     # the request's own attempt and cleanup
+
+        def step(force: bool) -> Any:
+            if inner[0] is not None:
+                return inner[0](force)
+            left = S
+            while todo and left > 0:
+                how, rid = todo[0]
+                k = store.settle_some(session, rid, how, left)
+                if k < 0:
+                    if how == "commit":
+                        failed.append(rid)
+                    todo.popleft()
+                    continue
+                left -= k
+                if session.grants.get(rid) is None or k == 0:
+                    todo.popleft()
+            if todo:
+                return _MORE
+            if failed:
+                extra["commit_failed"] = failed
+            try:
+                return handler(session, req_id, body, frames, on_sent)
+            except _Defer as d:
+                inner[0], inner[1] = d.attempt, d.cleanup
+                return None if not isinstance(d, _Sliced) else _MORE
+            except _Malformed as exc:
+                self._count_error("malformed")
+                return Status.MALFORMED, {"error": str(exc)}, []
+            except _BatchTooLarge as exc:
+                return Status.INVALID_REQUEST, {"error": str(exc)}, []
+
+        def cleanup() -> None:
+            if inner[1] is not None:
+                inner[1]()
+
+        raise _Sliced(step, cleanup)
 
     def _cancel_parked(self, session: Session, rids: list[int]) -> None:
         # RELEASE/ABORT of a request still parked: its client gave up (cancelled, timed
