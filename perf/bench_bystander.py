@@ -14,7 +14,9 @@ that). Printed, all from the same run: the bystander's p50/p99/max alone and und
 N, the big requests' own time, on a server that serves requests of more than
 ``--slice-keys`` keys in slices (other requests served between slices) and, unless
 ``--no-baseline``, on one that does not (``--slice-keys`` above the largest N: the whole
-request holds the loop, as before slicing).
+request holds the loop, as before slicing). Each phase runs on a fresh server; beside it
+the server's longest loop turn (``stats()["loop_max_turn"]``: CPU seconds of the loop
+thread, what every other client waited for whatever the scheduler did, and wall seconds).
 """
 
 from __future__ import annotations
@@ -108,20 +110,32 @@ def bystander(address: str, seconds: float, heavy: subprocess.Popen | None,
     return lat
 
 
+def loop_turn(address: str) -> dict[str, float]:
+    """The server's longest loop turn so far (CPU and wall seconds), from STATS."""
+    import kvshm
+
+    with kvshm.Client(address, transport="tcp", timeout=60) as c:
+        return c.stats()["loop_max_turn"]
+
+
 def one_server(args: argparse.Namespace, slice_keys: int, sizes: list[int], tests: str
-               ) -> list[tuple[str, list[float], dict[str, list[float]]]]:
+               ) -> list[tuple[str, list[float], dict[str, list[float]], dict[str, float]]]:
+    """Each phase on a fresh server, so its longest loop turn is that phase's."""
     rows = []
-    with ServerProcess("--max-batch", str(max(sizes)), "--block-size", "4",
-                       "--slice-keys", str(slice_keys), prealloc_size=args.pool_gib) as srv:
-        rows.append(("alone", bystander(srv.address, args.seconds / 2, None,
-                                        args.transport), {}))
-        for n in sizes:
+    for n in [0, *sizes]:
+        with ServerProcess("--max-batch", str(max(sizes)), "--block-size", "4",
+                           "--slice-keys", str(slice_keys),
+                           prealloc_size=args.pool_gib) as srv:
+            if n == 0:
+                lat = bystander(srv.address, args.seconds / 2, None, args.transport)
+                rows.append(("alone", lat, {}, loop_turn(srv.address)))
+                continue
             h = run(HEAVY, srv.address, str(n), tests, str(args.seconds))
             assert h.stdout.readline().strip() == "ready"
             lat = bystander(srv.address, args.seconds, h, args.transport)
             took = json.loads(h.stdout.readline())
             h.wait(600)
-            rows.append((f"{n:,} keys", lat, took))
+            rows.append((f"{n:,} keys", lat, took, loop_turn(srv.address)))
     return rows
 
 
@@ -151,10 +165,13 @@ def main() -> None:
         rows = one_server(args, sk, sizes, tests)
         alone = rows[0][1]
         print(f"server with {title}:")
-        for name, lat, took in rows:
+        for name, lat, took, turn in rows:
             print(f"  {name:<16} n={len(lat):>7,}  p50 {pct(lat, .5) * ms:7.3f} ms  "
                   f"p99 {pct(lat, .99) * ms:7.3f} ms  max {max(lat) * ms:8.1f} ms  "
-                  f"p99/alone {pct(lat, .99) / pct(alone, .99):5.1f}x")
+                  f"p99/alone {pct(lat, .99) / pct(alone, .99):5.1f}x  "
+                  f"longest loop turn: cpu {turn['cpu_s'] * ms:6.1f} ms, "
+                  f"wall {turn['wall_s'] * ms:6.1f} ms, longest gc {turn['gc_s'] * ms:5.1f} ms "
+                  f"(generation {turn.get('gc_generation', -1)})")
             for op, ts in took.items():
                 if ts:
                     print(f"      {op:<12} median {statistics.median(ts) * ms:7.0f} ms "
