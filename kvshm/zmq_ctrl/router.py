@@ -328,8 +328,8 @@ class ServiceLoop:
         self._sending: list[tuple[zmq.MessageTracker, list[Any], int, Session, bytes,
                                   float, Any]] = []
         self._parked_by: dict[tuple[int, int], _Parked] = {}
-        self.latency = {op: [0] * len(LATENCY_BUCKETS) for op in Op}
-        self.latency_sum = {op: 0.0 for op in Op}
+        self.latency: dict[int, list[int]] = {op: [0] * len(LATENCY_BUCKETS) for op in Op}
+        self.latency_sum: dict[int, float] = {op: 0.0 for op in Op}
         self.errors: dict[str, int] = {}
         self._handlers: dict[int, Callable[..., tuple[int, dict[str, Any], list[Any]]]] = {
             Op.ALLOC: self._on_alloc,
@@ -487,7 +487,9 @@ class ServiceLoop:
                 return False
             raise
         w0 = time.perf_counter()
-        c0 = time.thread_time()
+        # CPU time of the turn only while large requests are in progress (thread_time is
+        # a system call, ~1-10 us: not on every small request's turn)
+        c0 = time.thread_time() if self._runnable else -1.0
         if self._wake_r in events:
             try:
                 os.read(self._wake_r, 4096)
@@ -523,9 +525,10 @@ class ServiceLoop:
                 log.info("periodic eviction freed %d entries", n)
             self._next_evict = now + self._periodic[0]
         mt = self.max_turn
-        dt = time.thread_time() - c0
-        if dt > mt["cpu_s"]:
-            mt["cpu_s"] = dt
+        if c0 >= 0:
+            dt = time.thread_time() - c0
+            if dt > mt["cpu_s"]:
+                mt["cpu_s"] = dt
         dt = time.perf_counter() - w0
         if dt > mt["wall_s"]:
             mt["wall_s"] = dt
@@ -990,8 +993,16 @@ class ServiceLoop:
                 self._sending.append((tracker, entries, nblocks, session, ident,
                                       time.monotonic(), src))
         dt = time.perf_counter() - t0
-        self.latency[Op(op)][bisect_left(LATENCY_BUCKETS, dt)] += 1
-        self.latency_sum[Op(op)] += dt
+        # keyed by the op's int (an Op member hashes as its int): no enum call per reply;
+        # an op added through add_ops gets its histogram on first use
+        hist = self.latency.get(op)
+        if hist is None:
+            if op not in self._handlers and op != Op.HELLO:
+                return
+            hist = self.latency[op] = [0] * len(LATENCY_BUCKETS)
+            self.latency_sum[op] = 0.0
+        hist[bisect_left(LATENCY_BUCKETS, dt)] += 1
+        self.latency_sum[op] += dt
 
     def _send(self, ident: bytes, header: bytes, frames: list[Any] = (),  # type: ignore[assignment]
               track: bool = False) -> zmq.MessageTracker | None:
@@ -1530,10 +1541,10 @@ class ServiceLoop:
                            slice_keys=self.slice_keys)
         s["loop_max_turn"] = dict(self.max_turn)
         if body.get("latency"):
-            s["latency"] = {op.name: {"buckets": list(LATENCY_BUCKETS[:-1]),
-                                      "counts": self.latency[op],
-                                      "sum": self.latency_sum[op]}
-                            for op in Op if sum(self.latency[op])}
+            s["latency"] = {(Op(op).name if op in Op._value2member_map_ else str(op)): {
+                                "buckets": list(LATENCY_BUCKETS[:-1]),
+                                "counts": self.latency[op], "sum": self.latency_sum[op]}
+                            for op in self.latency if sum(self.latency[op])}
         return Status.OK, {"stats": s}, []
 
     def _on_list(self, session, req_id, body, frames, on_sent):
