@@ -99,10 +99,12 @@ def run(code: str, *args: str) -> subprocess.Popen:
 def bystander(address: str, seconds: float, heavy: subprocess.Popen | None,
               transport: str) -> list[float]:
     b = run(BYSTANDER, address, str(seconds), transport)
+    assert b.stdin is not None and b.stdout is not None
     assert b.stdout.readline().strip() == "ready"
     b.stdin.write("go\n")
     b.stdin.flush()
     if heavy is not None:
+        assert heavy.stdin is not None
         heavy.stdin.write("go\n")
         heavy.stdin.flush()
     lat = json.loads(b.stdout.readline())
@@ -115,13 +117,14 @@ def loop_turn(address: str) -> dict[str, float]:
     import kvshm
 
     with kvshm.Client(address, transport="tcp", timeout=60) as c:
-        return c.stats()["loop_max_turn"]
+        turn: dict[str, float] = c.stats()["loop_max_turn"]
+        return turn
 
 
 def one_server(args: argparse.Namespace, slice_keys: int, sizes: list[int], tests: str
                ) -> list[tuple[str, list[float], dict[str, list[float]], dict[str, float]]]:
     """Each phase on a fresh server, so its longest loop turn is that phase's."""
-    rows = []
+    rows: list[tuple[str, list[float], dict[str, list[float]], dict[str, float]]] = []
     for n in [0, *sizes]:
         with ServerProcess("--max-batch", str(max(sizes)), "--block-size", "4",
                            "--slice-keys", str(slice_keys),
@@ -131,6 +134,7 @@ def one_server(args: argparse.Namespace, slice_keys: int, sizes: list[int], test
                 rows.append(("alone", lat, {}, loop_turn(srv.address)))
                 continue
             h = run(HEAVY, srv.address, str(n), tests, str(args.seconds))
+            assert h.stdout is not None
             assert h.stdout.readline().strip() == "ready"
             lat = bystander(srv.address, args.seconds, h, args.transport)
             took = json.loads(h.stdout.readline())
