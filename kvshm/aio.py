@@ -33,6 +33,7 @@ import concurrent.futures
 import logging
 import math
 import os
+import time
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -48,6 +49,7 @@ from kvshm.client import (
     OpGen,
     _curve_setup,
     _door_token,
+    _gone_unsent,
     _operator_token,
     _Drive,
     _Reply,
@@ -64,6 +66,7 @@ from kvshm.errors import (
 )
 from kvshm.zmq_ctrl.channel import check_resolvable, endpoint_of
 from kvshm.zmq_ctrl.protocol import DecodeError, Op, Status, decode_reply, encode_request
+from kvshm.zmq_ctrl.serverwatch import IDLE_S, POLL_S, ServerGone
 
 __all__ = ["AsyncClient"]
 
@@ -100,6 +103,12 @@ class _Conn:
         self.endpoint = endpoint
         self.waiting: dict[int, asyncio.Future[tuple[int, dict[str, Any], list[Any]]]] = {}
         self.failed: BaseException | None = None
+        # what the kernel proves about a same-host server (kvshm.zmq_ctrl.serverwatch;
+        # set after a local HELLO): checked before a send after IDLE_S idle, and every
+        # POLL_S while replies are awaited
+        self.watch: Any = None
+        self.last = 0.0             # time.monotonic() of the last reply
+        self._tick: asyncio.TimerHandle | None = None
         s = client._ctx.socket(zmq.DEALER)
         self.monitor: Any = None
         try:
@@ -141,6 +150,7 @@ class _Conn:
                 self.fail(ProtocolError, f"bad reply from "
                           f"{self.client._where(self.endpoint)}: {exc}")
                 return
+            self.last = time.monotonic()
             fut = self.waiting.pop(rid, None)
             if fut is not None and not fut.done():
                 fut.set_result((status, body, msg[1:]))
@@ -210,6 +220,12 @@ class _Conn:
         if self.failed is not None:
             raise type(self.failed)(str(self.failed))
         loop = asyncio.get_running_loop()
+        if self.watch is not None and time.monotonic() - self.last > IDLE_S:
+            why = self.watch.gone()
+            if why is not None:       # not sent: nothing was done (as STALE_EPOCH)
+                msg = f"kvshm server at {self.client._where(self.endpoint)} is gone: {why}"
+                self.fail(ServerGone, msg)
+                raise ServerGone(msg, sent=False)
         fut: asyncio.Future[tuple[int, dict[str, Any], list[Any]]] = loop.create_future()
         self.waiting[rid] = fut
         timeout = self.client.timeout
@@ -228,11 +244,25 @@ class _Conn:
                           f"{self.client._where(self.endpoint)} dropped after a failed "
                           f"send ({exc!r})")
                 raise
+            if self.watch is not None and self._tick is None:
+                self._tick = loop.call_later(POLL_S, self._check)
             return await fut
         finally:
             timer.cancel()
             if self.waiting.get(rid) is fut:
                 del self.waiting[rid]
+
+    def _check(self) -> None:
+        """While replies are awaited: fail them at once when the server is proven gone."""
+        self._tick = None
+        if self.failed is not None or not self.waiting:
+            return
+        why = self.watch.gone()
+        if why is not None:
+            self.fail(ServerGone, f"kvshm server at {self.client._where(self.endpoint)} is "
+                      f"gone: {why}")
+            return
+        self._tick = asyncio.get_running_loop().call_later(POLL_S, self._check)
 
     def _expire(self, rid: int, fut: asyncio.Future[Any]) -> None:
         if fut.done():
@@ -254,6 +284,9 @@ class _Conn:
         self._shutdown()
 
     def _shutdown(self) -> None:
+        if self._tick is not None:
+            self._tick.cancel()
+            self._tick = None
         for t in (self.reader, self.watcher):
             if t is not None and not t.done() and t is not _current_task():
                 t.cancel()
@@ -407,6 +440,9 @@ class AsyncClient:
             old, self._conn = self._conn, None
             if old is not None:
                 old.fail(ServerUnavailable, f"reconnecting to kvshm server at {self.address}")
+            if s.last_watch is not None:       # raises when proven gone, none listening
+                await asyncio.get_running_loop().run_in_executor(
+                    None, s.check_gone, self._base_endpoint)
             self._conn = _Conn(self, self._base_endpoint)
         for _ in range(4):
             await self._hello_exchange()
@@ -421,6 +457,8 @@ class AsyncClient:
                 old, self._conn = self._conn, _Conn(self, ipc)
                 assert old is not None
                 old.fail(ServerUnavailable, "moved to the ipc endpoint")
+        if self._conn is not None:
+            self._conn.watch = s.server_watch(self._conn.endpoint)
         self._hello_gen += 1
 
     async def _hello_exchange(self) -> None:
@@ -486,11 +524,15 @@ class AsyncClient:
                     raise ServerUnavailable(f"not connected to kvshm server at {self.address}")
                 st, rbody, rframes = await conn.request(req.op, body, req.frames, s.epoch,
                                                         rid)
-            except BaseException:
-                # timed out, lost, cancelled: the server may hold what this request made;
-                # RELEASE/ABORT it with the next request
-                drive.failed()
-                raise
+            except BaseException as exc:
+                if not _gone_unsent(exc):
+                    # timed out, lost, cancelled: the server may hold what this request
+                    # made; RELEASE/ABORT it with the next request
+                    drive.failed()
+                    raise
+                # the same-host server is gone and the request was not sent: as
+                # STALE_EPOCH (HELLO at the address, go again)
+                st, rbody, rframes = Status.STALE_EPOCH, {}, []
             reply = _Reply(rid, st, rbody, rframes)
             what = drive.after(req, reply)
             if what == _DONE:

@@ -45,10 +45,12 @@ from kvshm.errors import (
 )
 from kvshm.movers import Layout, OneSidedMover, ShmMover, placed
 from kvshm.zmq_ctrl.channel import Channel, check_resolvable, endpoint_of
+from kvshm.zmq_ctrl import serverwatch
 from kvshm.zmq_ctrl.frames import FrameLayoutError
 from kvshm.zmq_ctrl.frames import pack as pack_frames
 from kvshm.zmq_ctrl.frames import unpack as unpack_frames
 from kvshm.zmq_ctrl.protocol import PROTOCOL_VERSION, Limits, Op, Status, error_for
+from kvshm.zmq_ctrl.serverwatch import ServerGone
 
 __all__ = ["Client", "Key", "TRANSPORTS"]
 
@@ -86,6 +88,13 @@ class _Reply(NamedTuple):
 
 class _Restarted(ServerUnavailable):
     """The server restarted between two steps of one operation."""
+
+
+def _gone_unsent(exc: BaseException) -> bool:
+    """``exc`` says the same-host server was proven gone before the request was sent:
+    nothing was done, as with STALE_EPOCH (the HELLO that follows raises at once when no
+    server listens at the address, :meth:`_Session.check_gone`)."""
+    return isinstance(exc, ServerGone) and not exc.sent
 
 
 class _Buffers:
@@ -298,6 +307,7 @@ class _Session:
         self.rdma_options = rdma   # kvshm.rdma.RdmaOptions or dict, for "rdma"/"auto"
         self.rdma: Any = None      # kvshm.rdma.ClientLink, made by kvshm.rdma on first use
         self.local: Any = None     # kvshm.localread reader of the server's shared index
+        self.last_watch: Any = None  # serverwatch.ServerWatch of the last local HELLO
 
     # ---------------------------------------------------------------- keys
 
@@ -569,6 +579,31 @@ class _Session:
                 or not os.path.exists(ipc[len("ipc://"):])):
             return None
         return ipc
+
+    def server_watch(self, endpoint: str) -> "serverwatch.ServerWatch | None":
+        """What the kernel proves about the server, for a client the server saw as local
+        (its pool's flock; on ``endpoint`` ipc, the socket file's inode); else None. Kept
+        for :meth:`check_gone` at the next HELLO."""
+        pool = self.hello.get("pool")
+        w = None
+        if self.hello.get("local") is True and isinstance(pool, dict):
+            w = serverwatch.ServerWatch(str(pool["name"]), endpoint)
+        self.last_watch = w
+        return w
+
+    def check_gone(self, base_endpoint: str) -> None:
+        """Before a HELLO at ``base_endpoint``: raise ServerGone at once when the server
+        this client was on is proven gone and nothing listens at the address (instead of
+        a HELLO that waits the whole timeout). Blocks for at most a local connect."""
+        w = self.last_watch
+        why = w.gone() if w is not None else None
+        if why is None:
+            return
+        if serverwatch.listening(base_endpoint):
+            self.last_watch = None       # a new server: the HELLO goes to it
+            return
+        raise ServerGone(f"kvshm server at {base_endpoint} is gone: {why}, and nothing "
+                         "listens there", sent=False)
 
     def hello_again(self) -> bool:
         """Whether the HELLO just applied asks for another (the liveness proof is made,
@@ -1279,6 +1314,7 @@ class Client:
         if s.wb is not None and s.wb.outstanding:
             self._chan.drain()      # replies already here are not lost with the socket
         self._chan.reset(self._base_endpoint)
+        s.check_gone(self._base_endpoint)
         for _ in range(4):
             rid = s.new_id()
             # the queued settle lists ride on it: applied to the old session first
@@ -1301,6 +1337,7 @@ class Client:
                 # the HELLO with the proof goes on the server's ipc endpoint (a new
                 # socket, so a new routing id: its session is opened there)
                 self._chan.reset(ipc)
+        self._chan.watch = s.server_watch(self._chan.endpoint)
 
     def _roundtrip(self, drive: _Drive, req: _Req) -> _Reply:
         if self._closed:
@@ -1316,12 +1353,16 @@ class Client:
                 try:
                     rid, st, rbody, frames = self._chan.request(
                         req.op, body, req.frames, req_id=rid, epoch=s.epoch)
-                except BaseException:
-                    # timed out, send failed, interrupted: the server may hold what this
-                    # request made; RELEASE/ABORT it with the next request
-                    drive.failed()
-                    s.need_hello = True
-                    raise
+                except BaseException as exc:
+                    if not _gone_unsent(exc):
+                        # timed out, send failed, interrupted: the server may hold what
+                        # this request made; RELEASE/ABORT it with the next request
+                        drive.failed()
+                        s.need_hello = True
+                        raise
+                    # the same-host server is gone and the request was not sent: as
+                    # STALE_EPOCH (HELLO at the address, go again)
+                    st, rbody, frames = Status.STALE_EPOCH, {}, []
                 reply = _Reply(rid, st, rbody, frames)
                 what = drive.after(req, reply)
                 if what == _DONE:

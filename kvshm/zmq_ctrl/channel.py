@@ -20,6 +20,7 @@ import zmq
 
 from kvshm.errors import AuthenticationFailed, ProtocolError, ServerUnavailable
 from kvshm.zmq_ctrl.protocol import DecodeError, decode_reply, encode_request
+from kvshm.zmq_ctrl.serverwatch import IDLE_S, POLL_S, ServerGone, ServerWatch
 
 __all__ = ["Channel", "endpoint_of"]
 
@@ -104,6 +105,13 @@ class Channel:
         #: ``fn(req_id, status, body)`` for a reply no call waits for (a request sent
         #: with :meth:`send`); None: such replies are dropped.
         self.on_stray: Callable[[int, int, dict[str, Any]], None] | None = None
+        #: what the kernel proves about a same-host server (set by the client after a
+        #: local HELLO; cleared by :meth:`reset`): see kvshm.zmq_ctrl.serverwatch
+        self.watch: ServerWatch | None = None
+        self._last = 0.0            # time.monotonic() of the last reply
+        self.sent = 0               # requests sent
+        self.timeouts = 0           # waits that ran to their end (ServerUnavailable)
+        self.gone = 0               # servers found gone by the watch (ServerGone)
 
     def _socket(self) -> zmq.Socket:
         if self._pid != os.getpid():   # forked: never touch the parent's socket
@@ -148,6 +156,7 @@ class Channel:
         self._sock = None
         self._monitor = None
         self._poller = None
+        self.watch = None
         if endpoint is not None:
             self.endpoint = endpoint
 
@@ -172,6 +181,9 @@ class Channel:
         ------
         ServerUnavailable
             No reply within the timeout (the socket is then reset).
+        ServerGone
+            With :attr:`watch` set: the server is proven gone or replaced, before the send
+            (``sent`` False; idle over IDLE_S) or while waiting (checked every POLL_S).
         ProtocolError
             An undecodable reply.
         """
@@ -180,6 +192,10 @@ class Channel:
         sock = self._socket()
         header = encode_request(op, req_id, epoch, body)
         wait = self.timeout if timeout is None else timeout
+        watch = self.watch
+        if watch is not None and time.monotonic() - self._last > IDLE_S:
+            self._check(watch, sent=False)
+        self.sent += 1
         try:
             sock.send_multipart([header, *frames], copy=False)
         except zmq.ZMQError as exc:
@@ -196,13 +212,18 @@ class Channel:
         self._hs_failed = 0
         while True:
             left = deadline - time.monotonic()
+            if watch is not None:
+                left = min(left, POLL_S)
             events = dict(self._poller.poll(max(1, int(left * 1000)))) if left > 0 else {}
             if self._monitor is not None and self._monitor in events:
                 self._handshake_failed()
                 continue
             if sock not in events:
+                if watch is not None:
+                    self._check(watch, sent=True)
                 if time.monotonic() < deadline:
                     continue
+                self.timeouts += 1
                 self.reset()
                 raise ServerUnavailable(
                     f"no reply from kvshm server at {self._where()} within {wait:g} s")
@@ -217,6 +238,7 @@ class Channel:
                 if self.on_stray is not None:
                     self.on_stray(rid, status, rbody)
                 continue
+            self._last = time.monotonic()
             return rid, status, rbody, msg[1:]
 
     def send(self, op: int, body: dict[str, Any], frames: Sequence[Any] = (), *,
@@ -260,6 +282,13 @@ class Channel:
                 continue
             if self.on_stray is not None:
                 self.on_stray(rid, status, rbody)
+
+    def _check(self, watch: ServerWatch, sent: bool) -> None:
+        why = watch.gone()
+        if why is not None:
+            self.gone += 1
+            self.reset()
+            raise ServerGone(f"kvshm server at {self._where()} is gone: {why}", sent=sent)
 
     def _handshake_failed(self) -> None:
         """A security handshake failed. The server refusing this client's key (AUTH) or
