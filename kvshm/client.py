@@ -588,7 +588,9 @@ class _Session:
         w = None
         if self.hello.get("local") is True and isinstance(pool, dict):
             w = serverwatch.ServerWatch(str(pool["name"]), endpoint)
-        self.last_watch = w
+        old, self.last_watch = self.last_watch, w
+        if old is not None:
+            old.close()
         return w
 
     def check_gone(self, base_endpoint: str) -> None:
@@ -601,6 +603,7 @@ class _Session:
             return
         if serverwatch.listening(base_endpoint):
             self.last_watch = None       # a new server: the HELLO goes to it
+            w.close()
             return
         raise ServerGone(f"kvshm server at {base_endpoint} is gone: {why}, and nothing "
                          "listens there", sent=False)
@@ -736,6 +739,9 @@ class _Session:
     def close(self) -> None:
         self._close_local()
         self._retire_mover()
+        w, self.last_watch = self.last_watch, None
+        if w is not None:
+            w.close()
         if self._unproven is not None:
             self._unproven.close()
             self._unproven = None

@@ -9,17 +9,19 @@ segment behind. Three facts need no reply from the server:
   (the server stopped, or another bound the path);
 - the pool segment's ``flock`` (taken by the server for its whole life,
   :func:`kvshm.segments.hold`) is no longer held: the server process is gone, however it
-  ended;
+  ended (tested on the segment the client attached, through a descriptor kept open, so a
+  new server's segment of the same name cannot answer for it);
 - nothing listens at the server's address on this host (the kernel refuses the connect).
 
-:class:`ServerWatch` checks the first two (a ``stat`` and an ``open``/``flock``/``close``,
-a few microseconds); the channels call it before a send after an idle spell
+:class:`ServerWatch` checks the first two (a ``flock`` and a ``stat``: two system calls,
+about 1 us on bare Linux, 30 us in this sandbox); the channels call it before a send after an idle spell
 (:data:`IDLE_S`) and every :data:`POLL_S` while waiting for a reply.
 :func:`listening` checks the third, once, after a server was found gone.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 
@@ -64,24 +66,48 @@ class ServerWatch:
         recorded now and compared at each check.
     """
 
-    __slots__ = ("pool_name", "ipc_path", "ipc_id")
+    __slots__ = ("pool_name", "ipc_path", "ipc_id", "_fd")
 
     def __init__(self, pool_name: str, endpoint: str) -> None:
         self.pool_name = pool_name
         self.ipc_path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
         self.ipc_id = _inode(self.ipc_path) if self.ipc_path else None
+        try:
+            self._fd = os.open(segments.SHM_DIR + "/" + pool_name.lstrip("/"),
+                               os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self._fd = -1          # not ours to open: the ipc socket alone tells
 
     def gone(self) -> str | None:
         """Why the server is proven gone, or None (alive, or it cannot be told)."""
+        fd = self._fd
+        if fd >= 0:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                pass               # the server's exclusive lock: alive
+            except OSError:
+                pass               # cannot be told
+            else:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                return (f"its pool segment {self.pool_name} is no longer locked (the "
+                        "server exited)")
         if self.ipc_path is not None and self.ipc_id is not None:
             now = _inode(self.ipc_path)
             if now is None:
                 return f"its ipc socket {self.ipc_path} is gone"
             if now != self.ipc_id:
                 return f"its ipc socket {self.ipc_path} is another server's now"
-        if not segments.is_held(self.pool_name):
-            return f"its pool segment {self.pool_name} is no longer held (the server exited)"
         return None
+
+    def close(self) -> None:
+        """Close the descriptor on the segment (it keeps a removed segment's memory)."""
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()
 
 
 def listening(endpoint: str, timeout: float = 0.5) -> bool:
