@@ -10,7 +10,9 @@ the protocol is written once; what differs is the driver:
 * Every wait is bounded by the client's ``timeout`` and raises
   :class:`~kvshm.errors.ServerUnavailable` naming the server. A lost connection (the
   server died) fails every waiter at once; a timeout does too, and the next call
-  reconnects.
+  reconnects. A same-host client also watches what the kernel proves
+  (:mod:`kvshm.zmq_ctrl.serverwatch`): a server gone or replaced between calls is found
+  before the send (a restart is then transparent), and during a wait within ``POLL_S``.
 * Cancellation is safe. When a call is cancelled (``task.cancel()``,
   ``asyncio.wait_for``, ``asyncio.timeout``) after its LOOKUP or ALLOC went out, RELEASE
   or ABORT of that request id is queued and rides on the next request (any call,

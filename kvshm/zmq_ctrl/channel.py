@@ -5,6 +5,11 @@ never longer than its timeout. On a timeout the socket is closed and a fresh one
 for the next call, so a late reply or a queued request of a dead exchange can never be
 mistaken for a new one. The routing id stays the same for the life of the channel, so
 the server can name this client's grants across reconnects.
+
+A same-host client sets :attr:`Channel.watch` (:class:`~kvshm.zmq_ctrl.serverwatch.
+ServerWatch`): then a server the kernel proves gone or replaced ends a wait at once with
+:class:`~kvshm.zmq_ctrl.serverwatch.ServerGone` instead of the timeout (checked before a
+send after ``IDLE_S`` idle, and every ``POLL_S`` while waiting).
 """
 
 from __future__ import annotations
