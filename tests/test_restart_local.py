@@ -206,3 +206,76 @@ def test_async_server_killed_between_requests_raises_at_once():
         asyncio.run(main())
     finally:
         _forget(srv)
+
+
+# ---------------------------------------------------------------- the watch itself
+
+_HOLDER = """
+import fcntl, os, sys, time
+fd = os.open("/dev/shm/" + sys.argv[1], os.O_CREAT | os.O_RDWR, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_watch_tells_the_old_servers_lock_from_a_new_one_of_the_same_name(tmp_path):
+    """The flock is tested on the segment the watch opened: a new holder of a segment of
+    the same name (a server restarted with the same --shm-name) does not answer for the
+    old one. An ipc socket removed or bound again is seen too; ``listening`` tells a
+    refused connect from an accepted one."""
+    import subprocess
+    import sys
+
+    from kvshm.zmq_ctrl.serverwatch import ServerWatch, listening
+    from servers import unique_shm_name
+
+    name = unique_shm_name("watch-")
+    procs: list[subprocess.Popen[str]] = []
+
+    def holder() -> subprocess.Popen[str]:
+        p = subprocess.Popen([sys.executable, "-c", _HOLDER, name], stdout=subprocess.PIPE,
+                             text=True)
+        procs.append(p)
+        assert p.stdout is not None and p.stdout.readline().strip() == "held"
+        return p
+
+    sock_path = str(tmp_path / "s.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        srv.bind(sock_path)
+        srv.listen(1)
+        first = holder()
+        w = ServerWatch(name, "ipc://" + sock_path)
+        assert w.gone() is None
+        assert listening("ipc://" + sock_path)
+        first.kill()
+        first.wait(10)
+        assert "no longer locked" in (w.gone() or "")
+        os.unlink("/dev/shm/" + name)
+        holder()                                 # same name, new segment, new holder
+        assert "no longer locked" in (w.gone() or "")
+        w.close()
+        w2 = ServerWatch(name, "ipc://" + sock_path)   # the new one: alive
+        assert w2.gone() is None
+        srv.close()
+        os.unlink(sock_path)
+        assert "is gone" in (w2.gone() or "")
+        assert not listening("ipc://" + sock_path)
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        srv.bind(sock_path)                      # another socket at the path
+        assert "another server's" in (w2.gone() or "")
+        w2.close()
+        port = _free_port()
+        assert not listening(f"tcp://127.0.0.1:{port}")
+    finally:
+        srv.close()
+        for p in procs:
+            p.kill()
+            p.wait(10)
+            if p.stdout is not None:
+                p.stdout.close()
+        try:
+            os.unlink("/dev/shm/" + name)
+        except FileNotFoundError:
+            pass

@@ -48,12 +48,14 @@ class ServerGone(ServerUnavailable):
         self.sent = sent
 
 
-def _inode(path: str) -> tuple[int, int] | None:
+def _inode(path: str) -> tuple[int, int, int] | None:
+    """The identity of the file at ``path``: device, inode and change time (a file made
+    after another was removed may get its inode number again; not its ctime)."""
     try:
         st = os.stat(path)
     except OSError:
         return None
-    return st.st_dev, st.st_ino
+    return st.st_dev, st.st_ino, st.st_ctime_ns
 
 
 class ServerWatch:
