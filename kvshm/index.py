@@ -151,8 +151,11 @@ class Index:
     def insert(self, entry: Entry) -> Entry | None:
         """Make ``entry`` the live, most recently used entry of its key.
 
-        Returns the entry it replaced, if any (the caller retires it).
+        Returns the entry it replaced, if any (the caller retires it). The lock-free
+        reads recorded before are applied first (:meth:`sync`): they happened before
+        this write, so they must not end up more recent than it.
         """
+        self.sync()
         old = self._d.pop(entry.key, None)
         self._d[entry.key] = entry
         if self._shared is not None:
@@ -173,6 +176,9 @@ class Index:
         entry.extents = extents
         entry.start = extents[0][0]
         if self._shared is not None and self._d.get(entry.key) is entry:
+            # reads of it recorded so far were of the old slot version: apply them now,
+            # the ring would drop them once the version changes
+            self.sync()
             # Re-published in place: the slot's version changes, so a lock-free reader
             # that copied from the old runs retries; the old blocks are freed only after.
             self._shared.publish(entry.key, entry.size, _runs(entry), entry.checksum)
