@@ -151,11 +151,12 @@ class Index:
     def insert(self, entry: Entry) -> Entry | None:
         """Make ``entry`` the live, most recently used entry of its key.
 
-        Returns the entry it replaced, if any (the caller retires it). The lock-free
-        reads recorded before are applied first (:meth:`sync`): they happened before
-        this write, so they must not end up more recent than it.
+        Returns the entry it replaced, if any (the caller retires it). The caller
+        applies the lock-free reads recorded before the write first (:meth:`sync`, once
+        per request, not per key): they happened before it, so they must not end up more
+        recent than its keys (without that, a put into free blocks, which evicts
+        nothing, left them to the next eviction: the store departed from exact LRU).
         """
-        self.sync()
         old = self._d.pop(entry.key, None)
         self._d[entry.key] = entry
         if self._shared is not None:

@@ -210,6 +210,7 @@ class Store(_Sessions, _Space, _Tiered, _Accounting, _Reserving):
                     srcs.append(m[pos:pos + k])
                     pos += k
             self.pool.write_many(offs, srcs)
+            self.index.sync()       # lock-free reads recorded before this write go first
             for e in ok:
                 self._install(e)
             self.counters["puts"] += len(ok)

@@ -148,6 +148,8 @@ class _Sessions:
         q = session.quota
         if g.kind == _ALLOC:
             q.pending -= g.nblocks
+            if commit:
+                self.index.sync()   # lock-free reads recorded before this write go first
             for e in g.entries:
                 self._pending -= 1
                 if commit:

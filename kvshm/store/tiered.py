@@ -316,6 +316,7 @@ class _Tiered:
         if ok and e.key not in self.index:
             self.tier.installed(se, e)
             e.meta = se
+            self.index.sync()       # lock-free reads recorded before it go first
             self._install(e)
             self.tier_counters["promotions"] += 1
             if p is not None:
