@@ -23,6 +23,7 @@ from collections import OrderedDict
 import pytest
 
 from kvshm import Pool
+from kvshm.index import Entry
 from kvshm._shmindex import FALLBACK, IndexReader, IndexWriter, default_slots
 from kvshm.replay import ReplayOptions, run_replay
 from kvshm.store import Store, StoreConfig
@@ -103,6 +104,41 @@ def test_an_overwrite_comes_after_the_reads_before_it(rig_factory) -> None:
     st.put([b"b"], [b"new b"])                 # the overwrite follows both reads
     assert rig.order() == [b"c", b"a", b"b"]
     assert rd.get(b"b") == b"new b"
+
+
+def _three_and_a_read(rig: _Rig) -> None:
+    for k in (b"a", b"b", b"c"):
+        assert rig.store.put([k], [k * 10]) == [0]
+    assert rig.reader.get(b"a") == b"a" * 10            # lock-free: a is the most recent
+
+
+@pytest.mark.parametrize("how", ["commit", "commit in slices", "place"])
+def test_every_way_a_write_is_installed_comes_after_earlier_reads(rig_factory,
+                                                                   how: str) -> None:
+    # ALLOC + COMMIT (the shm client's put), a COMMIT settled in slices (the router's
+    # large requests), a PLACE into reserved blocks (write-behind): free blocks, no
+    # eviction, so only the install itself can apply the read first.
+    rig = rig_factory(8)
+    st = rig.store
+    _three_and_a_read(rig)
+    sess = st.session_for(b"client")
+    keys = [b"d", b"e"]
+    if how == "place":
+        made = []
+        for k in keys:
+            ext = st.take_runs(1)
+            assert ext is not None
+            made.append(Entry(k, ext[0][0], 1, 1, None, ext))
+        st.install_entries(sess, 7, made)
+    else:
+        offsets, statuses = st.alloc_entries(sess, 7, keys, [1, 1])
+        assert statuses == [0, 0]
+        if how == "commit":
+            assert st.commit(sess, [7]) == []
+        else:
+            assert st.settle_some(sess, 7, "commit", 1) == 1
+            assert st.settle_some(sess, 7, "commit", 1) == 1
+    assert rig.order() == [b"b", b"c", b"a", b"d", b"e"]
 
 
 def test_a_read_of_an_entry_that_is_then_moved_still_counts(rig_factory) -> None:

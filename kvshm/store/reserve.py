@@ -97,6 +97,7 @@ class _Reserving:
         ``session`` (RELEASE drops it)."""
         nbytes = 0
         c = self.counters  # type: ignore[attr-defined]
+        self.index.sync()  # type: ignore[attr-defined]  # reads recorded before go first
         for e in entries:
             self._install(e)  # type: ignore[attr-defined]
             nbytes += e.size

@@ -205,6 +205,7 @@ class _Sessions:
             q.pending -= nblocks
             self._pending -= n
             if how == "commit":
+                self.index.sync()   # lock-free reads recorded before this write go first
                 for e in part:
                     self._install(e)
                 self.counters["puts"] += n
