@@ -101,6 +101,7 @@ tested on CPU only.
 
 from __future__ import annotations
 
+import array
 import concurrent.futures
 import dataclasses
 import hashlib
@@ -157,6 +158,28 @@ def _key(prefix: str, uid: str, rank: int, tp: int, layer: str, block: int) -> b
 
 def _layers_digest(names: list[str]) -> str:
     return hashlib.sha256("\n".join(names).encode()).hexdigest()[:16]
+
+
+def _prompt_digest(request: "Request", ntokens: int) -> str | None:
+    """What the KV of a request's first ``ntokens`` prompt tokens depends on besides the
+    model: the token ids, the cache salt, the LoRA adapter, and the multimodal inputs
+    placed among them (vLLM's own prefix-cache key, less its per-process hash seed).
+    None when the request has no token ids (prompt embeddings) or fewer tokens."""
+    toks = request.prompt_token_ids
+    if toks is None or ntokens <= 0 or len(toks) < ntokens:
+        return None
+    h = hashlib.sha256(b"kvshm-pd-prompt\0")
+    h.update(array.array("q", toks[:ntokens]).tobytes())
+    h.update(b"\0salt\0" + str(getattr(request, "cache_salt", None) or "").encode())
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        h.update(b"\0lora\0" + f"{lora.lora_name}\0{getattr(lora, 'lora_path', '')}"
+                 .encode())
+    for f in getattr(request, "mm_features", None) or ():
+        pos = f.mm_position
+        if int(pos.offset) < ntokens:
+            h.update(f"\0mm\0{f.identifier}\0{int(pos.offset)}\0{int(pos.length)}".encode())
+    return h.hexdigest()[:32]
 
 
 # --------------------------------------------------------------------------- metadata
@@ -530,6 +553,12 @@ class KvshmPDConnector(KVConnectorBase_V1):
                 raise ValueError("keys do not match the record")
         except (KeyError, TypeError, ValueError) as exc:
             return _Offer(0, None, f"bad record: {exc}")
+        # the KV is of the prompt the prefill computed: a record sent with another prompt
+        # (a mix-up, a replay, a hostile client) would load the KV of other tokens
+        mine_digest = _prompt_digest(request, blocks * self.block_size)
+        if mine_digest is None or rec.get("tokens") != mine_digest:
+            return _Offer(0, None, "record of another prompt (tokens, cache salt, LoRA or "
+                                   "multimodal inputs differ)")
         if h.expired:
             return _Offer(0, None, "pin expired")
         try:
@@ -644,14 +673,14 @@ class KvshmPDConnector(KVConnectorBase_V1):
             return False, None
         # every write of this request finished in its step's wait_for_save: the blocks
         # can be freed now, whatever the pin finds
-        rec = self._handoff(p)
+        rec = self._handoff(p, request)
         if rec is None:
             self._stats["handoff_none"] += 1
             return False, None
         return False, {"do_remote_prefill": True, "do_remote_decode": False,
                        RECORD_KEY: rec}
 
-    def _handoff(self, p: _Producing) -> dict[str, Any] | None:
+    def _handoff(self, p: _Producing, request: "Request") -> dict[str, Any] | None:
         rc = self._client(self.url, "tcp", self.lookup_timeout)
         blocks = p.saved
         while blocks > 0:
@@ -667,6 +696,12 @@ class KvshmPDConnector(KVConnectorBase_V1):
                 blocks = min(gone)          # the leading blocks all of whose keys are there
                 self._stats["handoff_short"] += 1
                 continue
+            digest = _prompt_digest(request, blocks * self.block_size)
+            if digest is None:
+                log.warning("KvshmPDConnector: no handoff for %s: no prompt token ids",
+                            p.uid)
+                rc.call(lambda c: c.unpin(h))
+                return None
             address = self.advertise or h.address
             compact = dataclasses.replace(h, address=address, keys=(), first_key=keys[0],
                                           count=len(keys))
@@ -675,6 +710,6 @@ class KvshmPDConnector(KVConnectorBase_V1):
             return {"v": RECORD_VERSION, "handoff": compact.to_dict(), "uid": p.uid,
                     "blocks": blocks, "block_size": self.block_size, "tp": self.tp,
                     "layers": _layers_digest(self.layers), "page_bytes": self.page_bytes,
-                    "dtype": self.dtype}
+                    "dtype": self.dtype, "tokens": digest}
         return None
 

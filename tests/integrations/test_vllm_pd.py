@@ -260,7 +260,8 @@ def prefill_one(conn: Any, rid: str, c: kvshm.Client, blocks: int = PROMPT_TOKEN
     c.put_batch(keys, [os.urandom(4096) for _ in keys], checksum=True)
     if drop is not None:
         c.delete([keys[-blocks + drop]])
-    done, params = conn.request_finished(SimpleNamespace(request_id=rid), [])
+    done, params = conn.request_finished(
+        SimpleNamespace(request_id=rid, prompt_token_ids=list(range(PROMPT_TOKENS))), [])
     assert done is False
     return params  # type: ignore[no-any-return]
 
@@ -269,7 +270,8 @@ def offer(conn: Any, params: Any, rid: str = "d") -> int:
     from types import SimpleNamespace
 
     req = SimpleNamespace(request_id=rid, kv_transfer_params=params,
-                          num_prompt_tokens=PROMPT_TOKENS)
+                          num_prompt_tokens=PROMPT_TOKENS,
+                          prompt_token_ids=list(range(PROMPT_TOKENS)))
     deadline = time.monotonic() + 30
     while True:
         n, async_load = conn.get_num_new_matched_tokens(req, 0)
