@@ -140,6 +140,8 @@ log = logging.getLogger(__name__)
 RECORD_KEY = "kvshm_pd"
 #: Version of the record's layout.
 RECORD_VERSION = 1
+#: ``RequestStatus`` names of a finished request that no decode will take over.
+_NO_HANDOFF = frozenset(("FINISHED_ABORTED", "FINISHED_ERROR", "FINISHED_IGNORED"))
 #: Seconds the scheduler waits for a pin's renewal before it lets vLLM ask again next
 #: step (a renewal is one round trip: well under this on a working network).
 ASK_WAIT = 0.02
@@ -671,6 +673,12 @@ class KvshmPDConnector(KVConnectorBase_V1):
         p = self._producing.pop(request.request_id, None) if self.producer else None
         if p is None or p.saved == 0:
             return False, None
+        if str(getattr(request, "status", "")) in _NO_HANDOFF:
+            # aborted (the client is gone) or failed: no decode will come for it; pin
+            # nothing and drop what was written, off the scheduler's thread
+            self._stats["handoff_none"] += 1
+            self._askers.submit(self._drop_keys, p)
+            return False, None
         # every write of this request finished in its step's wait_for_save: the blocks
         # can be freed now, whatever the pin finds
         rec = self._handoff(p, request)
@@ -679,6 +687,13 @@ class KvshmPDConnector(KVConnectorBase_V1):
             return False, None
         return False, {"do_remote_prefill": True, "do_remote_decode": False,
                        RECORD_KEY: rec}
+
+    def _drop_keys(self, p: _Producing) -> None:
+        keys = self._keys(p.uid, range(p.saved))
+        try:
+            self._client(self.url, "tcp", self.lookup_timeout).call(lambda c: c.delete(keys))
+        except KvshmError as exc:      # they stay cached, unpinned, until evicted
+            log.info("KvshmPDConnector: deleting the keys of %s: %s", p.uid, exc)
 
     def _handoff(self, p: _Producing, request: "Request") -> dict[str, Any] | None:
         rc = self._client(self.url, "tcp", self.lookup_timeout)
