@@ -625,6 +625,9 @@ class KvshmPDConnector(KVConnectorBase_V1):
             req_id=request.request_id, uid=o.record["_uid"],
             address=normalize_address(h.address), epoch=h.epoch, pin=h.pin, first=first,
             block_ids=ids, count=h.count, blocks=o.record["_blocks"]))
+        # taken once: the load drops the pin and the keys, so a request that asks again
+        # (preempted and resumed) computes the prompt itself
+        self._offers[request.request_id] = _Offer(0, None, "taken")
 
     # ---- prefill
 
