@@ -88,6 +88,10 @@ Options (``kv_connector_extra_config``):
     unpinned, until evicted).
 ``key_prefix``
     First key field (default ``vllmpd``).
+``stores``
+    Decode: the prefill stores (``host:port``, as their records name them) it may read
+    from; a record naming another is a miss, and nothing connects there (its HELLO would
+    carry this engine's door token). Default: any store (a warning at start-up).
 ``token_file``
     The door token file of the stores this engine talks to (default: a same-host store's
     own, or ``$KVSHM_TOKEN_FILE``). A decode on another host than its prefill's store
@@ -150,8 +154,32 @@ DEFAULTS: dict[str, Any] = {
     "url": "127.0.0.1:12345", "advertise": "", "transport": "auto",
     "remote_transport": "auto", "pin_ttl": 60.0, "load_ttl": 30.0, "timeout": 5.0,
     "retry_interval": 1.0, "probe_timeout": 0.5, "lookup_timeout": 0.5, "verify": True,
-    "delete_after_read": True, "key_prefix": "vllmpd", "token_file": "",
+    "delete_after_read": True, "key_prefix": "vllmpd", "token_file": "", "stores": None,
 }
+
+
+def _store_address(a: Any) -> str:
+    """A store address as the decode compares it (``kvshm://``/``tcp://`` dropped);
+    ValueError unless ``host:port``."""
+    if not isinstance(a, str):
+        raise ValueError(f"a store address must be 'host:port', got {a!r}")
+    s = normalize_address(a)
+    if s.startswith("tcp://"):
+        s = s[len("tcp://"):]
+    host, sep, port = s.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"a store address must be 'host:port', got {a!r}")
+    return s
+
+
+def _parse_stores(v: Any) -> frozenset[str] | None:
+    """The ``stores`` option: None (any store) or the set of allowed addresses."""
+    if v is None or v == "*" or v == ["*"]:
+        return None
+    if not isinstance(v, (list, tuple)):
+        raise ValueError(f"KvshmPDConnector: stores must be a list of 'host:port' (or "
+                         f"'*'), got {v!r}")
+    return frozenset(_store_address(a) for a in v)
 
 
 def _key(prefix: str, uid: str, rank: int, tp: int, layer: str, block: int) -> bytes:
@@ -276,6 +304,7 @@ class KvshmPDConnector(KVConnectorBase_V1):
         self.delete_after_read = as_bool(o["delete_after_read"])
         self.prefix = str(o["key_prefix"])
         self.token_file = str(o["token_file"] or "") or None
+        self.stores = _parse_stores(o["stores"])
         if "|" in self.prefix or not self.prefix:
             raise ValueError(f"KvshmPDConnector: key_prefix {self.prefix!r} must be "
                              "non-empty without '|'")
@@ -310,6 +339,10 @@ class KvshmPDConnector(KVConnectorBase_V1):
             self._asking: dict[str, concurrent.futures.Future[_Offer]] = {}
             self._askers = concurrent.futures.ThreadPoolExecutor(
                 4, thread_name_prefix="kvshm-pd-ask")
+            if self.consumer and self.stores is None:
+                log.warning("KvshmPDConnector: no 'stores' given: a decode reads from "
+                            "whatever store a request's record names (and sends it this "
+                            "engine's door token); list the prefill stores in 'stores'")
             if self.consumer and ktc.kv_load_failure_policy != "recompute":
                 log.warning("KvshmPDConnector: kv_load_failure_policy is %r: a load that "
                             "fails after its check (the prefill's store died during it) "
@@ -561,6 +594,14 @@ class KvshmPDConnector(KVConnectorBase_V1):
         if mine_digest is None or rec.get("tokens") != mine_digest:
             return _Offer(0, None, "record of another prompt (tokens, cache salt, LoRA or "
                                    "multimodal inputs differ)")
+        if self.stores is not None:
+            try:
+                allowed = _store_address(h.address) in self.stores
+            except ValueError:
+                allowed = False
+            if not allowed:       # never connect there: HELLO would carry the door token
+                return _Offer(0, None, f"store not allowed: {h.address!r} is not in "
+                                       "'stores'")
         if h.expired:
             return _Offer(0, None, "pin expired")
         try:
