@@ -354,3 +354,171 @@ def test_stores_option_is_checked(store: ServerProcess, token: str) -> None:
     for bad in ("127.0.0.1:1", [1], ["no-port"]):
         with pytest.raises(ValueError):
             make("scheduler", "kv_consumer", {"stores": bad, "token_file": token})
+
+
+def _reask(rig: Rig, rid: str, toks: list[int], rec: dict[str, Any]) -> int:
+    return ask(rig.ds, request(rid, toks, rec))
+
+
+def test_replayed_record_after_its_load_is_a_miss(rig: Rig, token: str) -> None:
+    """HELD: a record replayed after its load (pin dropped, keys deleted) is a miss."""
+    toks, rec = handoff(rig)
+    d = request("d-1", toks, rec)
+    assert ask(rig.ds, d) == 576
+    assert load(rig.dw, take(rig.ds, d, D_BLOCKS, 576)) == set()
+    assert _reask(rig, "d-replay", toks, rec) == 0
+    assert rig.ds.stats()["misses"].get("pin gone (expired, unpinned or the store "
+                                        "restarted)") == 1
+
+
+def test_two_decodes_one_record_second_recomputes(store: ServerProcess, token: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """HELD: two decode engines given one record both take the offer (both renew the
+    pin); the first load drops the keys, the second load reports every block as a load
+    error (vLLM recomputes them) and writes nothing into its cache."""
+    import torch
+
+    a = Rig(store, token, monkeypatch)
+    b = Rig(store, token, monkeypatch)
+    try:
+        toks, rec = handoff(a)
+        da, db = request("d-a", toks, rec), request("d-b", toks, rec)
+        assert ask(a.ds, da) == 576 and ask(b.ds, db) == 576
+        assert load(a.dw, take(a.ds, da, D_BLOCKS, 576)) == set()
+        assert load(b.dw, take(b.ds, db, D_BLOCKS, 576)) == set(D_BLOCKS[:18])
+        for name in LAYERS:
+            assert torch.equal(a.dw._kv[name][D_BLOCKS[:18]], a.pw._kv[name][P_BLOCKS[:18]])
+            assert not b.dw._kv[name].any()
+        assert b.dw.stats()["load_failures"] == 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_epoch_change_between_lookup_and_load(store: ServerProcess, token: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """HELD: the prefill's store restarts (another epoch) after the offer and before the
+    load, and the same keys are there again with valid checksums (as a persistent tier
+    could restore them): the load refuses them (every block a load error)."""
+    import torch
+
+    rig = Rig(store, token, monkeypatch)
+    srv2 = None
+    try:
+        toks, rec = handoff(rig)
+        with client(store, token) as c:
+            keys = sorted(c.list_keys(b"vllmpd|"))
+            vals = [c.get(k) for k in keys]
+        d = request("d-ep", toks, rec)
+        assert ask(rig.ds, d) == 576
+        port = store.port
+        stop_server(store)
+        srv2 = ServerProcess("--door-token-file", token, prealloc_size=0.125,
+                             service_port=port)
+        with client(srv2, token) as c:
+            c.put_batch(keys, vals, checksum=True)
+        assert load(rig.dw, take(rig.ds, d, D_BLOCKS, 576)) == set(D_BLOCKS[:18])
+        for name in LAYERS:
+            assert not rig.dw._kv[name].any()
+    finally:
+        rig.close()
+        if srv2 is not None:
+            stop_server(srv2)
+
+
+def _wait_unpinned(srv: ServerProcess, token: str) -> None:
+    deadline = time.monotonic() + 120
+    while pinned(srv, token):
+        assert time.monotonic() < deadline, "a handoff pin never expired"
+        time.sleep(0.2)
+
+
+def test_store_stopped_between_lookup_and_load(store: ServerProcess, token: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """HELD: the prefill's store SIGSTOPped after the offer: the load fails (each
+    block a load error) after one read timeout, the unpin fails; once the store runs
+    again the pin the decode renewed (load_ttl) expires on its own."""
+    rig = Rig(store, token, monkeypatch, cons_extra={"load_ttl": 1})
+    try:
+        toks, rec = handoff(rig)
+        d = request("d-stop", toks, rec)
+        assert ask(rig.ds, d) == 576
+        os.kill(store.proc.pid, signal.SIGSTOP)
+        try:
+            assert load(rig.dw, take(rig.ds, d, D_BLOCKS, 576)) == set(D_BLOCKS[:18])
+        finally:
+            os.kill(store.proc.pid, signal.SIGCONT)
+        _wait_unpinned(store, token)
+    finally:
+        rig.close()
+
+
+def test_decode_gone_after_lookup_pin_expires(store: ServerProcess, token: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """HELD: a decode that renewed the pin and died (never loads, never unpins) holds
+    it for load_ttl only; the keys stay cached, unpinned (evictable)."""
+    rig = Rig(store, token, monkeypatch, cons_extra={"load_ttl": 1})
+    try:
+        toks, rec = handoff(rig)
+        assert ask(rig.ds, request("d-gone", toks, rec)) == 576
+        rig.ds.shutdown()
+        rig.dw.shutdown()
+        assert pinned(store, token) == 2 * 18
+        _wait_unpinned(store, token)
+        with client(store, token) as c:
+            assert len(c.list_keys(b"vllmpd|")) == 2 * 18
+    finally:
+        rig.close()
+
+
+def test_scheduler_does_not_wait_for_a_stopped_store(store: ServerProcess, token: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """HELD: with the prefill's store SIGSTOPped the decode scheduler's first ask
+    returns None (it did not wait for the renewal: vLLM asks again next step), and the
+    answer, once the renewal timed out, is a miss."""
+    rig = Rig(store, token, monkeypatch)
+    try:
+        toks, rec = handoff(rig)
+        os.kill(store.proc.pid, signal.SIGSTOP)
+        try:
+            d = request("d-s", toks, rec)
+            assert rig.ds.get_num_new_matched_tokens(d, 0) == (None, False)
+            assert ask(rig.ds, d) == 0
+        finally:
+            os.kill(store.proc.pid, signal.SIGCONT)
+    finally:
+        rig.close()
+
+
+@pytest.mark.parametrize("how", ["stop", "kill"])
+def test_store_lost_during_save(store: ServerProcess, token: str,
+                                monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """HELD: the prefill's store SIGSTOPped or killed before a step's save_kv_layer:
+    wait_for_save returns (after at most one write timeout; the error is counted, not
+    raised into the forward) and request_finished gives no record."""
+    rig = Rig(store, token, monkeypatch)
+    try:
+        with client(store, token) as c:
+            c.ping()                  # the prefill's client has met the store
+        os.kill(store.proc.pid, signal.SIGSTOP if how == "stop" else signal.SIGKILL)
+        try:
+            rec = prefill(rig.ps, rig.pw, request("p-l", prompt(1), {"do_remote_decode": True}),
+                          P_BLOCKS)
+        finally:
+            if how == "stop":
+                os.kill(store.proc.pid, signal.SIGCONT)
+        assert rec is None
+        assert rig.pw.stats()["save_errors"] >= 1
+    finally:
+        rig.close()
+
+
+def test_records_of_another_layout_are_misses(rig: Rig) -> None:
+    """HELD: dtype, layer names, TP size, block size and page bytes of another engine."""
+    toks, rec = handoff(rig)
+    r = rec["kvshm_pd"]
+    for i, change in enumerate(({"dtype": "torch.bfloat16"}, {"layers": "0" * 16},
+                                {"tp": 2}, {"block_size": 16}, {"page_bytes": PAGE * 2},
+                                {"blocks": True}, {"uid": r["uid"] + "|x"})):
+        assert _reask(rig, f"d-l{i}", toks, {**rec, "kvshm_pd": {**r, **change}}) == 0, change
+    assert _reask(rig, "d-ok", toks, rec) == 576
