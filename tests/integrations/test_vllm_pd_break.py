@@ -522,3 +522,36 @@ def test_records_of_another_layout_are_misses(rig: Rig) -> None:
                                 {"blocks": True}, {"uid": r["uid"] + "|x"})):
         assert _reask(rig, f"d-l{i}", toks, {**rec, "kvshm_pd": {**r, **change}}) == 0, change
     assert _reask(rig, "d-ok", toks, rec) == 576
+
+
+@pytest.mark.parametrize("flags", [("--max-client-pending", "8192"),
+                                   ("--prealloc-size", "160KiB")],
+                         ids=["pending-quota", "pool-and-pin-cap"])
+def test_refused_writes_or_pin(token: str, monkeypatch: pytest.MonkeyPatch,
+                               flags: tuple[str, str]) -> None:
+    """HELD: a quota refusal of the writes, or a pool too small for the handoff (its
+    pin over the server's pin cap): wait_for_save does not raise, the handoff is
+    shortened or none, and what is handed off loads byte for byte."""
+    import torch
+
+    srv = ServerProcess("--door-token-file", token, *flags, prealloc_size=0.125)
+    rig = Rig(srv, token, monkeypatch)
+    try:
+        toks = prompt(1)
+        rec = prefill(rig.ps, rig.pw, request("p-q", toks, {"do_remote_decode": True}),
+                      P_BLOCKS)
+        st = rig.pw.stats()
+        assert st["save_errors"] >= 1         # counted, not raised into the forward
+        if rec is not None:
+            n = rec["kvshm_pd"]["blocks"]
+            assert n < 18
+            d = request("d-q", toks, rec)
+            got = ask(rig.ds, d)
+            assert got == min(n * BLOCK, 576)
+            assert load(rig.dw, take(rig.ds, d, D_BLOCKS, got)) == set()
+            k = got // BLOCK
+            for name in LAYERS:
+                assert torch.equal(rig.dw._kv[name][D_BLOCKS[:k]], rig.pw._kv[name][P_BLOCKS[:k]])
+    finally:
+        rig.close()
+        stop_server(srv)
