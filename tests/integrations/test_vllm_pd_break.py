@@ -555,3 +555,37 @@ def test_refused_writes_or_pin(token: str, monkeypatch: pytest.MonkeyPatch,
     finally:
         rig.close()
         stop_server(srv)
+
+
+def test_value_larger_than_a_block_is_a_load_error(rig: Rig, token: str) -> None:
+    """BROKE: a handoff value replaced by a larger one (valid checksum: anyone who may
+    write the prefill's store) made get_batch_into raise ValueError in the reader, which
+    wait_for_layer_load raised into the decode's forward: the engine died. Fixed: any
+    failure of a read is the request's load error (vLLM recomputes its blocks)."""
+    toks, rec = handoff(rig)
+    with client(rig.srv, token) as c:
+        key = sorted(c.list_keys(b"vllmpd|"))[0]
+        c.put(key, os.urandom(2 * PAGE), checksum=True)
+    d = request("d-big", toks, rec)
+    assert ask(rig.ds, d) == 576
+    assert load(rig.dw, take(rig.ds, d, D_BLOCKS, 576)) == set(D_BLOCKS[:18])
+    assert rig.dw.stats()["load_failures"] == 1
+
+
+def test_writer_failure_other_than_kvshm_is_counted_not_raised(
+        rig: Rig, token: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """BROKE: an exception other than KvshmError in the writer thread (injected here:
+    a RuntimeError from put_batch) came out of wait_for_save into the prefill's
+    forward. Fixed: counted and logged like a refused write; the pin finds the gap (no
+    record here: nothing was written), no pin is left."""
+    import kvshm.client as kc
+
+    def boom(self: Any, *a: Any, **k: Any) -> Any:
+        raise RuntimeError("injected writer fault")
+
+    monkeypatch.setattr(kc.Client, "put_batch", boom)
+    rec = prefill(rig.ps, rig.pw, request("p-w", prompt(1), {"do_remote_decode": True}),
+                  P_BLOCKS)
+    assert rec is None
+    assert rig.pw.stats()["save_errors"] == 2
+    assert pinned(rig.srv, token) == 0
