@@ -16,7 +16,8 @@ loaded by module path::
     # decode engine (anywhere that reaches the prefill host's service port)
     --kv-transfer-config '{"kv_connector": "KvshmPDConnector",
         "kv_connector_module_path": "kvshm.integrations.vllm_pd",
-        "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute"}'
+        "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"stores": ["10.0.0.5:12345"]}}'
 
 Request flow (vLLM's P/D convention, as its NIXL connector uses it): the proxy sends the
 prompt to the prefill engine with ``kv_transfer_params={"do_remote_decode": true}`` and
@@ -33,7 +34,9 @@ Prefill side
     request with one server-held handoff pin (``Client.pin``, :mod:`kvshm.handoff`) for
     ``pin_ttl`` seconds and returns the record. A write that failed, or keys evicted
     before the pin, shorten the handoff to the leading blocks all of whose keys are
-    there; a store that is down gives no record (the decode recomputes).
+    there; a store that is down gives no record (the decode recomputes). A request
+    that finished aborted, with an error or ignored gives no record, pins nothing, and
+    its keys are deleted. The record carries a digest of the handed-off prompt.
 
 Decode side
     ``get_num_new_matched_tokens`` checks the record against this engine (block size,
@@ -52,9 +55,11 @@ Decode side
     ends the request with an error). After the last layer the reader unpins the handoff
     and deletes its keys.
 
-Trust: the record comes with the request; the decode bounds it by the prompt and checks
-every value, but reads from the store it names: only a trusted proxy should set
-``kv_transfer_params``.
+Trust: the record comes with the request; the decode bounds it by the prompt, checks it
+against a digest of the prompt it was made for (token ids, cache salt, LoRA, multimodal
+inputs: a record sent with another prompt is a miss) and checks every value, but reads
+from the store it names unless ``stores`` lists the allowed ones: only a trusted proxy
+should set ``kv_transfer_params``.
 
 Keys: ``{key_prefix}|{uid}|tp{rank}of{size}|{layer name}|{block index}``, one value per
 (layer, block, TP rank): the block's ``[H, N, C]`` KV (vLLM's logical per-layer view

@@ -589,3 +589,68 @@ def test_writer_failure_other_than_kvshm_is_counted_not_raised(
     assert rec is None
     assert rig.pw.stats()["save_errors"] == 2
     assert pinned(rig.srv, token) == 0
+
+
+def _cached(rid: str, new_blocks: list[int], computed: int, scheduled: int,
+            resumed: bool) -> Any:
+    return SimpleNamespace(
+        scheduled_new_reqs=[], num_scheduled_tokens={rid: scheduled},
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[rid], resumed_req_ids={rid} if resumed else set(),
+            new_block_ids=[(list(new_blocks),)], num_computed_tokens=[computed]))
+
+
+def _step(worker: Any, meta: Any) -> None:
+    worker.bind_connector_metadata(meta)
+    for name in LAYERS:
+        worker.save_kv_layer(name, worker._kv[name], None)
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+
+
+def test_prefill_chunked_then_preempted_and_resumed(rig: Rig) -> None:
+    """HELD: a prefill computed in chunks, preempted after the first (its blocks freed)
+    and resumed into other blocks: each block is written once, from the blocks that
+    held it when it was complete, and the decode loads exactly those bytes."""
+    import torch
+    from vllm.v1.request import RequestStatus
+
+    toks = prompt(1)
+    req = request("p-pre", toks, {"do_remote_decode": True})
+    first = P_BLOCKS[:10]
+    out = sched_out("p-pre", toks, first, req.kv_transfer_params)
+    out.num_scheduled_tokens = {"p-pre": 10 * BLOCK}           # chunk 1: 320 tokens
+    _step(rig.pw, rig.ps.build_connector_meta(out))
+    again = list(range(40, 40 + 19))                         # resumed elsewhere, from 0
+    _step(rig.pw, rig.ps.build_connector_meta(_cached("p-pre", again, 0, PROMPT, True)))
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    _done, rec = rig.ps.request_finished(req, again)
+    assert rec is not None and rec["kvshm_pd"]["blocks"] == 18
+    d = request("d-pre", toks, rec)
+    assert ask(rig.ds, d) == 576
+    assert load(rig.dw, take(rig.ds, d, D_BLOCKS, 576)) == set()
+    src = first + again[10:18]
+    for name in LAYERS:
+        assert torch.equal(rig.dw._kv[name][D_BLOCKS[:18]], rig.pw._kv[name][src])
+
+
+def test_prefill_scheduler_waits_once_for_a_stopped_store(rig: Rig) -> None:
+    """HELD (documented cost): request_finished's PIN runs on the prefill scheduler's
+    thread; with the store SIGSTOPped the first finished request waits one
+    lookup_timeout and gets no record, and the store is then known down: the next
+    requests get no record without a wait (the store's client is marked down)."""
+    from vllm.v1.request import RequestStatus
+
+    reqs = [request(f"p-s{i}", prompt(10 + i), {"do_remote_decode": True}) for i in range(2)]
+    for r in reqs:
+        _step(rig.pw, rig.ps.build_connector_meta(
+            sched_out(r.request_id, r.prompt_token_ids, P_BLOCKS, r.kv_transfer_params)))
+    os.kill(rig.srv.proc.pid, signal.SIGSTOP)
+    try:
+        for r in reqs:
+            r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            assert rig.ps.request_finished(r, P_BLOCKS) == (False, None)
+            (c,) = [c for k, c in rig.ps._clients.items() if k.startswith("tcp|")]
+            assert not c.up
+    finally:
+        os.kill(rig.srv.proc.pid, signal.SIGCONT)
