@@ -654,3 +654,27 @@ def test_prefill_scheduler_waits_once_for_a_stopped_store(rig: Rig) -> None:
             assert not c.up
     finally:
         os.kill(rig.srv.proc.pid, signal.SIGCONT)
+
+
+def test_decode_aborted_before_its_load_releases_the_handoff(
+        store: ServerProcess, token: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """BROKE: a decode request aborted after its offer (renewed to load_ttl) and before
+    its load left the pin held for load_ttl (up to 600 s of the prefill's pin share)
+    and the keys behind. Fixed: an offer never taken is released when its request
+    finishes (unpin and delete, off the scheduler's thread)."""
+    from vllm.v1.request import RequestStatus
+
+    rig = Rig(store, token, monkeypatch, cons_extra={"load_ttl": 600})
+    try:
+        toks, rec = handoff(rig)
+        d = request("d-ab", toks, rec)
+        assert ask(rig.ds, d) == 576
+        d.status = RequestStatus.FINISHED_ABORTED
+        assert rig.ds.request_finished(d, []) == (False, None)
+        deadline = time.monotonic() + 60
+        with client(store, token) as c:
+            while pinned(store, token) or c.list_keys(b"vllmpd|"):
+                assert time.monotonic() < deadline, "the aborted decode's handoff stayed"
+                time.sleep(0.1)
+    finally:
+        rig.close()
