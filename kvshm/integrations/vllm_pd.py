@@ -719,8 +719,12 @@ class KvshmPDConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request",
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._offers.pop(request.request_id, None)
+        o = self._offers.pop(request.request_id, None)
         self._asking.pop(request.request_id, None)
+        if o is not None and o.record is not None:
+            # offered (its pin renewed to load_ttl) but never loaded: aborted before its
+            # blocks were allocated; no one else takes it: let it go now
+            self._askers.submit(self._release, o.record)
         p = self._producing.pop(request.request_id, None) if self.producer else None
         if p is None or p.saved == 0:
             return False, None
@@ -738,6 +742,17 @@ class KvshmPDConnector(KVConnectorBase_V1):
             return False, None
         return False, {"do_remote_prefill": True, "do_remote_decode": False,
                        RECORD_KEY: rec}
+
+    def _release(self, rec: dict[str, Any]) -> None:
+        h: Handoff = rec["_handoff"]
+        keys = self._keys(rec["_uid"], range(rec["_blocks"]))
+        try:
+            rc = self._client(normalize_address(h.address), "tcp", self.lookup_timeout)
+            rc.call(lambda c: c.unpin(h))
+            if self.delete_after_read:
+                rc.call(lambda c: c.delete(keys))
+        except KvshmError as exc:      # the pin expires by itself
+            log.info("KvshmPDConnector: releasing the handoff of %s: %s", rec["_uid"], exc)
 
     def _drop_keys(self, p: _Producing) -> None:
         keys = self._keys(p.uid, range(p.saved))

@@ -266,7 +266,9 @@ def prefill_one(conn: Any, rid: str, c: kvshm.Client, blocks: int = PROMPT_TOKEN
     return params  # type: ignore[no-any-return]
 
 
-def offer(conn: Any, params: Any, rid: str = "d") -> int:
+def offer(conn: Any, params: Any, rid: str = "d", finish: bool = True) -> int:
+    """The tokens the decode's scheduler offers for ``params``; ``finish``: then the
+    request finishes unloaded (which releases a handoff it was offered)."""
     from types import SimpleNamespace
 
     req = SimpleNamespace(request_id=rid, kv_transfer_params=params,
@@ -277,7 +279,8 @@ def offer(conn: Any, params: Any, rid: str = "d") -> int:
         n, async_load = conn.get_num_new_matched_tokens(req, 0)
         if n is not None:
             assert async_load is False
-            conn.request_finished(req, [])
+            if finish:
+                conn.request_finished(req, [])
             return int(n)
         assert time.monotonic() < deadline
         time.sleep(0.01)
@@ -291,11 +294,11 @@ def test_records_hostile_odd_and_short(store: dict[str, ServerProcess], token: s
         with client(srv, token) as c:
             good = prefill_one(prod, "r1", c)
             assert good is not None and good["kvshm_pd"]["blocks"] == PROMPT_TOKENS // BLOCK
-            assert offer(cons, good) == (PROMPT_TOKENS - 1) // BLOCK * BLOCK     # 576
+            assert offer(cons, good, "g1", False) == (PROMPT_TOKENS - 1) // BLOCK * BLOCK
             # keys of block 5 gone before the pin: the handoff is the 5 blocks before it
             short = prefill_one(prod, "r2", c, drop=5)
             assert short is not None and short["kvshm_pd"]["blocks"] == 5
-            assert offer(cons, short) == 5 * BLOCK
+            assert offer(cons, short, "s1", False) == 5 * BLOCK
             rec = good["kvshm_pd"]
             hostile: list[Any] = [
                 None, {}, [1, 2], "x", {"do_remote_prefill": True},
@@ -316,7 +319,7 @@ def test_records_hostile_odd_and_short(store: dict[str, ServerProcess], token: s
             ]
             for i, p in enumerate(hostile):
                 assert offer(cons, p, f"h{i}") == 0, p
-            assert offer(cons, good) == 576         # the real pin is still held
+            assert offer(cons, good, "g2", False) == 576   # the real pin is still held
             assert c.unpin(rec["handoff"]["pin"])
             assert offer(cons, good) == 0           # gone: a miss
             c.delete(c.list_keys(b"vllmpd|unit-"))
