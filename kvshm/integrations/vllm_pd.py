@@ -466,7 +466,9 @@ class KvshmPDConnector(KVConnectorBase_V1):
         if not isinstance(meta, PDMetadata) or not meta.loads:
             return
         t0 = time.monotonic()
-        loads = [(ld, {}, threading.Event(), set()) for ld in meta.loads]
+        loads: list[tuple[_Load, dict[str, concurrent.futures.Future[Any]],
+                          threading.Event, set[str]]] = [
+            (ld, {}, threading.Event(), set()) for ld in meta.loads]
         for layer in self.layers:      # in forward order: the reader runs ahead of it
             for ld, futs, failed, _copied in loads:
                 futs[layer] = self._reader.submit(self._read_layer, ld, layer, failed)
