@@ -1,0 +1,273 @@
+"""Issue 12, broken again (review "break3"): each test reproduces a way a hostile or
+unlucky user got past the trust work on main, and pins the fix.
+
+- a live client's liveness file deleted or replaced under it (``rm /dev/shm/kvshm-*``
+  by an operator tidying up): the server took the client for dead, reclaimed the
+  blocks it was still copying into, and handed them to other keys;
+- a hard link to a file the server's user holds locked (the pool segment itself),
+  under the proof name: the server took it for a live local client of its own user
+  (operator ops, a session that never dies);
+- a token file that is a FIFO: every client (and the server reading
+  ``--door-token-file``) hung forever in ``open``;
+- a ``/dev/shm/kvshm-run-<uid>`` directory made first by another user: the server
+  of ``<uid>`` could not start at all.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import msgpack
+import pytest
+import zmq
+
+from kvshm import Client, security, segments
+from kvshm.zmq_ctrl.protocol import PROTOCOL_VERSION, Op, Status, decode_reply
+from servers import ServerProcess
+from test_faults import wait_for, wait_line
+
+IS_ROOT = os.geteuid() == 0
+HAS_SETPRIV = shutil.which("setpriv") is not None
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "HOME": "/tmp"}
+
+
+def _proofs(shm_name: str) -> list[str]:
+    return glob.glob(os.path.join(segments.SHM_DIR, shm_name.lstrip("/") + ".c-*"))
+
+
+# ---------------------------------------------------------------- liveness file removed
+
+WAITING_WRITER = """
+    import sys, kvshm
+    from kvshm.movers import ShmMover
+    orig = ShmMover.write
+    def write(self, *a):
+        print("allocated", flush=True)
+        sys.stdin.readline()                   # the test says when to copy
+        return orig(self, *a)
+    ShmMover.write = write
+    c = kvshm.Client(sys.argv[1], transport="shm", timeout=30)
+    c.put_batch([f"late{i}" for i in range(4)], [b"L" * 65536] * 4)
+    print("written", flush=True)
+    c.close()
+"""
+
+
+@pytest.mark.parametrize("how", ["deleted", "replaced"])
+def test_live_client_whose_liveness_file_goes_keeps_its_blocks(how, tmp_path):
+    """The client's liveness file is removed (or replaced by an unlocked file of the same
+    name) while the client lives, between its ALLOC and its copy. The server used to
+    test the lock by the file's *name*: it found none, closed the session, freed the
+    blocks; the pool was refilled and the client's late copy landed in other keys.
+    The kernel's lock lives on the open file, not on its name: the server now keeps the
+    file it verified open and tests the lock there."""
+    script = tmp_path / "writer.py"
+    script.write_text(textwrap.dedent(WAITING_WRITER))
+    with ServerProcess("--lease-timeout", "0.5", "--max-client-pending", "0",
+                       prealloc_size=1 / 256) as srv, Client(srv.address) as other:
+        cap = other.stats()["capacity_bytes"]
+        before = set(_proofs(srv.shm_name))
+        p = subprocess.Popen([sys.executable, str(script), srv.address],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=_env())
+        try:
+            wait_line(p, "allocated")
+            mine = [f for f in _proofs(srv.shm_name) if f not in before]
+            assert len(mine) == 1, mine
+            os.unlink(mine[0])                    # "rm /dev/shm/kvshm-*", tidying up
+            if how == "replaced":
+                with open(mine[0], "wb"):
+                    pass
+            # the lease runs out: a live client's grant is held (the old server had
+            # closed the session already, so this never came)
+            wait_for(lambda: other.stats()["held_grants"] >= 1,
+                     what="the live client's grant to be held past its lease")
+            n = cap // 65536 - 6
+            other.purge()
+            other.put_batch([f"other{j}" for j in range(n)],
+                            [bytes([j % 251]) * 65536 for j in range(n)])
+            p.stdin.write("go\n")
+            p.stdin.flush()
+            wait_line(p, "written")
+            assert p.wait(30) == 0, p.stderr.read()
+            bad = [j for j in range(n) if other.get(f"other{j}") != bytes([j % 251]) * 65536]
+            assert bad == [], f"{len(bad)} of {n} other keys corrupted"
+            assert other.get("late0") == b"L" * 65536
+            st = other.stats(verify=True)
+            assert st["accounting_ok"] and st["pending"] == 0
+        finally:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            for f in set(_proofs(srv.shm_name)) - before:
+                os.unlink(f)
+
+
+def test_dead_client_whose_liveness_file_was_replaced_is_reclaimed(tmp_path):
+    """The other side of the fix: a client killed after its file was replaced by an
+    unlocked one is still found dead (its grants reclaimed, no held grant left)."""
+    script = tmp_path / "writer.py"
+    script.write_text(textwrap.dedent(WAITING_WRITER))
+    with ServerProcess("--lease-timeout", "60", prealloc_size=1 / 256) as srv, \
+            Client(srv.address) as other:
+        before = set(_proofs(srv.shm_name))
+        p = subprocess.Popen([sys.executable, str(script), srv.address],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=_env())
+        try:
+            wait_line(p, "allocated")
+            assert other.stats()["pending"] == 4
+            mine = [f for f in _proofs(srv.shm_name) if f not in before]
+            os.unlink(mine[0])
+            with open(mine[0], "wb"):
+                pass
+            p.kill()
+            p.wait()
+            # reclaimed by the liveness check, long before the 60 s lease
+            wait_for(lambda: other.stats()["pending"] == 0, what="the dead client's "
+                     "grant to be reclaimed")
+            st = other.stats(verify=True)
+            assert st["accounting_ok"] and st["held_grants"] == 0
+        finally:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            for f in set(_proofs(srv.shm_name)) - before:
+                os.unlink(f)
+
+
+# ---------------------------------------------------------------- forged proof: hard link
+
+HARDLINKER = """
+    import json, os, sys, msgpack, zmq
+    from kvshm import segments
+    from kvshm._pool import Pool
+    from kvshm.security import read_token_file
+    from kvshm.zmq_ctrl.protocol import PROTOCOL_VERSION, Op, decode_reply
+    address, shm, tok = sys.argv[1], sys.argv[2], sys.argv[3]
+    pool = Pool.attach(shm, populate=False)       # the admin shared the segment
+    nonce = os.urandom(16)
+    link = os.path.join(segments.SHM_DIR, segments.proof_name(pool.name, pool.token, nonce))
+    # the segment: a file of the server's user that the server itself holds locked
+    os.link(os.path.join(segments.SHM_DIR, shm.lstrip("/")), link)
+    print(link, flush=True)
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect("tcp://" + address)
+    def call(op, body, rid, epoch):
+        s.send(msgpack.packb([PROTOCOL_VERSION, op, rid, epoch, body], use_bin_type=True))
+        assert s.poll(10000)
+        st, _, b = decode_reply(s.recv_multipart()[0])
+        return st, b
+    st, h = call(Op.HELLO, {"nonce": nonce, "token": read_token_file(tok),
+                            "proof": True}, 1, 0)
+    out = {"hello": int(st), "local": h.get("local")}
+    st, b = call(Op.PURGE, {}, 2, h["epoch"])
+    out["purge"] = int(st)
+    print(json.dumps(out), flush=True)
+"""
+
+
+def test_hard_link_to_a_locked_file_of_the_server_user_is_no_proof():
+    """User nobody, given the door token file and the segment (an admin made it 0666 so
+    that a container of another uid can attach), hard-links the segment under its
+    proof name. The segment is the server user's file and the server holds its lock:
+    the old check took the link for a live local client of the server's own user, an
+    operator (PURGE), whose session never died. A liveness file has exactly one name."""
+    if not IS_ROOT or not HAS_SETPRIV:
+        pytest.skip("needs root and setpriv to run as nobody")
+    shared = tempfile.mkdtemp(prefix="kvshm-test-token-")
+    os.chmod(shared, 0o755)
+    tok = os.path.join(shared, "kvshm.token")
+    link = None
+    try:
+        with ServerProcess("--token-file", tok) as srv, Client(srv.address) as c:
+            c.put("theirs", b"t" * 100)
+            os.chown(tok, 0, 65534)
+            os.chmod(os.path.join(segments.SHM_DIR, srv.shm_name.lstrip("/")), 0o666)
+            r = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup",
+                                "--clear-groups", sys.executable, "-c",
+                                textwrap.dedent(HARDLINKER), srv.address, srv.shm_name, tok],
+                               capture_output=True, text=True, timeout=120, env=_env())
+            lines = r.stdout.split("\n")
+            link = lines[0] or None
+            assert r.returncode == 0, r.stderr
+            got = json.loads(lines[1])
+            assert got == {"hello": Status.OK, "local": False,
+                           "purge": Status.UNAUTHORIZED}, got
+            assert c.get("theirs") == b"t" * 100
+    finally:
+        if link and os.path.lexists(link):
+            os.unlink(link)
+        shutil.rmtree(shared)
+
+
+# ---------------------------------------------------------------- token files that hang
+
+def test_token_file_that_is_a_fifo_is_refused_not_waited_on(tmp_path):
+    """``open()`` of a FIFO for reading waits for a writer: a token file replaced by a
+    FIFO (``$KVSHM_TOKEN_FILE`` in a shared directory, the run directory) hung every
+    client forever, and the server reading ``--door-token-file``."""
+    fifo = tmp_path / "kvshm.token"
+    os.mkfifo(fifo, 0o600)
+    code = textwrap.dedent("""
+        import sys
+        from kvshm import security
+        for call in (lambda: security.read_token_file(sys.argv[1]),
+                     lambda: security.find_token("tcp://127.0.0.1:1", sys.argv[1])):
+            try:
+                call()
+            except ValueError as exc:
+                print("refused:", exc, flush=True)
+    """)
+    r = subprocess.run([sys.executable, "-c", code, str(fifo)], capture_output=True,
+                       text=True, timeout=60, env=_env())
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("refused:") == 2 and "not a kvshm token file" in r.stdout, r.stdout
+
+
+# ---------------------------------------------------------------- squatted run directory
+
+def test_run_directory_made_first_by_another_user_does_not_lock_the_server_out():
+    """Any local user may make ``/dev/shm/kvshm-run-<uid>`` first (``/dev/shm`` is world
+    writable). The server of ``<uid>`` refused to start; now it puts its token files in
+    a directory of its own beside it, and its clients find them there."""
+    if not IS_ROOT or not HAS_SETPRIV:
+        pytest.skip("needs root and setpriv (the server runs as nobody, the squatter "
+                    "as daemon)")
+    uid = 65534
+    squat = security.run_dir(uid)
+    if os.path.lexists(squat):
+        pytest.skip(f"{squat} exists (a server of nobody runs?)")
+    os.mkdir(squat, 0o777)
+    os.chown(squat, 1, 1)                       # daemon's
+    with open(os.path.join(squat, "bait.token"), "w") as f:
+        f.write("00" * 32)
+    os.chown(os.path.join(squat, "bait.token"), 1, 1)
+    launcher = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+                sys.executable, "-m", "kvshm"]
+    code = ("import sys, kvshm; c = kvshm.Client(sys.argv[1], transport='tcp'); "
+            "c.put('k', b'v'); print(c.get('k').decode(), c.purge())")
+    try:
+        with ServerProcess(launcher=launcher, env={"HOME": "/tmp"}) as srv:
+            r = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup",
+                                "--clear-groups", sys.executable, "-c", code, srv.address],
+                               capture_output=True, text=True, timeout=60, env=_env())
+            assert r.returncode == 0 and r.stdout.split() == ["v", "1"], r.stderr
+        assert sorted(os.listdir(squat)) == ["bait.token"]     # not touched
+        left = [d for d in os.listdir(segments.SHM_DIR)
+                if d.startswith(f"kvshm-run-{uid}")]
+        assert left == [f"kvshm-run-{uid}"], left                # its own one is gone
+    finally:
+        shutil.rmtree(squat)
