@@ -155,7 +155,8 @@ def operator_token_path(endpoint: str, uid: int | None = None) -> str | None:
 
 
 def _read_private(path: str) -> bytes:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    # O_NONBLOCK: opening a FIFO put in its place must not wait for a writer (forever)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size > 256:

@@ -152,39 +152,80 @@ class ClientProof:
 class Liveness:
     """The server's side: a client's proof, tested by its lock.
 
-    Made by :meth:`verify`; :meth:`alive` is True while some process still holds the
-    lock on that very file (same inode); :attr:`uid` is the file's owner.
+    Made by :meth:`verify`, which keeps the verified file open: :meth:`alive` tests the
+    lock on that open file (the inode), never on the name, so a live client whose file
+    was deleted or replaced under it (``rm /dev/shm/kvshm-*`` while it runs) stays
+    alive, and a dead one is dead whatever now lies at its name. :attr:`uid` is the
+    file's owner as the kernel recorded it. One open file descriptor per live local
+    session, released by :meth:`close` (the store calls it when the session ends).
     """
 
-    def __init__(self, path: str, dev: int, ino: int, uid: int) -> None:
+    def __init__(self, path: str, fd: int, st: os.stat_result) -> None:
         self.path = path
-        self._id = (dev, ino)
-        self.uid = uid
+        self._fd = fd
+        self._id = (st.st_dev, st.st_ino)
+        self.uid = st.st_uid
 
     @classmethod
     def verify(cls, pool_name: str, token: bytes, nonce: Any) -> "Liveness | None":
-        """The proof of the client with ``nonce``, or None when there is none (no such
-        file, not a regular file, or nobody holds its lock)."""
+        """The proof of the client with ``nonce``, or None when there is none: no such
+        file, not an empty regular file with exactly one name (a hard link to some
+        other locked file of another user, the segment itself say, proves nothing), or
+        nobody holds its lock."""
         if type(nonce) is not bytes or not 8 <= len(nonce) <= 64:
             return None
         path = _path(proof_name(pool_name, token, nonce))
-        st = _locked_stat(path)
-        if st is None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
             return None
-        return cls(path, st.st_dev, st.st_ino, st.st_uid)
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_size == 0 \
+                    and _held(fd):
+                proof, fd = cls(path, fd, st), -1
+                return proof
+            return None
+        finally:
+            if fd >= 0:
+                os.close(fd)
 
     def alive(self) -> bool:
-        st = _locked_stat(self.path)
-        return st is not None and (st.st_dev, st.st_ino) == self._id
+        """True while some process holds the lock on the verified file."""
+        return self._fd >= 0 and _held(self._fd)
 
     def remove(self) -> None:
-        """Unlink the file of a dead client (when this user may)."""
+        """Unlink the file of a dead client (when this user may and it still has its
+        name), and close it."""
         try:
             st = os.lstat(self.path)
             if (st.st_dev, st.st_ino) == self._id:
                 os.unlink(self.path)
         except OSError:
             pass
+        self.close()
+
+    def close(self) -> None:
+        """Close the verified file (idempotent); :meth:`alive` is False after."""
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", -1) >= 0:
+            self.close()
+
+
+def _held(fd: int) -> bool:
+    """Whether another open file holds an exclusive flock on the file open at ``fd``."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True               # held (exclusively) by the live client
+    except OSError:
+        return False
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False                  # nobody holds it: its client is gone
 
 
 def _locked_stat(path: str) -> os.stat_result | None:
@@ -197,14 +238,7 @@ def _locked_stat(path: str) -> os.stat_result | None:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return st             # held (exclusively) by the live client
-        except OSError:
-            return None
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None               # nobody holds it: its client is gone
+        return st if _held(fd) else None
     finally:
         os.close(fd)
 
