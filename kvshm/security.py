@@ -126,9 +126,45 @@ TOKEN_ENV = "KVSHM_TOKEN_FILE"
 _RUN_DIR = "/dev/shm"
 
 
+#: How many names a user's run directory may take: ``kvshm-run-<uid>``, then
+#: ``kvshm-run-<uid>.1`` ... ``.7`` when another user made the earlier ones first.
+_RUN_DIR_NAMES = 8
+
+
+def _run_dir_names(uid: int) -> list[str]:
+    base = os.path.join(_RUN_DIR, f"kvshm-run-{uid}")
+    return [base] + [f"{base}.{i}" for i in range(1, _RUN_DIR_NAMES)]
+
+
+def _is_private_dir(path: str, uid: int) -> bool | None:
+    """True: a 0700 directory of ``uid``; None: nothing there; False: anything else
+    (another user's, a file, a symlink: not to be used)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == uid and not st.st_mode & 0o077
+
+
+def run_dirs(uid: int | None = None) -> list[str]:
+    """The run directories of ``uid`` (default this user) that exist and are its own."""
+    u = os.getuid() if uid is None else uid
+    return [d for d in _run_dir_names(u) if _is_private_dir(d, u)]
+
+
 def run_dir(uid: int | None = None) -> str:
-    """The per-user directory of token files (``/dev/shm/kvshm-run-<uid>``)."""
-    return os.path.join(_RUN_DIR, f"kvshm-run-{os.getuid() if uid is None else uid}")
+    """The per-user directory of token files: ``/dev/shm/kvshm-run-<uid>``, or, when
+    another user made that name first (/dev/shm is world-writable: anyone may), the
+    first of ``kvshm-run-<uid>.1`` ... ``.7`` that is ``uid``'s own or free. Clients
+    look in every one that is ``uid``'s own (:func:`token_path`)."""
+    u = os.getuid() if uid is None else uid
+    names = _run_dir_names(u)
+    for d in names:
+        if _is_private_dir(d, u) is not False:
+            return d
+    return names[0]
 
 
 def token_path(endpoint: str, uid: int | None = None) -> str | None:
@@ -139,7 +175,11 @@ def token_path(endpoint: str, uid: int | None = None) -> str | None:
     if endpoint.startswith("tcp://"):
         port = endpoint.rsplit(":", 1)[-1]
         if port.isdigit():
-            return os.path.join(run_dir(uid), f"{port}.token")
+            name = f"{port}.token"
+            for d in run_dirs(uid):       # the server's one (a squatted name skipped)
+                if os.path.lexists(os.path.join(d, name)):
+                    return os.path.join(d, name)
+            return os.path.join(run_dir(uid), name)
     return None
 
 
@@ -285,8 +325,8 @@ class DoorToken:
                     continue
                 for attempt in range(3):
                     try:
-                        if path.startswith(run_dir() + os.sep):
-                            _private_dir(run_dir())
+                        if os.path.dirname(path) in _run_dir_names(os.getuid()):
+                            _private_dir(os.path.dirname(path))
                         self._write(path, 0o600, self.token)
                         self._write(operator_token_path(ep) or "", 0o600, self.operator)
                         break
@@ -348,10 +388,10 @@ class DoorToken:
                     os.unlink(path)
             except (OSError, ValueError):
                 pass
-            if os.path.dirname(path) == run_dir():
+            if os.path.dirname(path) in _run_dir_names(os.getuid()):
                 try:
-                    os.rmdir(run_dir())     # the last server of this user leaves nothing
-                except OSError:             # others' tokens are still there
+                    os.rmdir(os.path.dirname(path))  # the last server of this user
+                except OSError:             # leaves nothing; others' tokens are still there
                     pass
         self.files.clear()
         for fd in self._fds:
@@ -366,9 +406,15 @@ def cleanup_tokens(directory: str | None = None, dry_run: bool = False,
     can be locked was left by a server that is gone (SIGKILL). Half-written ``.tmp``
     files are removed once unlocked and older than ``grace`` seconds. Returns the paths
     removed (or that would be, with ``dry_run``); the directory too when it is left
-    empty. Never raises for a file that vanishes meanwhile.
+    empty. Never raises for a file that vanishes meanwhile. Without ``directory``, every
+    run directory of this user (:func:`run_dirs`: a squatted name moves it) is cleaned.
     """
-    d = directory or run_dir()
+    if directory is None:
+        return [p for d in run_dirs() for p in _cleanup_tokens(d, dry_run, grace, True)]
+    return _cleanup_tokens(directory, dry_run, grace, False)
+
+
+def _cleanup_tokens(d: str, dry_run: bool, grace: float, rmdir: bool) -> list[str]:
     try:
         names = os.listdir(d)
     except OSError:
@@ -407,7 +453,7 @@ def cleanup_tokens(directory: str | None = None, dry_run: bool = False,
             removed.append(path)
         finally:
             os.close(fd)
-    if removed and not dry_run and directory is None:
+    if removed and not dry_run and rmdir:
         try:
             os.rmdir(d)
             removed.append(d)
