@@ -271,3 +271,31 @@ def test_run_directory_made_first_by_another_user_does_not_lock_the_server_out()
         assert left == [f"kvshm-run-{uid}"], left                # its own one is gone
     finally:
         shutil.rmtree(squat)
+
+
+# ---------------------------------------------------------------- quotas by another path
+
+def test_handoff_pins_count_against_the_principals_pinned_quota():
+    """PIN (the handoff pins of P/D) was capped only server-wide (half the pool), not
+    per principal: a principal held handoff pins far past its ``--max-client-pinned``
+    (on top of its LOOKUP pins), so one user given the door token could pin what the
+    others need. Handoff pins are pins of their principal now: counted in blocks
+    against the same quota, freed when the pin goes."""
+    from kvshm.errors import QuotaExceeded
+
+    blk = 65536
+    with ServerProcess("--max-client-pinned", str(4 * blk), prealloc_size=1 / 64) as srv, \
+            Client(srv.address, transport="tcp") as c:
+        keys = [f"h{i}" for i in range(8)]
+        c.put_batch(keys, [b"x" * blk] * 8)
+        with pytest.raises(QuotaExceeded):
+            c.pin(keys, ttl=600)                  # 8 blocks, over its 4
+        small = c.pin(keys[:3], ttl=600)           # 3 of its 4 blocks
+        with pytest.raises(QuotaExceeded):
+            c.pin(keys[3:5], ttl=600)              # 3 + 2 > 4 (another pin, same principal)
+        with Client(srv.address, transport="tcp") as c2:   # another connection of it
+            with pytest.raises(QuotaExceeded):
+                c2.pin(keys[3:5], ttl=600)
+        assert c.unpin(small)
+        h = c.pin(keys[3:7], ttl=600)              # its blocks came back
+        assert c.unpin(h)
