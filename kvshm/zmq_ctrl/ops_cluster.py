@@ -50,14 +50,16 @@ MAX_VIEW_WAITERS = 4096
 
 
 class _Pin:
-    __slots__ = ("entries", "deadline", "nbytes", "principal")
+    __slots__ = ("entries", "deadline", "nbytes", "principal", "quota", "nblocks")
 
     def __init__(self, entries: list[Any], deadline: float, nbytes: int,
-                 principal: Any) -> None:
+                 principal: Any, quota: Any = None, nblocks: int = 0) -> None:
         self.entries = entries
         self.deadline = deadline
         self.nbytes = nbytes
         self.principal = principal
+        self.quota = quota          # its principal's (kvshm.store.sessions._Quota)
+        self.nblocks = nblocks      # counted there as pinned while the pin lives
 
 
 class _Waiter:
@@ -176,6 +178,15 @@ class ClusterOps:
                 held[1] -= p.nbytes
                 if held[0] <= 0:
                     del self._by_principal[p.principal]
+            q = p.quota
+            if q is not None:
+                q.pinned -= p.nblocks
+                if q.sessions <= 0 and not (q.pending or q.pinned or q.sending):
+                    # its principal has nothing left here: forget it (as Store does
+                    # when its last session ends)
+                    quotas = getattr(self.store, "_quotas", {})
+                    for principal in [k for k, v in quotas.items() if v is q]:
+                        del quotas[principal]
 
     def stats(self) -> dict[str, Any]:
         """Handoff pins held (count, bytes) and the counters; with a cluster, the
@@ -266,7 +277,19 @@ class ClusterOps:
         entries = [e for e in found if e is not None]
         # the pool bytes the pin holds (whole blocks), not the values' lengths: pins of
         # 1-byte values would otherwise hold a block each against one byte of the cap
-        nbytes = sum(e.nblocks for e in entries) * self.store.block_size
+        nblocks = sum(e.nblocks for e in entries)
+        nbytes = nblocks * self.store.block_size
+        # a handoff pin is a pin of its principal: counted in blocks against the same
+        # quota as its LOOKUP pins and GET replies (--max-client-pinned), all its
+        # sessions together, until the pin goes (UNPIN, expiry)
+        quota = getattr(session, "quota", None)
+        budget = self.store.send_budget(session) if quota is not None else None
+        if budget is not None and nblocks > budget:
+            self.store.counters["quota_refusals"] += 1
+            self.counters["refused"] += 1
+            return Status.QUOTA_EXCEEDED, {
+                "error": f"a handoff pin of {nblocks} blocks would take this principal over "
+                         f"its pinned limit ({budget} blocks left)"}, []
         if self.pinned_bytes + nbytes > self.max_pinned_bytes:
             self.counters["refused"] += 1
             return Status.QUOTA_EXCEEDED, {
@@ -292,7 +315,9 @@ class ClusterOps:
                          f"this server's caps: {share_pins} pins / {share_bytes} bytes"}, []
         self.store.pin_entries(entries)
         pid = self._new_id()
-        p = _Pin(entries, self._clock() + ttl, nbytes, principal)
+        p = _Pin(entries, self._clock() + ttl, nbytes, principal, quota, nblocks)
+        if quota is not None:
+            quota.pinned += nblocks
         self._pins[pid] = p
         self.pinned_bytes += p.nbytes
         acc = self._by_principal.setdefault(principal, [0, 0])
