@@ -299,3 +299,48 @@ def test_handoff_pins_count_against_the_principals_pinned_quota():
         assert c.unpin(small)
         h = c.pin(keys[3:7], ttl=600)              # its blocks came back
         assert c.unpin(h)
+
+
+# ---------------------------------------------------------------- kills during start-up
+
+def test_segment_of_a_server_killed_while_making_its_pool_is_cleaned_up():
+    """SIGKILL while a large pool is reserved and pre-faulted (before the server is
+    ready): the segment, already gigabytes of /dev/shm, had no header yet (the magic was
+    written last), so ``kvshm ctl cleanup`` and every later server start took it for
+    somebody else's file and left it for ever. A segment is marked as a kvshm pool
+    being made from its first byte on (a mark ``attach`` refuses)."""
+    import uuid
+
+    from kvshm._pool import Pool
+
+    prefix = f"break3-{os.getpid()}-"
+    name = f"{prefix}{uuid.uuid4().hex[:8]}"
+    path = os.path.join(segments.SHM_DIR, name)
+    p = subprocess.Popen([sys.executable, "-m", "kvshm", "serve", "--service-port", "0",
+                          "--manage-port", "0", "--prealloc-size", "2", "--shm-name", name,
+                          "--log-level", "WARNING"], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for(lambda: os.path.exists(path) or p.poll() is not None, timeout=60,
+                 what="the segment to be made")
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        if not os.path.exists(path):
+            pytest.skip("the server died before it made its segment")
+        with open(path, "rb") as f:
+            head = f.read(8)
+        if head == b"KVSHMPL1":
+            pytest.skip("the pool was made before the kill (too fast to catch)")
+        with pytest.raises(ValueError):
+            Pool.attach(name, populate=False)          # half made: never used
+        r = subprocess.run([sys.executable, "-m", "kvshm", "ctl", "cleanup", "--prefix",
+                            prefix], capture_output=True, text=True, timeout=60, env=_env())
+        assert r.returncode == 0, r.stderr
+        assert not os.path.exists(path), f"{name} left behind: {r.stdout}"
+        assert f"removed {name}" in r.stdout
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        if os.path.exists(path):
+            os.unlink(path)
