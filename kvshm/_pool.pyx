@@ -60,6 +60,8 @@ CREATE_STEP = 128 << 20
 class CreateStopped(Exception):
     """:meth:`Pool.create` gave up because its ``stop()`` said so (nothing is left)."""
 _MAGIC = b"KVSHMPL1"
+#: The first bytes of a segment while :meth:`Pool.create` makes it (kvshm.segments).
+_MAKING_MAGIC = b"KVSHMPL0"
 _LAYOUT_VERSION = 1
 # magic, version, flags, data size, block size, creator pid, created (ns), token
 _HEADER_FMT = struct.Struct("<8sIIQQQQ16s")
@@ -284,6 +286,10 @@ cdef class Pool:
             # kvshm.segments.cleanup (``kvshm ctl cleanup``, a starting server) removes it.
             self._lock_fd = os.dup(fd)
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # marked as a kvshm pool being made from the first byte on: a creator killed
+            # in the steps below leaves a segment that kvshm.segments.cleanup recognises
+            # (and removes, its lock gone) and that attach refuses (not _MAGIC)
+            os.pwrite(fd, _MAKING_MAGIC, 0)
             off = 0
             while off < total:
                 if stop is not None and stop():

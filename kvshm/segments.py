@@ -30,7 +30,9 @@ DEFAULT_PREFIX = "kvshm-"
 _MAGIC = b"KVSHMPL1"
 # The shared index and its reads ring (kvshm/_shmindex.pyx) live and die with the pool.
 _INDEX_MAGIC = b"KVSHMIX1"
-_SEGMENT_MAGICS = (_MAGIC, _INDEX_MAGIC, b"KVSHMRR1")
+# b"KVSHMPL0": a pool segment being made (kvshm._pool._MAKING_MAGIC); its creator
+# holds the lock while it makes it, so only a dead creator's is removed
+_SEGMENT_MAGICS = (_MAGIC, b"KVSHMPL0", _INDEX_MAGIC, b"KVSHMRR1")
 _INDEX_STATE_OFFSET = 56     # kvshm._shmindex.STATE_OFFSET
 _INDEX_CLOSED = 2            # kvshm._shmindex.STATE_CLOSED
 
