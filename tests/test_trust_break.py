@@ -344,3 +344,67 @@ def test_segment_of_a_server_killed_while_making_its_pool_is_cleaned_up():
             p.wait()
         if os.path.exists(path):
             os.unlink(path)
+
+
+# ---------------------------------------------------------------- a dead server's port
+
+FAKE_SERVER = """
+    import sys, msgpack, zmq
+    s = zmq.Context.instance().socket(zmq.ROUTER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.bind("tcp://127.0.0.1:" + sys.argv[1])
+    print("bound", flush=True)
+    got = set()
+    while s.poll(int(float(sys.argv[2]) * 1000)):
+        msg = s.recv_multipart()
+        try:
+            body = msgpack.unpackb(msg[1], raw=False)[4]
+        except Exception:
+            continue
+        for name in ("token", "operator_token"):
+            if isinstance(body, dict) and isinstance(body.get(name), bytes):
+                got.add(body[name].hex())
+    print("got", *sorted(got), flush=True)
+"""
+
+
+def test_a_dead_servers_token_files_are_not_sent_to_whoever_took_its_port():
+    """A server SIGKILLed leaves its token files until the next start or ``kvshm ctl
+    cleanup``. Another user then binds the free port: the same user's clients found
+    the dead server's door and operator tokens by themselves and sent them, in HELLO,
+    to that user's process. A live server holds a lock on each of its token files;
+    clients now use a token they found by themselves only while it is held."""
+    if not IS_ROOT or not HAS_SETPRIV:
+        pytest.skip("needs root and setpriv (the port is taken by nobody)")
+    srv = ServerProcess()
+    try:
+        door, op = (security.find_token(f"tcp://{srv.address}"),
+                    security.find_operator_token(f"tcp://{srv.address}"))
+        assert door is not None and op is not None
+        srv.kill()
+        tok_files = [security.token_path(f"tcp://{srv.address}"),
+                     security.operator_token_path(f"tcp://{srv.address}")]
+        assert all(os.path.exists(f) for f in tok_files)   # left behind, as said
+        fake = subprocess.Popen(["setpriv", "--reuid=nobody", "--regid=nogroup",
+                                 "--clear-groups", sys.executable, "-c",
+                                 textwrap.dedent(FAKE_SERVER),
+                                 str(srv.port), "3"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=_env())
+        try:
+            wait_line(fake, "bound")
+            with pytest.raises(Exception):
+                with Client(srv.address, transport="tcp", timeout=2) as c:
+                    c.get("x")
+            line = wait_line(fake, "got", timeout=60)
+            leaked = set(line.split()[1:]) & {door.hex(), op.hex()}
+            assert not leaked, "the dead server's tokens went to another user's process"
+        finally:
+            if fake.poll() is None:
+                fake.kill()
+            fake.wait()
+            for f in tok_files:
+                if f and os.path.exists(f):
+                    os.unlink(f)
+    finally:
+        srv.kill()
+        srv.remove_segment()
