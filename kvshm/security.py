@@ -194,13 +194,23 @@ def operator_token_path(endpoint: str, uid: int | None = None) -> str | None:
     return os.path.join(os.path.dirname(path), "operator")
 
 
-def _read_private(path: str) -> bytes:
+def _read_private(path: str, live: bool = False) -> bytes:
+    """The secret in token file ``path``; with ``live``, only while a server holds its
+    lock (a live server flocks each token file it wrote: a dead one's file, left until
+    cleanup, must not be sent to whoever took its port since)."""
     # O_NONBLOCK: opening a FIFO put in its place must not wait for a writer (forever)
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size > 256:
             raise ValueError(f"{path} is not a kvshm token file")
+        if live:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                pass                    # held: its server runs
+            else:
+                raise ValueError(f"{path} was left by a server that is gone")
         data = os.read(fd, 256).strip()
     finally:
         os.close(fd)
@@ -230,7 +240,7 @@ def find_token(endpoint: str, token_file: str | None = None) -> bytes | None:
     if path is None or not _on_this_host(endpoint):
         return None     # never hand a local server's token to another host
     try:
-        return _read_private(path)
+        return _read_private(path, live=True)
     except (OSError, ValueError):
         return None
 
@@ -256,7 +266,7 @@ def find_operator_token(endpoint: str) -> bytes | None:
     if path is None or not _on_this_host(endpoint):
         return None
     try:
-        return _read_private(path)
+        return _read_private(path, live=True)
     except (OSError, ValueError):
         return None
 
