@@ -408,3 +408,53 @@ def test_a_dead_servers_token_files_are_not_sent_to_whoever_took_its_port():
     finally:
         srv.kill()
         srv.remove_segment()
+
+
+# ---------------------------------------------------------------- held: kept as tests
+
+def _dealer(address: str) -> zmq.Socket:
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(f"tcp://{address}")
+    return s
+
+
+def _call(s: zmq.Socket, op: int, body: dict, rid: int, epoch: int,
+          raw: bytes | None = None) -> tuple[int, dict]:
+    s.send(raw if raw is not None else
+           msgpack.packb([PROTOCOL_VERSION, op, rid, epoch, body], use_bin_type=True))
+    assert s.poll(30_000), f"no reply to op {op}"
+    st, _, rbody = decode_reply(s.recv_multipart()[0])
+    return st, rbody
+
+
+def test_bye_games_and_deep_nesting_touch_nothing_of_another_session():
+    """BYE before HELLO, BYE twice, a BYE whose settle lists name another session's
+    request ids, a 100,000-deep nested header: answered, and the other session's
+    pending write is still its own (held before this review too; kept as a test)."""
+    with ServerProcess(prealloc_size=1 / 64) as srv, Client(srv.address) as admin:
+        door = security.find_token(f"tcp://{srv.address}")
+        victim, s = _dealer(srv.address), _dealer(srv.address)
+        try:
+            st, h = _call(victim, Op.HELLO, {"nonce": os.urandom(16), "token": door}, 1, 0)
+            ep = h["epoch"]
+            st, b = _call(victim, Op.ALLOC, {"keys": [b"v"], "sizes": [100]}, 7, ep)
+            assert st == Status.OK and admin.stats()["pending"] == 1
+            st, _ = _call(s, Op.BYE, {}, 1, 0)
+            assert st == Status.STALE_EPOCH                      # no session yet
+            st, _ = _call(s, Op.HELLO, {"nonce": os.urandom(16), "token": door}, 2, 0)
+            assert st == Status.OK
+            st, b = _call(s, Op.BYE, {"abort": [7], "release": [7], "commit": [7]}, 3, ep)
+            assert st == Status.OK and b["settled"] == 0
+            st, _ = _call(s, Op.BYE, {}, 4, ep)
+            assert st == Status.STALE_EPOCH                      # ended already
+            raw = msgpack.packb([PROTOCOL_VERSION, Op.EXISTS, 5, ep], use_bin_type=True)
+            st, _ = _call(s, 0, {}, 5, ep, raw=b"\x95" + raw[1:] + b"\x91" * 100_000 + b"\xc0")
+            assert st == Status.MALFORMED
+            assert admin.stats()["pending"] == 1                 # still the victim's
+            st, b = _call(victim, Op.COMMIT, {"commit": [7]}, 8, ep)
+            assert st == Status.OK and not b.get("commit_failed")
+            assert admin.exists("v")
+        finally:
+            victim.close()
+            s.close()
