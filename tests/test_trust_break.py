@@ -458,3 +458,49 @@ def test_bye_games_and_deep_nesting_touch_nothing_of_another_session():
         finally:
             victim.close()
             s.close()
+
+
+# ---------------------------------------------------------------- ctl cleanup leftovers
+
+SHM_HOLDER = """
+    import sys, time, kvshm
+    c = kvshm.Client(sys.argv[1], transport="shm", timeout=30)
+    c.put("k", b"v" * 1000)
+    print("ready", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_ctl_cleanup_removes_everything_a_killed_server_and_client_left():
+    """Server and a same-host client both SIGKILLed: the pool, its index and reads
+    segments, the client's liveness file. ``kvshm ctl cleanup`` removed the segments
+    but never the liveness file (only a later server start did, and only under the
+    default ``kvshm-`` prefix)."""
+    import uuid
+
+    prefix = f"break3c-{os.getpid()}-"
+    srv = ServerProcess(shm_name=f"{prefix}{uuid.uuid4().hex[:8]}")
+    c = subprocess.Popen([sys.executable, "-c", textwrap.dedent(SHM_HOLDER), srv.address],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=_env())
+    try:
+        wait_line(c, "ready")
+        assert _proofs(srv.shm_name)                 # the client's liveness file
+        srv.kill()
+        c.kill()
+        c.wait()
+        left = [n for n in os.listdir(segments.SHM_DIR) if n.startswith(prefix)]
+        assert len(left) >= 2, left
+        r = subprocess.run([sys.executable, "-m", "kvshm", "ctl", "cleanup", "--prefix",
+                            prefix], capture_output=True, text=True, timeout=60, env=_env())
+        assert r.returncode == 0, r.stderr
+        left = [n for n in os.listdir(segments.SHM_DIR) if n.startswith(prefix)]
+        assert left == [], (left, r.stdout)
+    finally:
+        if c.poll() is None:
+            c.kill()
+        c.wait()
+        srv.kill()
+        for n in os.listdir(segments.SHM_DIR):
+            if n.startswith(prefix):
+                os.unlink(os.path.join(segments.SHM_DIR, n))
