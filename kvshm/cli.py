@@ -235,6 +235,7 @@ def cmd_ctl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         from kvshm.tiers.ssd.files import cleanup_scratch
 
         removed = segments.cleanup(args.prefix, dry_run=args.dry_run)
+        removed += segments.cleanup_proofs(args.prefix, dry_run=args.dry_run)
         removed += segments.cleanup_ipc_dirs(dry_run=args.dry_run)
         from kvshm.security import cleanup_tokens
 
@@ -359,8 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvshm.cluster.cli import add_ctl_parsers
 
     add_ctl_parsers(csub)
-    cl = csub.add_parser("cleanup", help="remove segments, ipc directories, token files "
-                                         "and SSD scratch files left by dead servers")
+    cl = csub.add_parser("cleanup", help="remove segments, clients' liveness files, ipc "
+                                         "directories, token files and SSD scratch files "
+                                         "left by dead servers")
     cl.add_argument("--prefix", default="kvshm-", help="segment name prefix (default kvshm-)")
     cl.add_argument("--ssd-path", action="append", default=[], metavar="DIR",
                     help="also an SSD directory of a server run without --ssd-persist "

@@ -245,9 +245,10 @@ def _locked_stat(path: str) -> os.stat_result | None:
         os.close(fd)
 
 
-def cleanup_proofs(dry_run: bool = False) -> list[str]:
+def cleanup_proofs(prefix: str = DEFAULT_PREFIX, dry_run: bool = False) -> list[str]:
     """Unlink client liveness files nobody holds whose pool segment is gone (a client
-    killed after its server). Returns the names removed."""
+    killed after its server), of pools whose name starts with ``prefix``. Returns the
+    names removed (or that would be, with ``dry_run``)."""
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
@@ -255,7 +256,7 @@ def cleanup_proofs(dry_run: bool = False) -> list[str]:
     removed = []
     for n in names:
         pool, sep, _ = n.partition(_PROOF_TAG)
-        if not sep or not n.startswith(DEFAULT_PREFIX) or os.path.exists(_path(pool)):
+        if not sep or not n.startswith(prefix) or os.path.exists(_path(pool)):
             continue
         if _locked_stat(_path(n)) is None and os.path.isfile(_path(n)):
             if not dry_run:
