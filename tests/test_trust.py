@@ -86,7 +86,8 @@ STALLING_WRITER = """
     orig = ShmMover.write
     def write(self, *a):
         print("allocated", flush=True)
-        time.sleep(float(sys.argv[2]))         # SIGSTOPped in here, past the lease
+        sys.stdin.readline()                   # SIGSTOPped in here, past the lease
+                                               # (then told to go on: no sleep to race)
         return orig(self, *a)
     ShmMover.write = write
     c = kvshm.Client(sys.argv[1], transport="shm", timeout=30)
@@ -129,8 +130,8 @@ def test_client_in_own_namespace_stalled_past_lease_corrupts_nothing(kind, tmp_p
         cap = other.stats()["capacity_bytes"]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
         p = subprocess.Popen([*_ns_cmd(kind), sys.executable, str(script), srv.address,
-                              "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=env)
+                              "2"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)
         try:
             line = wait_line(p, "hostname")
             if kind == "uts":
@@ -147,6 +148,8 @@ def test_client_in_own_namespace_stalled_past_lease_corrupts_nothing(kind, tmp_p
             other.put_batch([f"other{j}" for j in range(n)],
                             [bytes([j % 251]) * 65536 for j in range(n)])
             os.kill(victim, signal.SIGCONT)
+            p.stdin.write("go\n")
+            p.stdin.flush()
             wait_line(p, "written")
             assert p.wait(30) == 0, p.stderr.read()
             bad = [j for j in range(n) if other.get(f"other{j}") != bytes([j % 251]) * 65536]

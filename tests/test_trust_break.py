@@ -42,6 +42,16 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "HOME": "/tmp"}
 
 
+def _reap(p: subprocess.Popen) -> None:
+    """Kill ``p`` if it still runs, wait for it, close its pipes."""
+    if p.poll() is None:
+        p.kill()
+    p.wait()
+    for f in (p.stdin, p.stdout, p.stderr):
+        if f is not None:
+            f.close()
+
+
 def _proofs(shm_name: str) -> list[str]:
     return glob.glob(os.path.join(segments.SHM_DIR, shm_name.lstrip("/") + ".c-*"))
 
@@ -107,9 +117,7 @@ def test_live_client_whose_liveness_file_goes_keeps_its_blocks(how, tmp_path):
             st = other.stats(verify=True)
             assert st["accounting_ok"] and st["pending"] == 0
         finally:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+            _reap(p)
             for f in set(_proofs(srv.shm_name)) - before:
                 os.unlink(f)
 
@@ -140,9 +148,7 @@ def test_dead_client_whose_liveness_file_was_replaced_is_reclaimed(tmp_path):
             st = other.stats(verify=True)
             assert st["accounting_ok"] and st["held_grants"] == 0
         finally:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+            _reap(p)
             for f in set(_proofs(srv.shm_name)) - before:
                 os.unlink(f)
 
@@ -399,9 +405,7 @@ def test_a_dead_servers_token_files_are_not_sent_to_whoever_took_its_port():
             leaked = set(line.split()[1:]) & {door.hex(), op.hex()}
             assert not leaked, "the dead server's tokens went to another user's process"
         finally:
-            if fake.poll() is None:
-                fake.kill()
-            fake.wait()
+            _reap(fake)
             for f in tok_files:
                 if f and os.path.exists(f):
                     os.unlink(f)
@@ -497,9 +501,7 @@ def test_ctl_cleanup_removes_everything_a_killed_server_and_client_left():
         left = [n for n in os.listdir(segments.SHM_DIR) if n.startswith(prefix)]
         assert left == [], (left, r.stdout)
     finally:
-        if c.poll() is None:
-            c.kill()
-        c.wait()
+        _reap(c)
         srv.kill()
         for n in os.listdir(segments.SHM_DIR):
             if n.startswith(prefix):
