@@ -181,6 +181,23 @@ HARDLINKER = """
     out = {"hello": int(st), "local": h.get("local")}
     st, b = call(Op.PURGE, {}, 2, h["epoch"])
     out["purge"] = int(st)
+    # a symlink under a proof name to the same locked file
+    nonce2 = os.urandom(16)
+    sym = os.path.join(segments.SHM_DIR, segments.proof_name(pool.name, pool.token, nonce2))
+    os.symlink(os.path.join(segments.SHM_DIR, shm.lstrip("/")), sym)
+    print(sym, flush=True)
+    st, h = call(Op.HELLO, {"nonce": nonce2, "token": read_token_file(tok), "proof": True},
+                 3, 0)
+    out["symlink_local"] = h.get("local")
+    # its own, true proof: local, as uid nobody, still no operator
+    nonce3 = os.urandom(16)
+    own = segments.ClientProof(pool.name, pool.token, nonce3)
+    st, h = call(Op.HELLO, {"nonce": nonce3, "token": read_token_file(tok), "proof": True},
+                 4, 0)
+    out["own_local"] = h.get("local")
+    st, b = call(Op.PURGE, {}, 5, h["epoch"])
+    out["own_purge"] = int(st)
+    own.close()
     print(json.dumps(out), flush=True)
 """
 
@@ -190,13 +207,15 @@ def test_hard_link_to_a_locked_file_of_the_server_user_is_no_proof():
     that a container of another uid can attach), hard-links the segment under its
     proof name. The segment is the server user's file and the server holds its lock:
     the old check took the link for a live local client of the server's own user, an
-    operator (PURGE), whose session never died. A liveness file has exactly one name."""
+    operator (PURGE), whose session never died. A liveness file has exactly one name.
+    A symlink proves nothing either; nobody's own proof makes it local as uid nobody,
+    still no operator."""
     if not IS_ROOT or not HAS_SETPRIV:
         pytest.skip("needs root and setpriv to run as nobody")
     shared = tempfile.mkdtemp(prefix="kvshm-test-token-")
     os.chmod(shared, 0o755)
     tok = os.path.join(shared, "kvshm.token")
-    link = None
+    links: list[str] = []
     try:
         with ServerProcess("--token-file", tok) as srv, Client(srv.address) as c:
             c.put("theirs", b"t" * 100)
@@ -207,15 +226,17 @@ def test_hard_link_to_a_locked_file_of_the_server_user_is_no_proof():
                                 textwrap.dedent(HARDLINKER), srv.address, srv.shm_name, tok],
                                capture_output=True, text=True, timeout=120, env=_env())
             lines = r.stdout.split("\n")
-            link = lines[0] or None
+            links = [ln for ln in lines[:2] if ln.startswith("/")]
             assert r.returncode == 0, r.stderr
-            got = json.loads(lines[1])
-            assert got == {"hello": Status.OK, "local": False,
-                           "purge": Status.UNAUTHORIZED}, got
+            got = json.loads(lines[2])
+            assert got == {"hello": Status.OK, "local": False, "purge": Status.UNAUTHORIZED,
+                           "symlink_local": False, "own_local": True,
+                           "own_purge": Status.UNAUTHORIZED}, got
             assert c.get("theirs") == b"t" * 100
     finally:
-        if link and os.path.lexists(link):
-            os.unlink(link)
+        for link in links:
+            if os.path.lexists(link):
+                os.unlink(link)
         shutil.rmtree(shared)
 
 
