@@ -158,8 +158,11 @@ class Liveness:
     lock on that open file (the inode), never on the name, so a live client whose file
     was deleted or replaced under it (``rm /dev/shm/kvshm-*`` while it runs) stays
     alive, and a dead one is dead whatever now lies at its name. :attr:`uid` is the
-    file's owner as the kernel recorded it. One open file descriptor per live local
-    session, released by :meth:`close` (the store calls it when the session ends).
+    file's owner as the kernel recorded it. One open file descriptor per proof,
+    closed by :meth:`remove` (its client is dead) or when the last reference goes (a
+    session that ended while its process lives keeps being asked: a reservation of
+    kvshm.store.reserve outlives its session until the proof goes, so the store must
+    not close a proof when a session merely ends).
     """
 
     def __init__(self, path: str, fd: int, st: os.stat_result) -> None:

@@ -287,12 +287,6 @@ class _Sessions:
         if self.reservations is not None:      # before its quota may be dropped
             self.reservations.ended(session)
         session.closed = True
-        close = getattr(session.proof, "close", None)
-        if close is not None:       # the liveness file the server keeps open
-            try:
-                close()
-            except Exception:
-                log.exception("closing the liveness proof of %r failed", session)
         self._sessions.pop(session.id, None)
         q = session.quota
         q.sessions -= 1
