@@ -165,11 +165,18 @@ class Liveness:
     not close a proof when a session merely ends).
     """
 
+    #: Proofs open at once at most (set at import: half the soft RLIMIT_NOFILE, at least
+    #: 64); beyond, :meth:`verify` says None (the client is served as a remote one)
+    #: rather than take the file descriptors the server's sockets and files need.
+    MAX_OPEN = 64
+    _open = 0
+
     def __init__(self, path: str, fd: int, st: os.stat_result) -> None:
         self.path = path
         self._fd = fd
         self._id = (st.st_dev, st.st_ino)
         self.uid = st.st_uid
+        Liveness._open += 1
 
     @classmethod
     def verify(cls, pool_name: str, token: bytes, nonce: Any) -> "Liveness | None":
@@ -178,6 +185,10 @@ class Liveness:
         other locked file of another user, the segment itself say, proves nothing), or
         nobody holds its lock."""
         if type(nonce) is not bytes or not 8 <= len(nonce) <= 64:
+            return None
+        if Liveness._open >= cls.MAX_OPEN:
+            log.warning("%d liveness proofs open, the most this server keeps: a client "
+                        "is served as a remote one", Liveness._open)
             return None
         path = _path(proof_name(pool_name, token, nonce))
         try:
@@ -214,11 +225,27 @@ class Liveness:
         """Close the verified file (idempotent); :meth:`alive` is False after."""
         fd, self._fd = self._fd, -1
         if fd >= 0:
+            Liveness._open -= 1
             os.close(fd)
 
     def __del__(self) -> None:
         if getattr(self, "_fd", -1) >= 0:
             self.close()
+
+
+def _max_open_proofs() -> int:
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return 64
+    if soft == resource.RLIM_INFINITY:
+        return 65536
+    return max(64, soft // 2)
+
+
+Liveness.MAX_OPEN = _max_open_proofs()
 
 
 def _held(fd: int) -> bool:

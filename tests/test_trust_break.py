@@ -527,3 +527,30 @@ def test_ctl_cleanup_removes_everything_a_killed_server_and_client_left():
         for n in os.listdir(segments.SHM_DIR):
             if n.startswith(prefix):
                 os.unlink(os.path.join(segments.SHM_DIR, n))
+
+
+def test_liveness_proofs_kept_open_are_capped(monkeypatch):
+    """The server keeps each verified liveness file open (see above): a program that
+    leaks clients (each with its own proof) must not take the file descriptors the
+    server's sockets need. Past ``Liveness.MAX_OPEN`` a proof is not taken (the
+    client is served as a remote one); a proof that goes frees its place."""
+    import uuid
+
+    monkeypatch.setattr(segments.Liveness, "MAX_OPEN", segments.Liveness._open + 2)
+    pool, token = f"kvshm-test-{uuid.uuid4().hex[:8]}", os.urandom(16)
+    nonces = [os.urandom(16) for _ in range(3)]
+    clients = [segments.ClientProof(pool, token, n) for n in nonces]
+    try:
+        a, b = (segments.Liveness.verify(pool, token, n) for n in nonces[:2])
+        assert a is not None and b is not None and a.alive() and b.alive()
+        assert segments.Liveness.verify(pool, token, nonces[2]) is None
+        a.close()
+        c = segments.Liveness.verify(pool, token, nonces[2])
+        assert c is not None and c.alive()
+        clients[2].close()
+        assert not c.alive()
+        c.remove()
+        b.close()
+    finally:
+        for cp in clients:
+            cp.close()
