@@ -159,6 +159,7 @@ def test_client_in_own_namespace_stalled_past_lease_corrupts_nothing(kind, tmp_p
             assert st["accounting_ok"] and st["pending"] == 0
         finally:
             _kill_tree(p)
+            p.stdin.close()
 
 
 def _children(pid: int) -> list[int]:
