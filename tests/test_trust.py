@@ -85,13 +85,13 @@ STALLING_WRITER = """
     from kvshm.movers import ShmMover
     orig = ShmMover.write
     def write(self, *a):
-        print("allocated", flush=True)
+        # one line (two may arrive in one read, and wait_line selects on the pipe)
+        print("allocated hostname", os.uname().nodename, "pid", os.getpid(), flush=True)
         sys.stdin.readline()                   # SIGSTOPped in here, past the lease
                                                # (then told to go on: no sleep to race)
         return orig(self, *a)
     ShmMover.write = write
     c = kvshm.Client(sys.argv[1], transport="shm", timeout=30)
-    print("hostname", os.uname().nodename, "pid", os.getpid(), flush=True)
     c.put_batch([f"late{i}" for i in range(4)], [b"L" * 65536] * 4)
     print("written", flush=True)
     c.close()
@@ -133,12 +133,11 @@ def test_client_in_own_namespace_stalled_past_lease_corrupts_nothing(kind, tmp_p
                               "2"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env=env)
         try:
-            line = wait_line(p, "hostname")
+            line = wait_line(p, "allocated")
             if kind == "uts":
                 assert "kvshm-container" in line
             else:
                 assert line.split()[-1] == "1"         # pid 1 of its namespace
-            wait_line(p, "allocated")
             # the process inside: the unshare'd child (or its only descendant)
             victim = _leaf(p.pid)
             os.kill(victim, signal.SIGSTOP)
