@@ -287,6 +287,9 @@ class _Sessions:
         if self.reservations is not None:      # before its quota may be dropped
             self.reservations.ended(session)
         session.closed = True
+        # progress: the loop looks at the parked requests again and drops this
+        # session's (a parked CLUSTER_VIEW would otherwise stay until its wait ended)
+        self.progress += 1
         self._sessions.pop(session.id, None)
         q = session.quota
         q.sessions -= 1

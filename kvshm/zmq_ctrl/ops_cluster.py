@@ -11,7 +11,10 @@ current revision the request is *parked* (the loop's deferred replies) and answe
 soon as the revision changes (the membership agent pokes the loop) or when ``wait`` is
 over: a client's view follower keeps one such request outstanding, so a change is
 pushed to it at once and an idle cluster costs one round trip per ``wait``. Engine
-processes learn the cluster this way and need no etcd client.
+processes learn the cluster this way and need no etcd client. A session parks at most
+:data:`MAX_VIEW_WAITS_PER_SESSION` requests and the server :data:`MAX_VIEW_WAITERS`;
+beyond, a request is answered at once. A session that ends (BYE, its process gone)
+takes its parked requests with it on the loop's next turn.
 
 Handoff pins (:mod:`kvshm.handoff`) are pins the server itself holds for a TTL: they do
 not belong to the writer's session, survive its disconnect, keep their entries from
@@ -47,6 +50,10 @@ MAX_VIEW_WAIT = 60.0
 #: CLUSTER_VIEW requests parked at once at most; beyond, they are answered at once
 #: (each parked request is looked at on every turn of the loop that retries them).
 MAX_VIEW_WAITERS = 4096
+#: CLUSTER_VIEW requests one session may have parked at once (a view follower keeps one
+#: outstanding); beyond, they are answered at once, so that one client cannot spend
+#: :data:`MAX_VIEW_WAITERS` and turn every other client's push into polling.
+MAX_VIEW_WAITS_PER_SESSION = 4
 
 
 class _Pin:
@@ -125,6 +132,7 @@ class ClusterOps:
         # principal -> [pins held, bytes held]
         self._by_principal: dict[Any, list[int]] = {}
         self._waiters = 0
+        self._waits_of: dict[int, int] = {}     # session id -> its parked views
         self.counters = dict.fromkeys(("pins", "renewed", "unpinned", "expired",
                                        "refused", "refused_share", "view_requests",
                                        "view_waits", "view_pushed"), 0)
@@ -230,13 +238,16 @@ class ClusterOps:
                 "error": f"wait must be 0-{MAX_VIEW_WAIT:g} seconds"}, []
         stats = bool(body.get("stats"))
         v = self._view() if self._view is not None else None
+        sid = getattr(session, "id", 0)
+        mine = self._waits_of.get(sid, 0)
         if not wait or v is None or v.revision != since \
-                or self._waiters >= MAX_VIEW_WAITERS:
+                or self._waiters >= MAX_VIEW_WAITERS or mine >= MAX_VIEW_WAITS_PER_SESSION:
             return self._view_reply(v, since, stats)
         # park until the revision changes (the membership agent pokes the loop) or the
         # wait is over
         self.counters["view_waits"] += 1
         self._waiters += 1
+        self._waits_of[sid] = mine + 1
         w = _Waiter()
         view = self._view
         assert view is not None
@@ -245,6 +256,11 @@ class ClusterOps:
             if w.live:
                 w.live = False
                 self._waiters -= 1
+                left = self._waits_of.get(sid, 1) - 1
+                if left > 0:
+                    self._waits_of[sid] = left
+                else:
+                    self._waits_of.pop(sid, None)
 
         def attempt(force: bool) -> Reply | None:
             cur = view()
