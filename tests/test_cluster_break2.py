@@ -228,3 +228,143 @@ def test_server_stop_with_thousands_parked_answers_every_client(
     finally:
         srv.stop()
         loop.close()
+
+
+# ---------------------------------------------------------------------- placement
+
+def _ref_rows(bucket: int, seeds: list[int], weights: list[float], r: int) -> list[int]:
+    from test_cluster_placement import reference
+    return reference(bucket, seeds, weights, r)
+
+
+_WEIGHT = st.one_of(
+    st.integers(1, (1 << 63) - 1).map(float),                  # any member record's pool
+    st.sampled_from([1.0, 2.0, 1e-300, 5e-324 * 2 ** 60, 1e300, 1.7e308, 3.0]),
+    st.floats(1e-6, 1e12, allow_nan=False, allow_infinity=False))
+
+
+@st.composite
+def _member_lists(draw: Any) -> tuple[list[int], list[float]]:
+    m = draw(st.sampled_from([1, 2, 3, 5, 17, 64, 200]))
+    ids = draw(st.lists(st.integers(0, max(1, m // 2) if draw(st.booleans()) else 10 ** 6),
+                        min_size=m, max_size=m))                # duplicates often
+    seeds = [hash_key(f"node-{i}".encode()) for i in ids]
+    weights = draw(st.lists(_WEIGHT, min_size=m, max_size=m))
+    return seeds, weights
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(_member_lists(), st.integers(0, 2 ** 32))
+def test_the_table_and_direct_rows_agree_for_any_member_list(
+        ml: tuple[list[int], list[float]], seed: int) -> None:
+    """Held: for member lists of 1-200 nodes with any weights a record can carry (1 to
+    2**63 bytes) and hostile ones (1e-300, 1e300, near DBL_MAX) and duplicate ids
+    (equal seeds), the bucket table's owners are the directly computed rows, and both
+    are the definition's exact order."""
+    seeds, weights = ml
+    keys = [os.urandom(8) + seed.to_bytes(5, "little") for _ in range(2 * _hrw.DIRECT_BELOW)]
+    direct = _hrw.Ring(seeds, weights)
+    few = direct.owners(keys[:_hrw.DIRECT_BELOW - 1], 1, 2)    # computed (not built)
+    assert not direct.built
+    table = _hrw.Ring(seeds, weights)
+    table.build()
+    assert (table.owners(keys[:_hrw.DIRECT_BELOW - 1], 1, 2) == few).all()
+    many = table.owners(keys, 1, 2)
+    wide = table.owners(keys, 1, 3)                           # more columns: computed
+    assert (wide[:, :2] == many).all()
+    rng = np.random.default_rng(seed)
+    r = min(3, len(seeds))
+    for b in rng.integers(0, 1 << _hrw.BUCKET_BITS, 40).tolist():
+        assert list(direct.bucket_owners(b, r)) == _ref_rows(b, seeds, weights, r), b
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, math.nan, math.inf, -math.inf])
+def test_a_weight_that_is_no_pool_size_is_refused(bad: float) -> None:
+    """Held: a weight of 0, negative, NaN or inf is a ValueError of the ring (a member
+    record cannot carry one: Member.from_dict wants an int pool_size >= 1)."""
+    with pytest.raises(ValueError):
+        _hrw.Ring([1, 2, 3], [1.0, bad, 2.0])
+    rec = {"id": "x", "service": "h:1", "epoch": 1, "pool_size": bad, "block_size": 1}
+    with pytest.raises(ValueError):
+        Member.from_dict(rec)
+
+
+def test_a_member_list_change_mid_batch_places_each_call_by_one_view() -> None:
+    """Held: a view switch while a thread places batches gives every call the owners of
+    the old view or of the new one, never a mix (a Placement is immutable and a call
+    reads ViewState.placement once)."""
+    from kvshm.cluster.follower import ViewState
+
+    def view(n: int, rev: int) -> dict[str, Any]:
+        return {"revision": rev, "nodes": [
+            {"id": f"n{i}", "service": f"h:{i}", "epoch": 1, "pool_size": 1 << 30,
+             "block_size": 4096} for i in range(n)]}
+
+    state = ViewState()
+    state.apply({"node_id": "n0", "view": view(4, 1)})
+    keys = [f"k{i}".encode() for i in range(5000)]
+    want = {n: Placement(View.from_dict(view(n, 0))).owner_ids(keys) for n in (4, 5)}
+    stop = threading.Event()
+    bad: list[int] = []
+
+    def place() -> None:
+        while not stop.is_set():
+            got = state.placement.owner_ids(keys)
+            if got != want[4] and got != want[5]:
+                bad.append(1)
+
+    t = threading.Thread(target=place)
+    t.start()
+    try:
+        for rev in range(2, 40):
+            state.apply({"node_id": "n0", "view": view(4 + rev % 2, rev)})
+    finally:
+        stop.set()
+        t.join()
+    assert not bad
+
+
+def test_owners_are_the_same_with_another_build_of_the_placement_core(
+        tmp_path: Any) -> None:
+    """Held (or skipped without a compiler): the placement core built with other code
+    generation flags (-O0 and -O3 -march=native, fused multiply-add allowed for the
+    rest of the module) computes the same owners, bit for bit: the scores use only
+    this module's own arithmetic, and its build keeps -ffp-contract=off."""
+    import shutil
+    import sysconfig
+
+    if shutil.which(sysconfig.get_config_var("CC").split()[0] if
+                    sysconfig.get_config_var("CC") else "cc") is None:
+        pytest.skip("no C compiler")
+    src = os.path.join(os.path.dirname(_hrw.__file__), "_hrw.pyx")
+    seeds = [hash_key(f"node-{j}".encode()) for j in range(37)]
+    weights = [float((1 + j % 5) << 30) for j in range(37)]
+    keys = [f"key-{i}".encode() for i in range(30000)]
+    want = _hrw.Ring(seeds, weights).owners(keys, 1, 3)
+    for flags in (["-O0", "-ffp-contract=off"], ["-O3", "-march=native",
+                                                   "-ffp-contract=off"]):
+        d = tmp_path / flags[0].strip("-")
+        d.mkdir()
+        shutil.copy(src, d / "_hrw_alt.pyx")
+        (d / "setup.py").write_text(
+            "from setuptools import setup, Extension\n"
+            "from Cython.Build import cythonize\n"
+            "import numpy\n"
+            f"setup(ext_modules=cythonize([Extension('_hrw_alt', ['_hrw_alt.pyx'], "
+            f"extra_compile_args={flags!r})], quiet=True), script_args="
+            "['build_ext', '--inplace'])\n")
+        r = subprocess.run([sys.executable, "setup.py"], cwd=d, capture_output=True,
+                           text=True, timeout=170)
+        if r.returncode != 0:
+            pytest.skip(f"could not build the placement core: {r.stderr[-500:]}")
+        code = ("import sys, json, numpy as np; sys.path.insert(0, '.'); import _hrw_alt;"
+                "a = json.load(sys.stdin);"
+                "o = _hrw_alt.Ring(a['s'], a['w']).owners([k.encode() for k in a['k']], 1, 3);"
+                "print(json.dumps(o.tolist()))")
+        import json
+        out = subprocess.run([sys.executable, "-c", code], cwd=d, capture_output=True,
+                             text=True, timeout=120,
+                             input=json.dumps({"s": seeds, "w": weights,
+                                               "k": [k.decode() for k in keys]}))
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert np.array_equal(np.array(json.loads(out.stdout), dtype=np.int32), want), flags
