@@ -368,3 +368,74 @@ def test_owners_are_the_same_with_another_build_of_the_placement_core(
                                                "k": [k.decode() for k in keys]}))
         assert out.returncode == 0, out.stderr[-2000:]
         assert np.array_equal(np.array(json.loads(out.stdout), dtype=np.int32), want), flags
+
+
+# ---------------------------------------------------------------------- metrics
+
+def test_hostile_member_ids_do_not_inject_into_the_prometheus_text() -> None:
+    """Held: a member id made to close the label and start a sample of its own is
+    escaped in the exposition (prometheus_client escapes label values)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvshm.cluster.metrics import ClientCollector, ClusterMetrics
+
+    evil = 'x"} 1\nkvshm_evil_total 666\n# TYPE kvshm_evil_total counter\n'
+    m = ClusterMetrics()
+    m.request(evil, 0.5, 7)
+    m.request("back\\slash", 0.5, 7)
+    v = View.of([Member(evil, "h:1", 1, 10, 1)], revision=3)
+    reg = CollectorRegistry()
+    reg.register(ClientCollector(lambda: m.snapshot(v, [evil]), {"engine": 'e"\n'}))
+    fams = list(text_string_to_metric_families(generate_latest(reg).decode()))
+    assert "kvshm_evil" not in {f.name for f in fams}
+    peers = {s.labels["peer"] for f in fams for s in f.samples if "peer" in s.labels}
+    assert peers == {evil, "back\\slash"}
+
+
+def _two_clients(server: kvshm.Server) -> list[kvshm.ClusterClient]:
+    return [kvshm.ClusterClient(server.address, timeout=2.0) for _ in range(2)]
+
+
+def test_two_cluster_clients_export_into_one_registry(
+        server: kvshm.Server, fake: _FakeView) -> None:
+    """Two ClusterClients of one process (an engine's scheduler and worker) could not
+    both export: the second ``registry.register(cc.collector(labels))`` raised
+    DuplicateTimeseries whatever the labels. ``register_metrics`` adds each client to
+    one collector of the registry (one family per name, a sample per client), refuses
+    the same labels twice, and a closed client's samples go."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    reg = CollectorRegistry(auto_describe=True)      # as prometheus_client.REGISTRY
+    a, b = _two_clients(server)
+    try:
+        a.put_batch(["x1", "x2"], [b"v" * 10] * 2)
+        b.get_batch(["x1", "nope"])
+        a.register_metrics(registry=reg, labels={"engine": "sched"})
+        b.register_metrics(registry=reg, labels={"engine": "worker"})
+        with pytest.raises(ValueError, match="same labels"):
+            b.register_metrics(registry=reg, labels={"engine": "worker"})
+
+        def samples() -> dict[str, dict[str, float]]:
+            text = generate_latest(reg).decode()
+            fams = list(text_string_to_metric_families(text))
+            names = [f.name for f in fams]
+            assert len(names) == len(set(names)), names
+            out: dict[str, dict[str, float]] = {}
+            for f in fams:
+                for s in f.samples:
+                    out.setdefault(s.name, {})[s.labels.get("engine", "")] = s.value
+            return out
+
+        got = samples()
+        assert got["kvshm_cluster_client_members"] == {"sched": 1, "worker": 1}
+        assert got["kvshm_cluster_client_misses_total"]["worker"] >= 0
+        a.close()
+        got = samples()
+        assert got["kvshm_cluster_client_members"] == {"worker": 1}
+        a.register_metrics(registry=reg, labels={"engine": "sched"})   # closed: no-op
+        assert samples()["kvshm_cluster_client_members"] == {"worker": 1}
+    finally:
+        a.close()
+        b.close()
