@@ -393,8 +393,8 @@ def test_hostile_member_ids_do_not_inject_into_the_prometheus_text() -> None:
     assert peers == {evil, "back\\slash"}
 
 
-def _two_clients(server: kvshm.Server) -> list[kvshm.ClusterClient]:
-    return [kvshm.ClusterClient(server.address, timeout=2.0) for _ in range(2)]
+def _clients(server: kvshm.Server, n: int) -> list[kvshm.ClusterClient]:
+    return [kvshm.ClusterClient(server.address, timeout=2.0) for _ in range(n)]
 
 
 def test_two_cluster_clients_export_into_one_registry(
@@ -408,14 +408,16 @@ def test_two_cluster_clients_export_into_one_registry(
     from prometheus_client.parser import text_string_to_metric_families
 
     reg = CollectorRegistry(auto_describe=True)      # as prometheus_client.REGISTRY
-    a, b = _two_clients(server)
+    a, b, c = _clients(server, 3)
     try:
         a.put_batch(["x1", "x2"], [b"v" * 10] * 2)
         b.get_batch(["x1", "nope"])
         a.register_metrics(registry=reg, labels={"engine": "sched"})
         b.register_metrics(registry=reg, labels={"engine": "worker"})
         with pytest.raises(ValueError, match="same labels"):
-            b.register_metrics(registry=reg, labels={"engine": "worker"})
+            c.register_metrics(registry=reg, labels={"engine": "worker"})
+        with pytest.raises(ValueError, match="already"):
+            b.register_metrics(registry=reg, labels={"engine": "other"})
 
         def samples() -> dict[str, dict[str, float]]:
             text = generate_latest(reg).decode()
@@ -437,5 +439,5 @@ def test_two_cluster_clients_export_into_one_registry(
         a.register_metrics(registry=reg, labels={"engine": "sched"})   # closed: no-op
         assert samples()["kvshm_cluster_client_members"] == {"worker": 1}
     finally:
-        a.close()
-        b.close()
+        for x in (a, b, c):
+            x.close()

@@ -28,7 +28,7 @@ from kvshm.client import Client, Key
 from kvshm.cluster.fanout import Call, Fanout, Plan
 from kvshm.cluster.follower import DEFAULT_WAIT, ThreadFollower, ViewState, fetch, follow
 from kvshm.cluster.handoffs import read_handoff, renew_handoff
-from kvshm.cluster.metrics import ClientCollector, ClusterMetrics
+from kvshm.cluster.metrics import ClientCollector, ClusterMetrics, clients_collector
 from kvshm.cluster.view import View
 from kvshm.errors import ServerUnavailable
 from kvshm.handoff import Handoff
@@ -119,6 +119,7 @@ class _Base:
                            fallback_window=fallback_window, placement_key=placement_key)
         self._lock = threading.Lock()
         self._closed = False
+        self._exports: list[Any] = []     # ClientsCollectors this client is in
 
     def _member_opts(self, node_id: str) -> tuple[str, dict[str, Any]] | None:
         """(address, client options) of a member, or None when not in the view."""
@@ -158,6 +159,27 @@ class _Base:
         """A ``prometheus_client`` collector of :meth:`metrics` (needs
         ``prometheus_client`` when scraped): ``REGISTRY.register(cc.collector())``."""
         return ClientCollector(self.metrics, labels)
+
+    def register_metrics(self, registry: Any = None,
+                         labels: dict[str, str] | None = None) -> None:
+        """Export :meth:`metrics` into ``registry`` (default
+        ``prometheus_client.REGISTRY``) next to the other cluster clients there: one
+        collector per registry holds them all (a second :meth:`collector` of the same
+        names is refused by the registry). ``labels`` tell the clients apart (ValueError
+        when another client of the registry has the same); :meth:`close` removes the
+        client. A closed client is not added."""
+        with self._lock:
+            if self._closed:
+                return
+            col = clients_collector(registry)
+            col.add(id(self), self.metrics, labels)
+            self._exports.append(col)
+
+    def _unexport(self) -> None:
+        with self._lock:
+            cols, self._exports = self._exports, []
+        for col in cols:
+            col.remove(id(self))
 
     def _count_push(self) -> None:
         self._metrics.count("view_pushes")
@@ -357,9 +379,11 @@ class ClusterClient(_Base):
 
     def close(self) -> None:
         """Stop the view follower and close every member connection. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._unexport()
         self._follower.stop()
         self._pool.shutdown(wait=True)
         with self._lock:
@@ -572,6 +596,7 @@ class AsyncClusterClient(_Base):
         if self._closed:
             return
         self._closed = True
+        self._unexport()
         if self._task is not None:
             self._task.cancel()
             try:

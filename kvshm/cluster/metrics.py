@@ -18,10 +18,12 @@ Metric names (all prefixed ``kvshm_cluster_``) are listed in docs/CLUSTER.md.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import defaultdict
 from typing import Any, Callable, Iterator
 
-__all__ = ["ClusterMetrics", "ClientCollector", "ServerClusterCollector", "MISS_REASONS"]
+__all__ = ["ClusterMetrics", "ClientCollector", "ClientsCollector", "clients_collector",
+           "ServerClusterCollector", "MISS_REASONS"]
 
 #: Why a key read as a miss: not stored at the owner, its owner unreachable or gone,
 #: its owner suspect (not asked), a handoff of another server instance.
@@ -174,6 +176,72 @@ class ClientCollector:
         yield bin_
         yield bout
         yield err
+
+
+class ClientsCollector:
+    """One ``prometheus_client`` collector of every cluster client of a registry.
+
+    A registry refuses a second collector with the same metric names (two
+    :class:`ClientCollector` s, whatever their labels), so the clients of one process
+    share this one: a family per metric name, a sample per client, told apart by their
+    constant labels. :meth:`kvshm.ClusterClient.register_metrics` adds a client
+    (:func:`clients_collector` finds or registers the registry's); a closed client is
+    removed.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sources: dict[int, ClientCollector] = {}
+        self._labels: dict[int, tuple[tuple[str, str], ...]] = {}
+
+    def add(self, key: int, metrics: Callable[[], dict[str, Any]],
+            labels: dict[str, str] | None) -> None:
+        """Add a client (``key``: any id unique to it). Raises ValueError when another
+        client has the same labels (their samples would be one series)."""
+        lab = tuple(sorted((labels or {}).items()))
+        with self._lock:
+            if key in self._sources:
+                raise ValueError("this cluster client exports into this registry already")
+            if lab in self._labels.values():
+                raise ValueError(f"another cluster client exports with the same labels "
+                                 f"{dict(lab)}: give each client its own")
+            self._sources[key] = ClientCollector(metrics, labels)
+            self._labels[key] = lab
+
+    def remove(self, key: int) -> None:
+        with self._lock:
+            self._sources.pop(key, None)
+            self._labels.pop(key, None)
+
+    def collect(self) -> Iterator[Any]:
+        with self._lock:
+            sources = list(self._sources.values())
+        fams: dict[str, Any] = {}
+        for src in sources:
+            for f in src.collect():
+                have = fams.get(f.name)
+                if have is None:
+                    fams[f.name] = f
+                else:
+                    have.samples.extend(f.samples)
+        yield from fams.values()
+
+
+_shared: "weakref.WeakKeyDictionary[Any, ClientsCollector]" = weakref.WeakKeyDictionary()
+_shared_lock = threading.Lock()
+
+
+def clients_collector(registry: Any = None) -> ClientsCollector:
+    """The :class:`ClientsCollector` of ``registry`` (default
+    ``prometheus_client.REGISTRY``), registered there on first use."""
+    if registry is None:
+        from prometheus_client import REGISTRY as registry
+    with _shared_lock:
+        col = _shared.get(registry)
+        if col is None:
+            col = _shared[registry] = ClientsCollector()
+            registry.register(col)
+        return col
 
 
 #: Membership agent counters (CLUSTER_VIEW stats "membership") exported as counters.
