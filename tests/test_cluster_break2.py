@@ -441,3 +441,76 @@ def test_two_cluster_clients_export_into_one_registry(
     finally:
         for x in (a, b, c):
             x.close()
+
+
+# ---------------------------------------------------------------------- pin shares
+
+def test_a_principals_pin_share_spans_its_sessions_and_survives_bye_churn(
+        server: kvshm.Server) -> None:
+    """Held: the share is per principal, not per session: local clients of one uid
+    (6 sessions, each closed with BYE after its PIN) hold 4 pins of a cap of 8 and the
+    5th is refused from a fresh session; the pins outlive their sessions; UNPIN frees
+    the share."""
+    ops = server.cluster_ops
+    ops.max_pins = 8
+    with kvshm.Client(server.address) as w:
+        w.put("k", b"x" * 100)
+        assert w.transport == "shm"
+    handoffs = []
+    for _ in range(4):
+        with kvshm.Client(server.address) as c:       # HELLO, PIN, BYE
+            handoffs.append(c.pin(["k"], 60))
+    assert ops.stats()["handoff_pins_held"] == 4 and len(ops._by_principal) == 1
+    for _ in range(2):
+        with kvshm.Client(server.address) as c:
+            with pytest.raises(kvshm.QuotaExceeded, match="share"):
+                c.pin(["k"], 60)
+    with kvshm.Client(server.address) as c:
+        for h in handoffs:
+            assert c.renew(h, 60) is not None           # anyone holding the id
+            assert c.unpin(h)
+        assert ops._by_principal == {}
+        h = c.pin(["k"], 60)
+        assert c.unpin(h)
+    assert ops.stats()["handoff_pins_held"] == 0
+
+
+def test_a_pin_renewed_in_a_loop_keeps_its_place_and_expires_when_renewal_stops(
+        server: kvshm.Server) -> None:
+    """Held: a pin renewed 2000 times (from another connection) still counts once in
+    its writer's share and in the heap; it expires once no one renews it, while
+    other clients keep the loop busy."""
+    ops = server.cluster_ops
+    with kvshm.Client(server.address) as w, \
+            kvshm.Client(server.address, transport="tcp") as r:
+        w.put_batch(["p1", "p2"], [b"y" * 5000] * 2)
+        h = w.pin(["p1", "p2"], 60)
+        for _ in range(2000):
+            assert r.renew(h, 60) is not None
+        assert ops.stats()["handoff_pins_held"] == 1
+        assert len(ops._heap) <= 3
+        assert ops._by_principal[next(iter(ops._by_principal))][0] == 1
+        assert r.renew(h, 0.3) is not None
+        stop = threading.Event()
+        busy_ran = [0]
+
+        def busy() -> None:
+            with kvshm.Client(server.address, transport="tcp") as b:
+                i = 0
+                while not stop.is_set():
+                    b.put(f"busy{i % 50}", b"z" * 2000)
+                    b.get_batch([f"busy{(i + 7) % 50}"])
+                    i += 1
+                    busy_ran[0] = i
+
+        t = threading.Thread(target=busy, daemon=True)
+        t.start()
+        try:
+            wait_for(lambda: ops.stats()["handoff_pins_held"] == 0, 30,
+                     "the pin to expire under load")
+        finally:
+            stop.set()
+            t.join(timeout=30)
+        assert ops.counters["expired"] == 1 and ops._by_principal == {}
+        assert not t.is_alive() and busy_ran[0] > 0
+        assert r.renew(h, 60) is None and not r.unpin(h)
