@@ -514,3 +514,102 @@ def test_a_pin_renewed_in_a_loop_keeps_its_place_and_expires_when_renewal_stops(
         assert ops.counters["expired"] == 1 and ops._by_principal == {}
         assert not t.is_alive() and busy_ran[0] > 0
         assert r.renew(h, 60) is None and not r.unpin(h)
+
+
+# ---------------------------------------------------------------------- fan-out
+
+@pytest.fixture
+def three(shm_name: str) -> Iterator[tuple[dict[str, Any], _FakeView]]:
+    """Members a, b (this process) and s (a ``kvshm serve`` child, to be SIGSTOPped),
+    all in one fake view."""
+    from servers import ServerProcess
+
+    srvs = {i: kvshm.Server(service_port=0, manage_port=None, prealloc_size=0.06,
+                            shm_name=f"{shm_name}-{i}").start() for i in "ab"}
+    sp = ServerProcess(prealloc_size=0.03, shm_name=f"{shm_name}-s")
+    try:
+        fv = _FakeView(tuple(Member(i, s.address, 1, 1 << 24, 4096, ttl=60.0)
+                             for i, s in srvs.items())
+                       + (Member("s", sp.address, 1, 1 << 24, 4096, ttl=60.0),))
+        for i, s in srvs.items():
+            fv.attach(s, i)
+        yield {**srvs, "s": sp}, fv
+    finally:
+        try:
+            os.killpg(sp.pid, 18)            # SIGCONT, so that it can stop
+        except ProcessLookupError:
+            pass
+        sp.stop()
+        for s in srvs.values():
+            s.stop()
+
+
+def _settled(srv: kvshm.Server) -> bool:
+    st_ = srv.store.stats()
+    return st_["pending"] == 0 and st_["pinned"] == 0 and st_["grants"] == 0
+
+
+def test_async_fan_out_with_a_stopped_member_and_cancellation_mid_batch(
+        three: tuple[dict[str, Any], _FakeView]) -> None:
+    """Held: with one member SIGSTOPped, a batch returns (its keys there are misses),
+    the member is marked suspect once (one timed-out request, the next batch does not
+    wait for it), writes go around it; a put cancelled at any point of its fan-out
+    leaves no pending write, pin or grant on any owner."""
+    import signal
+
+    srvs, _ = three
+    keys = [f"k{i}" for i in range(90)]
+
+    async def main() -> None:
+        async with kvshm.AsyncClusterClient(srvs["a"].address, timeout=1.0,
+                                            transport="tcp") as cc:
+            own = await cc.owners(keys)
+            assert {"a", "b", "s"} <= set(own)
+            await cc.put_batch(keys, [b"v" * 1000] * len(keys))
+            assert all(v is not None for v in await cc.get_batch(keys))
+            os.kill(srvs["s"].pid, signal.SIGSTOP)
+            got = await asyncio.wait_for(cc.get_batch(keys), 60)
+            assert [v is None for v in got] == [o == "s" for o in own]
+            assert cc.suspects() == ["s"]
+            got = await asyncio.wait_for(cc.get_batch(keys), 60)
+            m = cc.metrics()
+            assert m["suspect_marks"] == 1 and m["peers"]["s"]["errors"] == 1
+            assert m["misses"]["suspect"] == own.count("s")
+            await asyncio.wait_for(cc.put_batch(keys, [b"w" * 1000] * len(keys)), 60)
+            assert all(v == b"w" * 1000 for v in await cc.get_batch(keys))
+            big = [os.urandom(1 << 18)] * 40
+            for delay in (0.0, 0.001, 0.005, 0.02, 0.05, 0.1):
+                t = asyncio.ensure_future(cc.put_batch([f"c{i}" for i in range(40)], big))
+                await asyncio.sleep(delay)
+                t.cancel()
+                try:
+                    await t
+                except asyncio.CancelledError:
+                    pass
+                for n in "ab":
+                    await asyncio.to_thread(wait_for, lambda n=n: _settled(srvs[n]), 30,
+                                            f"{n} to hold no grant after the cancel")
+
+    asyncio.run(main())
+    for n in "ab":
+        assert _settled(srvs[n])
+
+
+def test_sync_fan_out_with_a_stopped_member(
+        three: tuple[dict[str, Any], _FakeView]) -> None:
+    """Held: the same for the synchronous client (its fan-out threads)."""
+    import signal
+
+    srvs, _ = three
+    keys = [f"k{i}" for i in range(90)]
+    with kvshm.ClusterClient(srvs["b"].address, timeout=1.0, transport="tcp") as cc:
+        own = cc.owners(keys)
+        cc.put_batch(keys, [b"v" * 1000] * len(keys))
+        os.kill(srvs["s"].pid, signal.SIGSTOP)
+        got = cc.get_batch(keys)
+        assert [v is None for v in got] == [o == "s" for o in own]
+        cc.get_batch(keys)
+        m = cc.metrics()
+        assert m["suspect_marks"] == 1 and m["peers"]["s"]["errors"] == 1
+        cc.put_batch(keys, [b"w"] * len(keys))
+        assert all(v == b"w" for v in cc.get_batch(keys))
