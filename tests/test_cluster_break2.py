@@ -613,3 +613,87 @@ def test_sync_fan_out_with_a_stopped_member(
         assert m["suspect_marks"] == 1 and m["peers"]["s"]["errors"] == 1
         cc.put_batch(keys, [b"w"] * len(keys))
         assert all(v == b"w" for v in cc.get_batch(keys))
+
+
+# ---------------------------------------------------------------------- vanishing clients
+
+def test_a_client_that_never_reads_its_replies_blocks_no_one(
+        server: kvshm.Server, fake: _FakeView) -> None:
+    """Held: a raw client that sends 20000 CLUSTER_VIEWs (waiting ones among them) and
+    never reads a reply parks at most its per-session share; the others are answered
+    into its full queue (dropped at the high-water mark) and the server serves others
+    meanwhile."""
+    import msgpack
+
+    from kvshm.zmq_ctrl.channel import endpoint_of
+    from kvshm.zmq_ctrl.protocol import PROTOCOL_VERSION
+
+    from servers import raw_hello
+
+    ops = server.cluster_ops
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 16)
+    sock.setsockopt(zmq.RCVBUF, 4096)
+    try:
+        sock.connect(endpoint_of(server.address))
+        hello = raw_hello(sock, server.address)
+        sid, epoch = int(hello["session"]), int(hello["epoch"])
+        for i in range(1, 20001):
+            body = {"since": 5, "wait": 60.0} if i % 2 else {"since": -1}
+            sock.send(msgpack.packb([PROTOCOL_VERSION, Op.CLUSTER_VIEW, i, epoch, body],
+                                    use_bin_type=True))
+        with kvshm.Client(server.address, transport="tcp", timeout=30.0) as other:
+            wait_for(lambda: ops.counters["view_requests"] >= 20000, 60,
+                     "the server to have read every request")
+            other.ping()
+            assert other.run_op(op_view(other.session, -1))["revision"] == 5
+        assert _parked_of(server, sid) == ops_cluster.MAX_VIEW_WAITS_PER_SESSION
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+_PARK_AND_SLEEP = """
+import asyncio, sys, time
+import kvshm
+from kvshm.cluster.cli import op_view
+
+async def main():
+    c = kvshm.AsyncClient(sys.argv[1], timeout=100.0)
+    await c.connect()
+    assert c.transport == "shm", c.transport
+    ts = [asyncio.ensure_future(c.run_op(op_view(c.session, 5, wait=60.0)))
+          for _ in range(3)]
+    print(c.server_info["session"], flush=True)
+    await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+def test_a_killed_local_client_frees_its_parked_views_at_once(
+        server: kvshm.Server, fake: _FakeView) -> None:
+    """A same-host client killed (SIGKILL) with views parked: its session ends as soon
+    as its liveness proof is gone, and (since the fix of
+    test_a_closed_session_frees_its_parked_views_at_once) its parked views go with it,
+    not 60 s later."""
+    ops = server.cluster_ops
+    p = subprocess.Popen([sys.executable, "-c", _PARK_AND_SLEEP, server.address],
+                         stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert p.stdout is not None
+        sid = int(p.stdout.readline())
+        wait_for(lambda: _parked_of(server, sid) == 3, 30, "the child's 3 parked views")
+        p.kill()
+        p.wait(30)
+        wait_for(lambda: _parked_of(server, sid) == 0 and ops._waiters == 0, 20,
+                 "the killed client's parked views to be dropped")
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(30)
+        if p.stdout is not None:
+            p.stdout.close()
