@@ -697,3 +697,103 @@ def test_a_killed_local_client_frees_its_parked_views_at_once(
             p.wait(30)
         if p.stdout is not None:
             p.stdout.close()
+
+
+# ---------------------------------------------------------------------- view changes vs calls
+
+def _flip_while_calling(srvs: dict[str, kvshm.Server], fv: _FakeView, call: Any,
+                        flips: int = 150) -> list[str]:
+    """Run ``call()`` in 3 threads while member b leaves and comes back ``flips``
+    times; the exceptions the calls raised."""
+    import time
+
+    full = fv.view.members
+    errs: list[str] = []
+    stop = threading.Event()
+    done = [0]
+
+    def loop() -> None:
+        while not stop.is_set():
+            try:
+                call()
+                done[0] += 1
+            except Exception as exc:      # a cluster miss is never an error
+                errs.append(repr(exc))
+
+    ts = [threading.Thread(target=loop, daemon=True) for _ in range(3)]
+    for t in ts:
+        t.start()
+    try:
+        wait_for(lambda: done[0] > 0 or errs, 30, "a first call")
+        for r in range(flips):
+            fv.bump(full if r % 2 else full[:1])
+            time.sleep(0.005)             # let the follower take it (not a timing assert)
+    finally:
+        stop.set()
+        for t in ts:
+            t.join(timeout=60)
+    return errs
+
+
+@pytest.fixture
+def pair(shm_name: str) -> Iterator[tuple[dict[str, kvshm.Server], _FakeView]]:
+    srvs = {i: kvshm.Server(service_port=0, manage_port=None, prealloc_size=0.03,
+                            shm_name=f"{shm_name}-{i}").start() for i in "ab"}
+    fv = _FakeView(tuple(Member(i, s.address, 1, 1 << 24, 4096, ttl=60.0)
+                         for i, s in srvs.items()))
+    for i, s in srvs.items():
+        fv.attach(s, i)
+    try:
+        yield srvs, fv
+    finally:
+        for s in srvs.values():
+            s.stop()
+
+
+def test_a_member_leaving_under_a_sync_batch_is_a_miss_not_an_error(
+        pair: tuple[dict[str, kvshm.Server], _FakeView]) -> None:
+    """A member that left the view while a batch was on its way to it: the follower
+    closed that member's Client under the fan-out thread, and get_batch / put_batch
+    raised KvshmError('client is closed'). Now such a call is the member gone: reads
+    are misses, writes go to the next choice."""
+    srvs, fv = pair
+    keys = [f"k{i}" for i in range(200)]
+    with kvshm.ClusterClient(srvs["a"].address, timeout=2.0, transport="tcp",
+                             view_wait=5.0) as cc:
+        cc.put_batch(keys, [b"v" * 5000] * len(keys))
+        errs = _flip_while_calling(
+            srvs, fv, lambda: (cc.get_batch(keys), cc.put_batch(keys[:50], [b"w"] * 50)))
+        assert cc.suspects() == [] or cc.suspects() == ["b"]
+    assert errs == [], errs[:5]
+
+
+def test_a_member_leaving_under_an_async_batch_is_a_miss_not_an_error(
+        pair: tuple[dict[str, kvshm.Server], _FakeView]) -> None:
+    """The same for the async client (its dropped member clients are closed by a task
+    of the loop while a gathered request may still use them)."""
+    srvs, fv = pair
+    keys = [f"k{i}" for i in range(200)]
+    loop = asyncio.new_event_loop()
+    th = threading.Thread(target=loop.run_forever, daemon=True)
+    th.start()
+
+    def run(coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(60)
+
+    cc = kvshm.AsyncClusterClient(srvs["a"].address, timeout=2.0, transport="tcp",
+                                  view_wait=5.0)
+    try:
+        run(cc.connect())
+        run(cc.put_batch(keys, [b"v" * 5000] * len(keys)))
+
+        async def both() -> None:
+            await asyncio.gather(cc.get_batch(keys), cc.get_batch(keys[::-1]),
+                                 cc.put_batch(keys[:50], [b"w"] * 50))
+
+        errs = _flip_while_calling(srvs, fv, lambda: run(both()))
+    finally:
+        run(cc.close())
+        loop.call_soon_threadsafe(loop.stop)
+        th.join(timeout=30)
+        loop.close()
+    assert errs == [], errs[:5]
