@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 
 from kvshm.aio import AsyncClient
 from kvshm.client import Client, Key
-from kvshm.cluster.fanout import Call, Fanout, Plan
+from kvshm.cluster.fanout import Call, Fanout, MemberLeft, Plan
 from kvshm.cluster.follower import DEFAULT_WAIT, ThreadFollower, ViewState, fetch, follow
 from kvshm.cluster.handoffs import read_handoff, renew_handoff
 from kvshm.cluster.metrics import ClientCollector, ClusterMetrics, clients_collector
@@ -271,10 +271,22 @@ class ClusterClient(_Base):
         try:
             r = self._invoke(c, call)
         except Exception as exc:
+            if self._dropped(target, c):
+                exc = MemberLeft(f"member {target} left the cluster during the call: "
+                                 f"{exc}")
             self._fan.finished(target, call, time.perf_counter() - t0, exc)
-            raise
+            raise exc
         self._fan.finished(target, call, time.perf_counter() - t0, r)
         return r
+
+    def _dropped(self, target: str, c: Client) -> bool:
+        """Whether ``c`` is a member client the view follower dropped (the member left
+        or restarted) while a call used it: closed under the call."""
+        if target.startswith("@") or c is self._local or self._closed:
+            return False
+        with self._lock:
+            cur = self._clients.get(target)
+        return cur is None or cur[1] is not c
 
     def _round(self, calls: dict[str, Call], adhoc: dict[str, Client]) -> dict[str, Any]:
         """Run one round, all targets at once; exceptions are returned."""
@@ -498,8 +510,12 @@ class AsyncClusterClient(_Base):
         try:
             r = await self._invoke(c, call)
         except Exception as exc:
+            if not (target.startswith("@") or c is self._local or self._closed) \
+                    and (self._clients.get(target) or (0, None))[1] is not c:
+                exc = MemberLeft(f"member {target} left the cluster during the call: "
+                                 f"{exc}")    # its client was closed under the call
             self._fan.finished(target, call, time.perf_counter() - t0, exc)
-            raise
+            raise exc
         self._fan.finished(target, call, time.perf_counter() - t0, r)
         return r
 

@@ -35,7 +35,7 @@ from kvshm.cluster.placement import Placement
 from kvshm.cluster.view import View
 from kvshm.errors import ServerUnavailable
 
-__all__ = ["Call", "Fanout", "Plan", "key_bytes"]
+__all__ = ["Call", "Fanout", "MemberLeft", "Plan", "key_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,12 @@ class Call(NamedTuple):
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = {}
     bytes_out: int = 0
+
+
+class MemberLeft(ServerUnavailable):
+    """A call whose member left the view (or restarted) while it ran: its client was
+    closed under it. The plans take it as the member gone (reads: misses; writes: the
+    next choice); it marks no one suspect."""
 
 
 #: A plan: yields rounds, receives their results, returns the operation's result.
@@ -116,7 +122,9 @@ class Fanout:
     def finished(self, target: str, call: Call, seconds: float,
                  result: Any) -> None:
         """Account one call (drivers call this for every call they ran)."""
-        if isinstance(result, ServerUnavailable):
+        if isinstance(result, MemberLeft):
+            self.m.error(target)
+        elif isinstance(result, ServerUnavailable):
             if not target.startswith("@"):
                 self.mark_suspect(target, result)
         elif not isinstance(result, BaseException):
@@ -148,15 +156,18 @@ class Fanout:
     # ------------------------------------------------------------------ writes
 
     def put(self, keys: Sequence[Key], values: Sequence[Any], *, checksum: bool,
-            placement_keys: Sequence[Key] | None, depth: int = 0) -> Plan:
+            placement_keys: Sequence[Key] | None, depth: int = 0,
+            avoid: frozenset[str] = frozenset()) -> Plan:
         """Each value at its owner(s); a write whose owner fails goes to the next HRW
-        choice; the first error that could not be routed around is raised."""
+        choice; the first error that could not be routed around is raised. ``avoid``:
+        members that failed this write already (not asked again by it, whatever the
+        view says meanwhile: one that left and came back is not suspect)."""
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
         if not keys:
             return None
         pkeys = self.pkeys(keys, placement_keys)
-        pl, own = self.choices(pkeys, extra=1)
+        pl, own = self.choices(pkeys, extra=1 + len(avoid))
         if own is None:
             raise ServerUnavailable("no cluster member is up")
         groups: dict[str, list[int]] = defaultdict(list)
@@ -166,7 +177,7 @@ class Fanout:
                 if j < 0:
                     break
                 nid = pl.ids[j]
-                if self.is_suspect(nid):
+                if nid in avoid or self.is_suspect(nid):
                     continue
                 groups[nid].append(i)
                 placed += 1
@@ -183,9 +194,11 @@ class Fanout:
         res = yield calls
         errors: list[BaseException] = []
         redo: list[int] = []
+        failed = set(avoid)
         for node, r in res.items():
             if isinstance(r, ServerUnavailable):
                 redo.extend(groups[node])
+                failed.add(node)
             elif isinstance(r, BaseException):
                 errors.append(r)
         if redo and depth >= len(pl):
@@ -194,7 +207,7 @@ class Fanout:
             self.m.count("rerouted_writes", len(redo))
             yield from self.put([keys[i] for i in redo], [values[i] for i in redo],
                                 checksum=checksum, placement_keys=[pkeys[i] for i in redo],
-                                depth=depth + 1)
+                                depth=depth + 1, avoid=frozenset(failed))
         if errors:
             raise errors[0]
         return None
