@@ -34,6 +34,7 @@ from kvshm.zmq_ctrl import ops_cluster
 from kvshm.zmq_ctrl.protocol import Op
 
 from bed import wait_for
+from test_cluster import Cluster, cluster, etcd, needs_client, needs_etcd  # noqa: F401
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -797,3 +798,52 @@ def test_a_member_leaving_under_an_async_batch_is_a_miss_not_an_error(
         th.join(timeout=30)
         loop.close()
     assert errs == [], errs[:5]
+
+
+# ---------------------------------------------------------------------- /metrics under churn
+
+
+@needs_etcd
+@needs_client
+def test_metrics_scraped_while_members_join_and_leave(cluster: Cluster) -> None:
+    """Held: /metrics of a member, scraped in a loop while two others join and leave
+    (with a lease drop among them), answers every time with a page that parses, one
+    family per name, and members by status that add up to a view it held."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from test_cluster_push import _scrape
+
+    a = cluster.add("a", manage_port=0)
+    assert a.manage_port
+    stop = threading.Event()
+    pages: list[int] = []
+    errs: list[str] = []
+
+    def scrape() -> None:
+        while not stop.is_set():
+            try:
+                fams = list(text_string_to_metric_families(_scrape(a.manage_port)))
+                names = [f.name for f in fams]
+                assert len(names) == len(set(names))
+                mem = {s.labels["status"]: s.value for f in fams
+                       if f.name == "kvshm_cluster_members" for s in f.samples}
+                assert 1 <= sum(mem.values()) <= 3, mem
+                pages.append(1)
+            except Exception as exc:
+                errs.append(repr(exc))
+
+    t = threading.Thread(target=scrape, daemon=True)
+    t.start()
+    try:
+        for _ in range(2):
+            cluster.add("b")
+            cluster.add("c")
+            wait_for(lambda: len(a.membership.view.members) == 3, 15, "b and c")
+            cluster.servers.pop("b").stop()                   # leaves
+            cluster.crash("c")                                # its lease expires
+            wait_for(lambda: len(a.membership.view.members) == 1, 20, "b and c gone")
+    finally:
+        stop.set()
+        t.join(timeout=60)
+    assert errs == [], errs[:3]
+    assert pages
