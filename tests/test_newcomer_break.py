@@ -1,0 +1,144 @@
+"""What a newcomer (or CI) broke in the cached-venv recipe (scripts/lib/venv.sh) and in
+scripts/test.sh's use of the engine venvs. Nothing is installed: the venvs here are a
+few files, and `python` in them is a shell script that records how it was called."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bash(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120, env={**os.environ, **env})
+
+
+def _recipe_hash(script: str) -> str:
+    p = _bash(f'. scripts/lib/venv.sh; recipe_hash "{sys.executable}" scripts/{script}')
+    assert p.returncode == 0, p.stderr
+    return p.stdout.strip()
+
+
+def _recording_venv(path: Path, name: str, log: Path) -> None:
+    """A venv whose bin/python appends "NAME ARGS" to LOG and succeeds."""
+    (path / "bin").mkdir(parents=True)
+    (path / "pyvenv.cfg").write_text(f"home = {Path(sys.executable).parent}\n")
+    py = path / "bin" / "python"
+    py.write_text(f'#!/bin/bash\necho "{name} $*" >> "{log}"\n')
+    py.chmod(0o755)
+
+
+def _test_sh(tmp: Path, ivenv: Path, vvenv: Path,
+             **env: str) -> tuple[subprocess.CompletedProcess[str], str]:
+    log = tmp / "calls.log"
+    log.touch()
+    main = tmp / "main"
+    if not main.exists():
+        _recording_venv(main, "main", log)
+    p = subprocess.run(["bash", "scripts/test.sh", "-q"], capture_output=True, text=True,
+                       cwd=ROOT, timeout=120,
+                       env={**os.environ, "KVSHM_VENV": str(main), "PYTHON": sys.executable,
+                            "KVSHM_INTEGRATION_VENV": str(ivenv),
+                            "KVSHM_VLLM_VENV": str(vvenv), **env})
+    return p, log.read_text()
+
+
+def test_test_sh_never_runs_the_vllm_tests_in_a_venv_of_another_recipe(tmp_path):
+    """A vLLM venv whose marker is not this checkout's recipe hash (an older
+    scripts/vllm-env.sh, other pins) is stale: test.sh fails and names it, instead of
+    running the end-to-end tests in it (it only checked that the marker existed)."""
+    vvenv = tmp_path / "vllm"
+    _recording_venv(vvenv, "vllm", tmp_path / "calls.log")
+    (vvenv / ".kvshm-vllm-env").write_text("built-by-another-recipe\n")
+    p, calls = _test_sh(tmp_path, tmp_path / "none", vvenv)
+    assert "vllm -m pytest" not in calls, calls
+    assert p.returncode != 0
+    assert f"{vvenv} is partial or built by another version of scripts/vllm-env.sh" in p.stderr
+
+
+def test_test_sh_fails_on_a_half_built_vllm_venv(tmp_path):
+    """A vLLM venv with a python but no marker (a build killed halfway) fails the run,
+    like a half-built integration venv does, instead of being skipped as absent."""
+    vvenv = tmp_path / "vllm"
+    _recording_venv(vvenv, "vllm", tmp_path / "calls.log")
+    p, calls = _test_sh(tmp_path, tmp_path / "none", vvenv)
+    assert "vllm -m pytest" not in calls
+    assert p.returncode != 0
+    assert f"{vvenv} is partial" in p.stderr
+
+
+def test_test_sh_runs_the_vllm_tests_in_a_venv_with_the_recipe_marker(tmp_path):
+    vvenv = tmp_path / "vllm"
+    _recording_venv(vvenv, "vllm", tmp_path / "calls.log")
+    (vvenv / ".kvshm-vllm-env").write_text(_recipe_hash("vllm-env.sh") + "\n")
+    p, calls = _test_sh(tmp_path, tmp_path / "none", vvenv)
+    assert "vllm -m pytest tests/integrations/test_vllm_e2e.py" in calls, p.stderr
+    assert p.returncode == 0, p.stderr
+
+
+def test_test_sh_with_required_engines_fails_without_the_venvs(tmp_path):
+    p, calls = _test_sh(tmp_path, tmp_path / "none", tmp_path / "none2",
+                        KVSHM_REQUIRE_ENGINES="1")
+    assert p.returncode != 0
+    assert "KVSHM_REQUIRE_ENGINES is set and there is no integration venv" in p.stderr
+    assert "KVSHM_REQUIRE_ENGINES is set and there is no vLLM venv" in p.stderr
+    assert "main -m pytest" in calls          # the main suite still ran
+
+
+def _shim(dir_: Path, name: str, body: str) -> Path:
+    dir_.mkdir(exist_ok=True)
+    f = dir_ / name
+    f.write_text("#!/bin/bash\n" + body)
+    f.chmod(0o755)
+    return f
+
+
+def test_a_rebuild_killed_while_removing_the_old_venv_is_rebuilt_next_time(tmp_path):
+    """The stale venv is being removed (a 3 GB venv takes seconds) when the build is
+    killed; `rm -rf` had already removed pyvenv.cfg. The next run must take the
+    directory for the partial venv it is, not refuse it for ever as "not a venv"."""
+    venv = tmp_path / "venv"
+    (venv / "lib" / "site-packages").mkdir(parents=True)
+    (venv / "lib" / "site-packages" / "x.py").write_text("")
+    (venv / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    shims = tmp_path / "shims"
+    # an rm killed halfway: pyvenv.cfg of each directory it was given is gone, the rest not
+    _shim(shims, "rm", 'for a in "$@"; do [ -d "$a" ] && /bin/rm -f "$a/pyvenv.cfg"; done\n'
+                       'kill -9 $PPID\n')
+    p = _bash(f'. scripts/lib/venv.sh; venv_new "{sys.executable}" "{venv}" || kv_die "$KV_ERR"',
+              PATH=f"{shims}:{os.environ['PATH']}")
+    assert p.returncode == -9 or p.returncode == 137, p.stdout + p.stderr
+    p = _bash(f'. scripts/lib/venv.sh; venv_new "{sys.executable}" "{venv}" || kv_die "$KV_ERR"')
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert (venv / "pyvenv.cfg").is_file() and (venv / "bin" / "python").exists()
+    assert not (venv / "lib" / "site-packages" / "x.py").exists()
+    assert [q.name for q in tmp_path.iterdir() if q.name.startswith("venv")] == ["venv"]
+
+
+def test_a_build_killed_inside_python_m_venv_is_rebuilt_next_time(tmp_path):
+    """`python -m venv` makes bin/, lib/ before it writes pyvenv.cfg; killed in between,
+    the directory has no pyvenv.cfg. It is still the venv being built, not the user's."""
+    venv = tmp_path / "venv"
+    fake_py = _shim(tmp_path / "py", "python",
+                    f'[ "$1" = -m ] || exec "{sys.executable}" "$@"\n'
+                    'mkdir -p "$3/bin" "$3/lib"; kill -9 $PPID\n')
+    p = _bash(f'. scripts/lib/venv.sh; venv_new "{fake_py}" "{venv}" || kv_die "$KV_ERR"')
+    assert p.returncode in (-9, 137), p.stdout + p.stderr
+    assert venv.is_dir() and not (venv / "pyvenv.cfg").exists()
+    p = _bash(f'. scripts/lib/venv.sh; venv_new "{sys.executable}" "{venv}" || kv_die "$KV_ERR"')
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert (venv / "pyvenv.cfg").is_file()
+
+
+def test_the_users_directory_is_still_never_touched(tmp_path):
+    d = tmp_path / "mine"
+    (d / "bin").mkdir(parents=True)
+    (d / "precious").write_text("keep me")
+    p = _bash(f'. scripts/lib/venv.sh; venv_new "{sys.executable}" "{d}" || kv_die "$KV_ERR"')
+    assert p.returncode == 1
+    assert "is not a virtual environment; not touching it" in p.stderr
+    assert (d / "precious").read_text() == "keep me"
