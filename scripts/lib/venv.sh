@@ -47,18 +47,30 @@ venv_lock() {
 
 # venv_new PY VENV: a fresh venv at VENV made by PY, after removing a stale one. Returns 1
 # with the reason in $KV_ERR when VENV is something else than a venv (left untouched) or
-# `PY -m venv` fails.
+# `PY -m venv` fails. A build killed at any point leaves something the next run takes
+# for its own: the old venv is renamed to VENV.trash-PID before it is removed (rm -rf
+# removes pyvenv.cfg long before the rest of a 3 GB tree), and the new one is marked
+# (VENV/.kvshm-building) before `PY -m venv` runs, which writes pyvenv.cfg only after
+# making bin/ and lib/.
 venv_new() {
     KV_ERR=
+    local old
+    for old in "$2".trash-*; do
+        [ -e "$old" ] || continue
+        kv_log "removing $old (left by a build that was stopped)"
+        rm -rf "$old"
+    done
     if [ -e "$2" ]; then
-        if [ ! -f "$2/pyvenv.cfg" ]; then
+        if [ ! -f "$2/pyvenv.cfg" ] && [ ! -f "$2/.kvshm-building" ]; then
             KV_ERR="$2 exists and is not a virtual environment; not touching it"
             return 1
         fi
         kv_log "removing $2 (stale or partial: no marker, or built by another recipe)"
-        rm -rf "$2"
+        mv "$2" "$2.trash-$$" || { KV_ERR="cannot move $2 aside"; return 1; }
+        rm -rf "$2.trash-$$"
     fi
     kv_log "creating $2 with $("$1" --version 2>&1)"
+    mkdir -p "$2" && : > "$2/.kvshm-building" || { KV_ERR="cannot create $2"; return 1; }
     "$1" -m venv "$2" || { KV_ERR="python -m venv failed"; return 1; }
 }
 
