@@ -41,13 +41,19 @@ from _common import cpu_seconds, stop  # noqa: E402
 from servers import ServerProcess  # noqa: E402
 
 
-def median_rate(fn, nbytes: int, reps: int) -> float:
-    """GB/s: the median over reps of nbytes / seconds of fn()."""
+def median_rate(fn, nbytes: int, reps: int, before=None, check=None) -> float:
+    """GB/s: the median over reps of nbytes / seconds of fn(). before() runs ahead of each
+    rep and check() after it, both outside the clock; a check that returns False raises
+    AssertionError naming the rep (every rep's reads are checked, not only the last)."""
     rates = []
-    for _ in range(reps):
+    for rep in range(reps):
+        if before is not None:
+            before()
         t = time.perf_counter()
         fn()
         rates.append(nbytes / (time.perf_counter() - t) / 1e9)
+        if check is not None:
+            assert check(), f"rep {rep}: the values read back are not the values written"
     return statistics.median(rates)
 
 
@@ -115,8 +121,14 @@ def bench_kvshm(address: str, transport: str, n: int, size: int, reps: int
         c.put_batch(keys, vals)
         put = median_rate(lambda: c.put_batch(keys, vals), n * size, reps)
         c.get_batch_into(keys, outs)
-        get = median_rate(lambda: c.get_batch_into(keys, outs), n * size, reps)
         assert all(np.array_equal(a, b) for a, b in zip(vals, outs))
+
+        def clear() -> None:              # so a rep that writes nothing cannot pass
+            for o in outs:
+                o.fill(0)
+
+        get = median_rate(lambda: c.get_batch_into(keys, outs), n * size, reps, clear,
+                          lambda: all(np.array_equal(a, b) for a, b in zip(vals, outs)))
         want = [v.tobytes() for v in vals]
         got: list = []
 
@@ -124,8 +136,8 @@ def bench_kvshm(address: str, transport: str, n: int, size: int, reps: int
             got[:] = c.get_batch(keys)
 
         fresh()
-        get_fresh = median_rate(fresh, n * size, reps)
         assert got == want, "get_batch returned other bytes"
+        get_fresh = median_rate(fresh, n * size, reps, got.clear, lambda: got == want)
         c.purge()
     return put, get, get_fresh
 
@@ -169,8 +181,7 @@ def bench_redis(r, n: int, size: int, reps: int) -> tuple[float, float]:
 
     put()
     p = median_rate(put, n * size, reps)
-    g = median_rate(get, n * size, reps)
-    assert got == vals, "redis MGET returned other bytes"
+    g = median_rate(get, n * size, reps, got.clear, lambda: got == vals)
     r.flushall()
     return p, g
 
