@@ -230,3 +230,29 @@ def test_bench_localread_compares_like_with_like():
     assert "local get p50 / numpy tobytes p50" in p.stdout
     assert "local get_into p50 / numpy copy p50" in p.stdout
     assert "local get p50 / numpy copy p50" not in p.stdout
+
+
+# ------------------------------------------------------------ the replay says whether it agreed
+
+def test_replay_says_in_counts_whether_the_store_equalled_the_exact_lru(tmp_path):
+    """The demo printed "expected: equal" with hit rates equal to two decimals and
+    "evictions 57900 (exact LRU 57902)": nothing said whether the expectation held. The
+    summary now has a verdict in counts, and says NOT equal when they differ."""
+    import uuid
+
+    from kvshm.replay import ReplayOptions, format_summary, run_replay
+
+    s = run_replay(ReplayOptions(requests=60, block_bytes=4096, pool_gib=400 * 4096 / 2**30,
+                                 progress=False, shm_name=f"kvshm-test-b6-{uuid.uuid4().hex[:8]}")
+                   ).summary
+    assert s["mismatches"] == 0 and s["errors"] == 0
+    assert s["lru_equal_expected"] is True
+    text = format_summary(s)
+    verdict = next(line for line in text.splitlines() if line.startswith("  verdict"))
+    want_equal = s["hits"] == s["lru_hits"] and s["evictions"] == s["lru_evictions"]
+    assert verdict.endswith(": equal as expected" if want_equal
+                            else ": NOT equal (expected equal)"), verdict
+    off = dict(s, evictions=s["lru_evictions"] + 2)
+    assert "NOT equal (expected equal)" in format_summary(off)
+    assert "(+2)" in format_summary(off)
+    assert "equality not expected here" in format_summary(dict(s, lru_equal_expected=False))
