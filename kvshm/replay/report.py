@@ -93,6 +93,7 @@ def summarize(run: dict[str, Any], wl: Workload, nkeys: Sequence[int], last: Seq
 
     lru, bound = refs["lru"], refs["bound"]
     lru_rate, lru_brate = rates(lru)
+    lru_hits = int(sum(lru.per_request[i] for i in index))
     bound_rate, bound_brate = rates(bound)
     blk = refs.get("lru_blocks")
     blk_rate, blk_brate = rates(blk) if blk is not None else (None, None)
@@ -114,6 +115,8 @@ def summarize(run: dict[str, Any], wl: Workload, nkeys: Sequence[int], last: Seq
         "mode": "one-block" if wl.one_block else "chunks",
         "chunk_tokens": wl.chunk_tokens,
         "workload": wl.describe(),
+        "lru_equal_expected": (wl.one_block and k == 1 and not run["ssd_bytes"]
+                               and not run.get("capacity_note")),
         "lru_expected": (_expectation(wl.one_block, k, bool(run["ssd_bytes"]))
                          if not run.get("capacity_note") else
                          "not expected to be equal: a peer store with its own capacity and "
@@ -127,6 +130,7 @@ def summarize(run: dict[str, Any], wl: Workload, nkeys: Sequence[int], last: Seq
         "matched": int(matched.sum()),
         "hit_rate": hits / blocks if blocks else 0.0,
         "byte_hit_rate": int(hit_bytes_r.sum()) / total_bytes if total_bytes else 0.0,
+        "lru_hits": lru_hits,
         "lru_hit_rate": lru_rate,
         "lru_byte_hit_rate": lru_brate,
         "lru_capacity": refs["lru_capacity"],
@@ -174,6 +178,23 @@ def summarize(run: dict[str, Any], wl: Workload, nkeys: Sequence[int], last: Seq
     return ReplayResult(summary, series)
 
 
+def verdict(s: dict[str, Any]) -> str:
+    """Whether the store agreed with the exact LRU, in counts (a hit rate equal to two
+    decimals may hide a difference): hits and evictions of each, and, where equality is
+    expected (one-block mode, one client, no tier, kvshm), "equal as expected" or
+    "NOT equal (expected equal)"."""
+    hits, ref = s["hits"], s.get("lru_hits")
+    if ref is None:
+        return "exact LRU hits not known"
+    ev, ref_ev = s["evictions"], s["lru_evictions"]
+    same = hits == ref and (ev is None or ev == ref_ev)
+    text = (f"{hits} hits vs exact LRU {ref} ({hits - ref:+d})"
+            + ("" if ev is None else f", {ev} evictions vs {ref_ev} ({ev - ref_ev:+d})"))
+    if not s.get("lru_equal_expected"):
+        return text + " (equality not expected here)"
+    return text + (": equal as expected" if same else ": NOT equal (expected equal)")
+
+
 def format_summary(s: dict[str, Any]) -> str:
     """The human-readable summary of a replay."""
     pct = lambda v: f"{100 * v:.2f} %"  # noqa: E731
@@ -205,6 +226,7 @@ def format_summary(s: dict[str, Any]) -> str:
         + f" (exact LRU {s['lru_evictions']})"
         + (" from the pool, each with the pool's capacity" if s["ssd_bytes"] else ""),
     ]
+    lines.append("  verdict    " + verdict(s))
     if s.get("read_path"):
         lines.insert(1, f"  read path  {s['read_path']}")
     if peer_note:
