@@ -256,3 +256,18 @@ def test_replay_says_in_counts_whether_the_store_equalled_the_exact_lru(tmp_path
     assert "NOT equal (expected equal)" in format_summary(off)
     assert "(+2)" in format_summary(off)
     assert "equality not expected here" in format_summary(dict(s, lru_equal_expected=False))
+
+
+def test_replay_says_when_the_capacity_never_filled():
+    """`kvshm replay --requests 500 --chunk-tokens 64` (1 GiB default pool) evicted
+    nothing: store = exact LRU = the bound by construction, and the output did not say
+    so. The verdict now says the comparison tested no eviction."""
+    from kvshm.replay import ReplayOptions, format_summary, run_replay
+    import uuid
+
+    s = run_replay(ReplayOptions(requests=20, block_bytes=4096, pool_gib=4096 * 4096 / 2**30,
+                                 progress=False, shm_name=f"kvshm-test-b6-{uuid.uuid4().hex[:8]}")
+                   ).summary
+    assert s["evictions"] == 0 and s["lru_evictions"] == 0, s
+    assert "nothing was evicted" in format_summary(s)
+    assert "nothing was evicted" not in format_summary(dict(s, evictions=3, lru_evictions=3))
