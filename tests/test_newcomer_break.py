@@ -271,3 +271,13 @@ def test_replay_says_when_the_capacity_never_filled():
     assert s["evictions"] == 0 and s["lru_evictions"] == 0, s
     assert "nothing was evicted" in format_summary(s)
     assert "nothing was evicted" not in format_summary(dict(s, evictions=3, lru_evictions=3))
+
+
+def test_bench_store_takes_sizes_with_units_and_says_its_defaults():
+    """`bench_store.py --pool-gib 0.5GiB` was refused (a float only) and --help said
+    nothing of its flags."""
+    bs = _perf_module("bench_store")
+    assert bs.parser().parse_args(["--pool-gib", "512MiB"]).pool_gib == 0.5
+    assert bs.parser().parse_args(["--pool-gib", "2"]).pool_gib == 2.0
+    text = bs.parser().format_help()
+    assert "(default 5)" in text and "(default 1.5)" in text
