@@ -213,12 +213,24 @@ def bench_queries(address: str, reps: int) -> tuple[float, float, float, float]:
             lat[int(len(lat) * 0.99)] * 1e6)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line: --reps, --pool-gib (a size with a unit, a plain number GiB, as
+    `kvshm serve --prealloc-size` and `kvshm replay --pool-gib` take it), --skip-redis."""
+    from kvshm.cliargs import gib_size_t
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--pool-gib", type=float, default=1.5)
-    ap.add_argument("--skip-redis", action="store_true")
-    args = ap.parse_args()
+    ap.add_argument("--reps", type=int, default=5,
+                    help="runs of each figure; the median is printed (default 5)")
+    ap.add_argument("--pool-gib", type=gib_size_t, default=1.5, metavar="SIZE",
+                    help="the server's pool and Redis's maxmemory: 1.5GiB, 512MiB; a plain "
+                         "number is GiB (default 1.5)")
+    ap.add_argument("--skip-redis", action="store_true",
+                    help="no Redis columns (they print nan)")
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     shapes = [(256, 1 << 20), (256, 64 << 10)]
     rows = []
     load0 = os.getloadavg()[0]
