@@ -281,3 +281,33 @@ def test_bench_store_takes_sizes_with_units_and_says_its_defaults():
     assert bs.parser().parse_args(["--pool-gib", "2"]).pool_gib == 2.0
     text = bs.parser().format_help()
     assert "(default 5)" in text and "(default 1.5)" in text
+
+
+def test_bench_peers_catches_a_read_that_stops_halfway():
+    """bench_peers (perf/peer_clients.py) zeroed only the first 8 bytes of each buffer
+    before a read into it: a read that wrote only the first half of a value passed, the
+    rest still holding the previous rep's bytes (the same values, other keys)."""
+    import pytest
+
+    pc = _perf_module("peer_clients")
+
+    class HalfReads(pc.Adapter):
+        def __init__(self) -> None:
+            self.d: dict[str, bytes] = {}
+            self.reads = 0
+
+            def put_batch(keys, arrays):
+                self.d.update((k, bytes(a)) for k, a in zip(keys, arrays))
+
+            def get_batch_into(keys, arrays):
+                self.reads += 1
+                for k, a in zip(keys, arrays):
+                    v = memoryview(self.d[k])
+                    n = len(v) if self.reads == 1 else len(v) // 2
+                    a[:n] = v[:n]
+
+            self.put_batch, self.get_batch_into = put_batch, get_batch_into
+            self.paths = {}
+
+    with pytest.raises(RuntimeError, match="values came back wrong"):
+        pc.run_workload(HalfReads(), count=3, reps=2, lat_iters=0, sizes=((4096, "4k"),))
