@@ -311,3 +311,28 @@ def test_bench_peers_catches_a_read_that_stops_halfway():
 
     with pytest.raises(RuntimeError, match="values came back wrong"):
         pc.run_workload(HalfReads(), count=3, reps=2, lat_iters=0, sizes=((4096, "4k"),))
+
+
+def test_a_lock_file_that_cannot_be_written_is_named(tmp_path):
+    """A cache directory that is read-only (or a VENV.lock that is not a file) ended
+    vllm-env.sh with bash's own `venv.sh: line 43: ...` and peers-env.sh with "flock: 9:
+    Bad file descriptor" and "UNAVAILABLE: " (no reason). Each now names the lock file,
+    and the peer's line says why. (A directory stands for the read-only case: tests may
+    not mount.)"""
+    venv = tmp_path / "vv"
+    (tmp_path / "vv.lock").mkdir()
+    p = subprocess.run(["bash", "scripts/vllm-env.sh"], capture_output=True, text=True,
+                       cwd=ROOT, timeout=120,
+                       env={**os.environ, "KVSHM_VLLM_VENV": str(venv), "PYTHON": sys.executable})
+    assert p.returncode == 1
+    assert f"vllm-env: ERROR: cannot open the lock file {venv}.lock" in p.stderr, p.stderr
+    assert not venv.exists()
+    cache = tmp_path / "peers"
+    (cache / "redis.lock").mkdir(parents=True)
+    p = subprocess.run(["bash", "scripts/peers-env.sh", "redis"], capture_output=True,
+                       text=True, cwd=ROOT, timeout=120,
+                       env={**os.environ, "KVSHM_PEERS_CACHE": str(cache),
+                            "PYTHON": sys.executable})
+    assert p.returncode == 1
+    assert f"cannot open the lock file {cache}/redis.lock" in p.stderr, p.stderr
+    assert "UNAVAILABLE: see the error above" in p.stdout, p.stdout
