@@ -87,7 +87,8 @@ for peer in "${peers[@]}"; do
         build "$peer"
     )
     if [ $? -ne 0 ]; then
-        log "$peer: UNAVAILABLE: $(cat "$cache/$peer.failed" 2>/dev/null)"
+        log "$peer: UNAVAILABLE: $(cat "$cache/$peer.failed" 2>/dev/null \
+            || echo "see the error above")"
         rc=1
     fi
 done

@@ -36,11 +36,14 @@ venv_lock() {
     command -v flock >/dev/null 2>&1 || return 0
     if [ "${2:-}" = shared ]; then
         [ -e "$1.lock" ] || return 0
-        exec 9<"$1.lock"
+        { exec 9<"$1.lock"; } 2>/dev/null \
+            || kv_die "cannot open the lock file $1.lock (not a readable file)"
         flock -s 9 || kv_die "cannot lock $1.lock"
     else
         mkdir -p "$(dirname "$1")" || kv_die "cannot create $(dirname "$1")"
-        exec 9>"$1.lock"
+        { exec 9>"$1.lock"; } 2>/dev/null \
+            || kv_die "cannot open the lock file $1.lock (a read-only directory, or not a" \
+                      "file): point the venv's variable at a writable path"
         flock 9 || kv_die "cannot lock $1.lock"
     fi
 }
