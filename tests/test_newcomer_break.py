@@ -336,3 +336,17 @@ def test_a_lock_file_that_cannot_be_written_is_named(tmp_path):
     assert p.returncode == 1
     assert f"cannot open the lock file {cache}/redis.lock" in p.stderr, p.stderr
     assert "UNAVAILABLE: see the error above" in p.stdout, p.stdout
+
+
+def test_test_sh_never_runs_the_engine_tests_in_a_half_built_integration_venv(tmp_path):
+    ivenv = tmp_path / "iv"
+    _recording_venv(ivenv, "iv", tmp_path / "calls.log")
+    p, calls = _test_sh(tmp_path, ivenv, tmp_path / "none", KVSHM_REQUIRE_ENGINES="1")
+    assert "iv -m pytest" not in calls
+    assert p.returncode != 0
+    assert f"{ivenv} is partial or built by another version of scripts/integration-env.sh" \
+        in p.stderr
+    (ivenv / ".kvshm-integration-env").write_text(_recipe_hash("integration-env.sh") + "\n")
+    p, calls = _test_sh(tmp_path, ivenv, tmp_path / "none")
+    assert "iv -m pytest tests/integrations -m integration" in calls, p.stderr
+    assert p.returncode == 0, p.stderr
