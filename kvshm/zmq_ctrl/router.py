@@ -53,6 +53,7 @@ import gc
 import hmac
 import logging
 import os
+import threading
 import time
 from bisect import bisect_left
 from typing import Any, Callable, Sequence
@@ -96,6 +97,36 @@ _FULL_GC_QUIET_S = 1.0
 _FULL_GC_IDLE_S = 5.0
 #: ... and at the latest this long after the last one, busy or not (s).
 _FULL_GC_MAX_S = 120.0
+
+
+class _FullGcHold:
+    """The process-wide collector setting shared by every ServiceLoop of a process.
+
+    Thresholds are per process: the first loop to run keeps the automatic collector to its
+    two young generations, the last one to stop puts the caller's thresholds back. (Each
+    loop saving and restoring them itself left full collections off for good when two
+    loops of one process, e.g. servers embedded in one program or in a test run, stopped
+    in another order than they started.)"""
+
+    _lock = threading.Lock()
+    _holders = 0
+    _saved: tuple[int, ...] = ()
+
+    @classmethod
+    def take(cls) -> None:
+        with cls._lock:
+            if cls._holders == 0:
+                cls._saved = gc.get_threshold()
+                t = cls._saved
+                gc.set_threshold(t[0], t[1] if len(t) > 1 else 10, 1 << 30)
+            cls._holders += 1
+
+    @classmethod
+    def give(cls) -> None:
+        with cls._lock:
+            cls._holders -= 1
+            if cls._holders == 0:
+                gc.set_threshold(*cls._saved)
 
 #: A slice step's answer: one slice done, more to come.
 _MORE = object()
@@ -424,8 +455,7 @@ class ServiceLoop:
         :data:`_FULL_GC_QUIET_S`, at most every :data:`_FULL_GC_IDLE_S` (and at the latest
         every :data:`_FULL_GC_MAX_S`, busy or not), so cyclic garbage is still collected. The thresholds are restored at the
         end. ``stats()["loop_max_turn"]["gc_s"]`` is the longest collection seen."""
-        old = gc.get_threshold()
-        gc.set_threshold(old[0], old[1], 1 << 30)      # no automatic full collection
+        _FullGcHold.take()      # no automatic full collection while a loop runs
         gc.callbacks.append(self._gc_timer)
         now = time.monotonic()
         self._last_full_gc = now
@@ -442,7 +472,7 @@ class ServiceLoop:
                 if t - self._last_full_gc > _FULL_GC_MAX_S:
                     self._full_gc()
         finally:
-            gc.set_threshold(*old)
+            _FullGcHold.give()
             if self._gc_timer in gc.callbacks:
                 gc.callbacks.remove(self._gc_timer)
 
