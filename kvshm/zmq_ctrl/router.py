@@ -673,16 +673,7 @@ class ServiceLoop:
                 continue
             if force and p.sliced:
                 p.forced = True
-            try:
-                r = p.attempt(force)
-                if r is None and force:
-                    raise RuntimeError("a forced attempt did not answer")
-            except Exception as exc:
-                log.exception("internal error handling parked op %s", p.op)
-                self._count_error("internal")
-                if p.cleanup is not None:
-                    p.cleanup()
-                r = Status.INTERNAL, {"error": f"internal error: {exc!r}"}, []
+            r = self._attempt(p, force, "parked op")
             if r is None:
                 self._parked.append(p)
                 continue
@@ -696,6 +687,22 @@ class ServiceLoop:
         # Progress the attempts made themselves (their own evictions) is no reason to
         # attempt again; the next completion or free is.
         self._seen_progress = self.store.progress
+
+    def _attempt(self, p: _Parked, force: bool, what: str) -> Any:
+        """Run a parked request's attempt (or a large request's next slice): its reply
+        triple, None (wait for the tier) or _MORE (more slices). A bug in it is logged and
+        answered INTERNAL, its cleanup run; a forced attempt must answer."""
+        try:
+            r = p.attempt(force)
+            if r is None and force:
+                raise RuntimeError(f"a forced attempt ({what}) did not answer")
+            return r
+        except Exception as exc:
+            log.exception("internal error in a %s %s", what, p.op)
+            self._count_error("internal")
+            if p.cleanup is not None:
+                p.cleanup()
+            return Status.INTERNAL, {"error": f"internal error: {exc!r}"}, []
 
     def _abandon(self, p: _Parked) -> None:
         # cancelled (RELEASE/ABORT of its id) or its session is gone: no reply, no grant
@@ -713,16 +720,7 @@ class ServiceLoop:
                 self._abandon(p)
                 continue
             self.slice_counters["slices"] += 1
-            try:
-                r = p.attempt(p.forced)
-                if r is None and p.forced:
-                    raise RuntimeError("a forced slice did not answer")
-            except Exception as exc:
-                log.exception("internal error in a slice of op %s", p.op)
-                self._count_error("internal")
-                if p.cleanup is not None:
-                    p.cleanup()
-                r = Status.INTERNAL, {"error": f"internal error: {exc!r}"}, []
+            r = self._attempt(p, p.forced, "slice of op")
             if r is _MORE:
                 self._runnable.append(p)
                 continue
