@@ -1,0 +1,36 @@
+"""Type stubs of the direct libzmq calls (kvshm/zmq_ctrl/_zmqc.pyx)."""
+
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+from typing_extensions import Buffer, final
+
+DONTWAIT: int
+SNDMORE: int
+
+@final
+class Frame:
+    """A received part kept as its libzmq message (zero-copy, read-only buffer)."""
+
+    def __len__(self) -> int: ...
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+    @property
+    def bytes(self) -> bytes: ...
+    @property
+    def buffer(self) -> memoryview: ...
+    def get(self, option: int | str | bytes) -> Any: ...
+
+@final
+class Tracker:
+    """Whether libzmq is done with the zero-copy parts of one send_parts call."""
+
+    @property
+    def done(self) -> bool: ...
+    def wait(self, timeout: float | None = -1) -> None: ...
+
+def recv_multipart(sock: zmq.Socket[Any] | int, flags: int = 1, copy_threshold: int = 65536,
+                   keep: int = -1) -> list[bytes | Frame] | None: ...
+def send_parts(sock: zmq.Socket[Any] | int, parts: Sequence[Buffer], flags: int = 0,
+               track_from: int = -1) -> bool | Tracker: ...
+def _probe(path: str) -> None: ...
