@@ -28,6 +28,10 @@ API
     the first part leaves the message cut short, as pyzmq would).
 ``Tracker.done``, ``Tracker.wait(timeout)``
     As ``zmq.MessageTracker``: ``wait`` raises ``zmq.NotDone`` after ``timeout`` seconds.
+    A tracker dropped before it is done keeps its buffers (libzmq may still read them)
+    until a later tracked send, or :func:`sweep`, finds it done.
+``sweep(timeout=0.0)``
+    Let go of dropped trackers' buffers that libzmq is done with (see above).
 """
 
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_ANY_CONTIGUOUS
@@ -340,6 +344,17 @@ _orphans = []
 cdef void _sweep():
     cdef list keep = [t for t in _orphans if not (<Tracker>t).done]
     _orphans[:] = keep
+
+
+def sweep(timeout=0.0):
+    """Let go of the buffers of dropped trackers libzmq is done with, waiting up to
+    ``timeout`` seconds for the others; returns how many are still held."""
+    deadline = _time.monotonic() + timeout
+    while True:
+        _sweep()
+        if not _orphans or _time.monotonic() >= deadline:
+            return len(_orphans)
+        _time.sleep(1e-3)
 
 
 def send_parts(sock, parts, int flags=0, Py_ssize_t track_from=-1):

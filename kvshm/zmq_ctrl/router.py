@@ -74,6 +74,11 @@ from kvshm.zmq_ctrl.protocol import (
     encode_reply,
 )
 
+try:    # direct libzmq calls for the hot loop; without them pyzmq does the same
+    from kvshm.zmq_ctrl import _zmqc
+except ImportError:     # pragma: no cover - the extension is not built, or no libzmq found
+    _zmqc = None  # type: ignore[assignment]
+
 __all__ = ["ServiceLoop", "LATENCY_BUCKETS"]
 
 log = logging.getLogger(__name__)
@@ -333,6 +338,9 @@ class ServiceLoop:
         if sock is None:
             sock = make_router(self._ctx, socket_setup, max_frame_bytes)
         self._sock = sock
+        #: kvshm.zmq_ctrl._zmqc (module-level ``_zmqc`` when the loop is made), or None:
+        #: pyzmq receives and sends
+        self._zmqc = _zmqc
         self.endpoints: list[str] = list(bound)
         try:
             for ep in endpoints:
@@ -438,6 +446,10 @@ class ServiceLoop:
             self._sock.disable_monitor()
             self._monitor.close(0)
         self._sock.close(0)
+        if self._zmqc is not None:
+            # zero-copy replies dropped by the close: their buffers (pool views) go
+            # once libzmq says so (its reaper, at once with LINGER 0)
+            self._zmqc.sweep(1.0)
         for fd in (self._wake_r, self._wake_w):
             try:
                 os.close(fd)
@@ -529,12 +541,24 @@ class ServiceLoop:
             self._log_handshakes()
         if sock in events:
             # Drain what is queued, bounded so timers still run under load.
-            for _ in range(256):
-                try:
-                    msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                self._handle(msg)
+            zc = self._zmqc
+            if zc is not None:
+                recv = zc.recv_multipart
+                handle = self._handle
+                for _ in range(256):
+                    # header frame kept as a libzmq message: its metadata (peer, fd,
+                    # User-Id) for HELLO and _cut; parts >= 64 KiB zero-copy
+                    m = recv(sock, 1, 65536, 1)
+                    if m is None:
+                        break
+                    handle(m)
+            else:
+                for _ in range(256):
+                    try:
+                        msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._handle(msg)
         now = time.monotonic()
         self._housekeep(now)
         self._tier_deadline = self.store.service(now)
@@ -797,7 +821,9 @@ class ServiceLoop:
 
     def _dispatch(self, msg: list[zmq.Frame]) -> None:
         t0 = time.perf_counter()
-        ident = msg[0].bytes
+        ident = msg[0]
+        if type(ident) is not bytes:            # a pyzmq Frame
+            ident = ident.bytes
         req_id = 0
         op = -1
         if len(msg) < 2:
@@ -1035,6 +1061,13 @@ class ServiceLoop:
     def _send(self, ident: bytes, header: bytes, frames: list[Any] = (),  # type: ignore[assignment]
               track: bool = False) -> zmq.MessageTracker | None:
         try:
+            zc = self._zmqc
+            if zc is not None:
+                if track:       # zero-copy from index 2 on; the tracker says when done
+                    return zc.send_parts(self._sock, [ident, header, *frames], 0, 2)
+                if not frames:
+                    zc.send_parts(self._sock, (ident, header))
+                    return None
             if track:
                 parts = [zmq.Frame(f, track=True) for f in frames]
                 trackers = [p.tracker for p in parts if isinstance(p, zmq.Frame)]
