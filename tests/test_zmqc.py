@@ -149,7 +149,7 @@ def test_tracked_zero_copy(pair: Any) -> None:
     ident = _recv(router)[0]
     payload = bytearray(b"p" * 5000)
     tr = Z.send_parts(router, [ident, b"hdr", payload, memoryview(b"q" * 100000)],
-                      track_from=2)
+                      track_from=2, copy_threshold=1000)
     assert isinstance(tr, Z.Tracker)
     assert dealer.recv_multipart() == [b"hdr", b"p" * 5000, b"q" * 100000]
     tr.wait(5)
@@ -159,6 +159,12 @@ def test_tracked_zero_copy(pair: Any) -> None:
     tr2 = Z.send_parts(router, [ident, b"h"], track_from=2)
     assert isinstance(tr2, Z.Tracker) and tr2.done
     assert dealer.recv_multipart() == [b"h"]
+    # small tracked parts are copied (pyzmq's copy_threshold): done at once
+    small = bytearray(b"s" * 100)
+    tr3 = Z.send_parts(router, [ident, small], track_from=1)
+    assert isinstance(tr3, Z.Tracker) and tr3.done
+    small.extend(b"!")
+    assert dealer.recv_multipart() == [b"s" * 100]
 
 
 def test_tracker_holds_the_buffer_until_sent(pair: Any) -> None:
@@ -166,7 +172,7 @@ def test_tracker_holds_the_buffer_until_sent(pair: Any) -> None:
     Z.send_parts(dealer, [b"hi"])
     ident = _recv(router)[0]
     buf = bytearray(b"z" * 4096)
-    tr = Z.send_parts(router, [ident, buf], track_from=1)
+    tr = Z.send_parts(router, [ident, buf], track_from=1, copy_threshold=0)
     assert isinstance(tr, Z.Tracker)
     if not tr.done:
         with pytest.raises(BufferError):

@@ -21,8 +21,9 @@ API
 ``send_parts(sock, parts, flags=0, track_from=-1)``
     Send ``parts`` (any contiguous buffers) as one multipart message; ``flags`` may hold
     ``DONTWAIT``. Parts are copied into libzmq, except from index ``track_from`` on (when
-    >= 0): those are sent zero-copy and the call returns a :class:`Tracker` that says when
-    libzmq is done with them (it holds the buffers until then). Otherwise returns True.
+    >= 0) those of at least ``copy_threshold`` bytes (pyzmq's rule): these are sent
+    zero-copy, and the call returns a :class:`Tracker` that says when libzmq is done with
+    them (it holds their buffers until then; done at once if none). Otherwise returns True.
     Returns False, sending nothing, when ``DONTWAIT`` is given and the socket cannot take
     the message (EAGAIN on its first part). Errors raise ``zmq.ZMQError`` (a failure after
     the first part leaves the message cut short, as pyzmq would).
@@ -357,7 +358,8 @@ def sweep(timeout=0.0):
         _time.sleep(1e-3)
 
 
-def send_parts(sock, parts, int flags=0, Py_ssize_t track_from=-1):
+def send_parts(sock, parts, int flags=0, Py_ssize_t track_from=-1,
+               Py_ssize_t copy_threshold=65536):
     """Send ``parts`` as one multipart message (see the module docstring)."""
     cdef void *s = _handle(sock)
     cdef Py_ssize_t n = len(parts), i, k
@@ -384,9 +386,14 @@ def send_parts(sock, parts, int flags=0, Py_ssize_t track_from=-1):
     for i in range(n):
         f = _SNDMORE if i < n - 1 else 0
         part = parts[i]
+        held = NULL
         if tr is not None and i >= track_from:
             held = &tr.views[tr.nviews]
             PyObject_GetBuffer(part, held, PyBUF_ANY_CONTIGUOUS)
+            if held.len < copy_threshold:       # copied below, done at once (as pyzmq)
+                PyBuffer_Release(held)
+                held = NULL
+        if held != NULL:
             tr.nviews += 1
             z_msg_init_data(&msg, held.buf, held.len, kv_track_free, tr.t)
             kv_track_add(tr.t)
