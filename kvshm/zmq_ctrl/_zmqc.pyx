@@ -31,6 +31,9 @@ API
     As ``zmq.MessageTracker``: ``wait`` raises ``zmq.NotDone`` after ``timeout`` seconds.
     A tracker dropped before it is done keeps its buffers (libzmq may still read them)
     until a later tracked send, or :func:`sweep`, finds it done.
+``poll_in(sock, fd=-1, mon=None, timeout_ms=-1)``
+    ``zmq_poll`` for input on a socket, a file descriptor and a second socket: a bit
+    mask (1, 2, 4) of what is readable; -1 if a signal interrupted it.
 ``sweep(timeout=0.0)``
     Let go of dropped trackers' buffers that libzmq is done with (see above).
 """
@@ -52,6 +55,7 @@ cdef extern from *:
     #include <stddef.h>
     typedef struct kv_zmq_msg_t { unsigned char _[64]; } __attribute__((aligned(8))) kv_zmq_msg_t;
     typedef void (kv_zmq_free_fn)(void *data, void *hint);
+    typedef struct kv_pollitem_t { void *socket; int fd; short events; short revents; } kv_pollitem_t;
     typedef struct kv_track_t { int refs; } kv_track_t;
     static void kv_track_free(void *data, void *hint) {
         kv_track_t *t = (kv_track_t *)hint;
@@ -64,6 +68,11 @@ cdef extern from *:
     ctypedef struct kv_zmq_msg_t:
         pass
     ctypedef void kv_zmq_free_fn(void *data, void *hint) noexcept nogil
+    ctypedef struct kv_pollitem_t:
+        void *socket
+        int fd
+        short events
+        short revents
     ctypedef struct kv_track_t:
         int refs
     void kv_track_free(void *data, void *hint) noexcept nogil
@@ -85,6 +94,7 @@ ctypedef int (*f_msg_get)(const kv_zmq_msg_t *, int) noexcept nogil
 ctypedef const char *(*f_msg_gets)(const kv_zmq_msg_t *, const char *) noexcept nogil
 ctypedef int (*f_errno)() noexcept nogil
 ctypedef int (*f_send)(void *, const void *, size_t, int) noexcept nogil
+ctypedef int (*f_poll)(kv_pollitem_t *, int, long) noexcept nogil
 
 cdef f_msg_init z_msg_init = NULL
 cdef f_msg_init_data z_msg_init_data = NULL
@@ -98,6 +108,7 @@ cdef f_msg_get z_msg_get = NULL
 cdef f_msg_gets z_msg_gets = NULL
 cdef f_errno z_errno = NULL
 cdef f_send z_send = NULL
+cdef f_poll z_poll = NULL
 
 DONTWAIT = 1
 SNDMORE = 2
@@ -119,7 +130,7 @@ cdef void *_sym(void *h, bytes name) except NULL:
 cdef _load(path):
     """Resolve the libzmq functions through the shared object ``path`` (already loaded)."""
     global z_msg_init, z_msg_init_data, z_msg_recv, z_msg_send, z_msg_data, z_msg_size
-    global z_msg_more, z_msg_close, z_msg_get, z_msg_gets, z_errno, z_send
+    global z_msg_more, z_msg_close, z_msg_get, z_msg_gets, z_errno, z_send, z_poll
     if not path:
         raise ImportError("kvshm.zmq_ctrl._zmqc: pyzmq's backend has no file")
     cdef bytes bpath = path.encode()
@@ -127,10 +138,11 @@ cdef _load(path):
     if h == NULL:
         raise ImportError(f"kvshm.zmq_ctrl._zmqc: {path} is not loaded")
     # all or nothing: resolve every name before installing any
-    cdef void *p[13]
+    cdef void *p[14]
     names = (b"zmq_msg_init", b"zmq_msg_init_data", b"zmq_msg_recv", b"zmq_msg_send",
              b"zmq_msg_data", b"zmq_msg_size", b"zmq_msg_more", b"zmq_msg_close",
-             b"zmq_msg_get", b"zmq_msg_gets", b"zmq_errno", b"zmq_send", b"zmq_msg_init_size")
+             b"zmq_msg_get", b"zmq_msg_gets", b"zmq_errno", b"zmq_send", b"zmq_msg_init_size",
+             b"zmq_poll")
     for i, name in enumerate(names):
         p[i] = _sym(h, name)
     z_msg_init = <f_msg_init>p[0]
@@ -145,6 +157,7 @@ cdef _load(path):
     z_msg_gets = <f_msg_gets>p[9]
     z_errno = <f_errno>p[10]
     z_send = <f_send>p[11]
+    z_poll = <f_poll>p[13]
 
 
 def _probe(path):
@@ -439,3 +452,42 @@ def send_parts(sock, parts, int flags=0, Py_ssize_t track_from=-1,
             PyBuffer_Release(&view)
     return True if tr is None else tr
 
+
+
+def poll_in(sock, int fd=-1, mon=None, long timeout_ms=-1):
+    """Wait until ``sock`` (and the file descriptor ``fd``, the socket ``mon`` when
+    given) can be read, at most ``timeout_ms`` ms (-1: no limit), with the GIL
+    released. Returns a bit mask: 1 ``sock``, 2 ``fd``, 4 ``mon`` readable; 0 on timeout;
+    -1 when a signal interrupted the wait (EINTR). Errors raise zmq.ZMQError."""
+    cdef kv_pollitem_t items[3]
+    cdef int n = 1, rc, i, out = 0, ifd = -1, imon = -1
+    memset(items, 0, sizeof(items))
+    items[0].socket = _handle(sock)
+    items[0].events = 1                 # ZMQ_POLLIN
+    if fd >= 0:
+        ifd = n
+        items[n].fd = fd
+        items[n].events = 1
+        n += 1
+    if mon is not None:
+        imon = n
+        items[n].socket = _handle(mon)
+        items[n].events = 1
+        n += 1
+    if timeout_ms == 0:
+        rc = z_poll(items, n, 0)
+    else:
+        with nogil:
+            rc = z_poll(items, n, timeout_ms)
+    if rc < 0:
+        rc = z_errno()
+        if rc == _EINTR:
+            return -1
+        raise zmq.ZMQError(rc)
+    if items[0].revents & 1:
+        out |= 1
+    if ifd > 0 and items[ifd].revents & 1:
+        out |= 2
+    if imon > 0 and items[imon].revents & 1:
+        out |= 4
+    return out

@@ -522,26 +522,35 @@ class ServiceLoop:
             timeout = self._next_timeout(self._next_evict)
             if timeout_ms is not None:
                 timeout = timeout_ms if timeout is None else min(timeout, timeout_ms)
-        try:
-            events = dict(poller.poll(timeout))
-        except zmq.ZMQError as exc:
-            if exc.errno == errno.EINTR:
-                return False
-            raise
+        zc = self._zmqc
+        if zc is not None:
+            # one zmq_poll, GIL released, no pyzmq Poller (a Python layer per call)
+            ev = zc.poll_in(sock, self._wake_r, self._monitor,
+                            -1 if timeout is None else int(timeout))
+            if ev < 0:
+                return False            # EINTR
+        else:
+            try:
+                events = dict(poller.poll(timeout))
+            except zmq.ZMQError as exc:
+                if exc.errno == errno.EINTR:
+                    return False
+                raise
+            ev = ((1 if sock in events else 0) | (2 if self._wake_r in events else 0)
+                  | (4 if self._monitor is not None and self._monitor in events else 0))
         w0 = time.perf_counter()
         # CPU time of the turn only while large requests are in progress (thread_time is
         # a system call, ~1-10 us: not on every small request's turn)
         c0 = time.thread_time() if self._runnable else -1.0
-        if self._wake_r in events:
+        if ev & 2:
             try:
                 os.read(self._wake_r, 4096)
             except BlockingIOError:
                 pass
-        if self._monitor is not None and self._monitor in events:
+        if ev & 4:
             self._log_handshakes()
-        if sock in events:
+        if ev & 1:
             # Drain what is queued, bounded so timers still run under load.
-            zc = self._zmqc
             if zc is not None:
                 recv = zc.recv_multipart
                 handle = self._handle
@@ -586,7 +595,7 @@ class ServiceLoop:
         dt = time.perf_counter() - w0
         if dt > mt["wall_s"]:
             mt["wall_s"] = dt
-        return not events and not self._runnable
+        return not ev and not self._runnable
 
     def _housekeep(self, now: float) -> None:
         """Leases and liveness proofs. Never raises: a bug here must not end the loop
