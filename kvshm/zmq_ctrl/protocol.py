@@ -159,6 +159,11 @@ def decode_request(frame: bytes | memoryview) -> tuple[int, int, int, int, dict[
         Not a 5-element msgpack array of (int, int, int, int, map).
     """
     h = _unpack(frame)
+    if type(h) is list and len(h) == 5:         # the common case, checked at once
+        version, op, req_id, epoch, body = h
+        if (type(version) is int and type(op) is int and type(req_id) is int
+                and type(epoch) is int and type(body) is dict):
+            return version, op, req_id, epoch, body
     if not isinstance(h, list) or len(h) != 5:
         raise DecodeError("request header must be a 5-element array")
     version, op, req_id, epoch, body = h

@@ -133,6 +133,9 @@ class _FullGcHold:
             if cls._holders == 0:
                 gc.set_threshold(*cls._saved)
 
+#: Op.HELLO as a plain int (no enum attribute lookup per request)
+_HELLO = int(Op.HELLO)
+
 #: A slice step's answer: one slice done, more to come.
 _MORE = object()
 
@@ -857,7 +860,7 @@ class ServiceLoop:
                 "version": PROTOCOL_VERSION}))
             return
         handler = self._handlers.get(op)
-        if handler is None and op != Op.HELLO:      # HELLO: self._hello, below
+        if handler is None and op != _HELLO:      # HELLO: self._hello, below
             self._count_error("unknown_op")
             self._send(ident, encode_reply(Status.UNKNOWN_OP, req_id,
                                            {"error": f"unknown op {op}"}))
@@ -869,7 +872,7 @@ class ServiceLoop:
         rbody: dict[str, Any]
         frames: list[Any]
         session = self._session_of(ident)
-        if op == Op.HELLO:
+        if op == _HELLO:
             try:
                 carried = fresh and session is not None
                 if carried:
@@ -1335,10 +1338,16 @@ class ServiceLoop:
             sizes = _list(body, "sizes")
             if not isinstance(counts, list) or len(sizes) != len(keys):
                 raise _Malformed("counts must be a list, and sizes as long as keys")
-            try:
-                frames = unpack_frames(frames, counts, sizes)
-            except FrameLayoutError as exc:
-                return Status.INVALID_REQUEST, {"error": str(exc)}, []
+            if (len(frames) == 1 and len(counts) == 1 and len(sizes) == 1
+                    and type(frames[0]) is bytes and type(counts[0]) is int
+                    and counts[0] == 1 and type(sizes[0]) is int
+                    and sizes[0] == len(frames[0])):
+                pass        # one value in one frame: what unpack_frames would give
+            else:
+                try:
+                    frames = unpack_frames(frames, counts, sizes)
+                except FrameLayoutError as exc:
+                    return Status.INVALID_REQUEST, {"error": str(exc)}, []
         elif len(keys) != len(frames):
             return Status.INVALID_REQUEST, {
                 "error": f"{len(keys)} keys but {len(frames)} value frames"}, []
@@ -1503,6 +1512,11 @@ class ServiceLoop:
             else:                                           # small values: one packed copy
                 n = sum(g.size for g in group)
                 queued += -(-n // bs)
+            if count == 1 and len(e.extents) == 1:      # one value, one run: one copy
+                out.append(store.pool.read_bytes(e.start * bs, e.size))
+                small.append(e)
+                counts.append(1)
+                continue
             buf = bytearray(n)
             offs: list[int] = []
             lens: list[int] = []
