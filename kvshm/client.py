@@ -124,6 +124,26 @@ def _check(r: _Reply, what: str) -> None:
         raise error_for(r.status, f"{what}: {msg}")
 
 
+_STALE = int(Status.STALE_EPOCH)
+_ONE_OK = [int(Status.OK)]
+
+
+def _key1(s: "_Session", key: Any) -> bytes | None:
+    """``key`` as bytes when it passes _Session.keys as a batch of one, else None (the
+    general path then raises what it raises)."""
+    if type(key) is bytes:
+        bkey = key
+    elif type(key) is str and key.isascii():
+        bkey = key.encode()
+    else:
+        return None
+    n = len(bkey)
+    if (n == 0 or n > s.limits.max_key_bytes or s.limits.max_batch < 1
+            or (s.max_message and n + 8 > s.max_message)):
+        return None
+    return bkey
+
+
 def _xxh(view: memoryview) -> int:
     return xxhash.xxh64_intdigest(view)
 
@@ -975,38 +995,7 @@ class _Session:
         mover = self.mover
         if mover is None:
             r = yield _Req(Op.GET, {"keys": bkeys})
-            _check(r, "get")
-            sizes = r.body["sizes"]
-            if -2 in sizes:     # the server's per-principal limit on unsent replies
-                refused = [bkeys[i] for i, sz in enumerate(sizes) if sz == -2]
-                raise QuotaExceeded(f"reading {len(refused)} keys (first {refused[0]!r}) "
-                                    "would exceed this client's limit on pinned and "
-                                    "unsent bytes on the server; read in smaller batches")
-            hit_sizes = [s for s in sizes if s >= 0]
-            counts = r.body.get("counts", [1] * len(r.frames))
-            try:
-                values = unpack_frames([f.buffer for f in r.frames], counts, hit_sizes)
-            except FrameLayoutError as exc:
-                raise ProtocolError(f"GET reply from {self.hello.get('server')}: {exc}") \
-                    from None
-            data: list[Any] = [None] * len(sizes)
-            j = 0
-            for i, sz in enumerate(sizes):
-                if sz < 0:
-                    continue
-                v = values[j]
-                j += 1
-                if sink is not None:
-                    sink.from_frame(i, v)
-                elif views is not None:
-                    self._check_out(bkeys[i], views[i], sz)
-                    views[i][:sz] = v
-                    data[i] = views[i][:sz]
-                else:
-                    data[i] = v.tobytes()
-            if verify:
-                self._verify(bkeys, sizes, r.body.get("sums"), data)
-            return sizes, data
+            return self.got(bkeys, views, sink, verify, r)
         r = yield _Req(Op.LOOKUP, {"keys": bkeys}, stateful=True)
         _check(r, "get")
         if self.mover is not mover and not _again:
@@ -1047,6 +1036,43 @@ class _Session:
         finally:
             # The pins go only after the copy: until then the blocks cannot be reused.
             self.releases.append(r.req_id)
+        if verify:
+            self._verify(bkeys, sizes, r.body.get("sums"), data)
+        return sizes, data
+
+    def got(self, bkeys: Sequence[bytes], views: Sequence[memoryview] | None, sink: Any,
+            verify: bool, r: _Reply) -> tuple[list[int], list[Any]]:
+        """``(sizes, data)`` of a GET reply (the TCP mover), as :meth:`op_lookup_copy`
+        returns them; raises what a refused or malformed reply means."""
+        _check(r, "get")
+        sizes = r.body["sizes"]
+        if -2 in sizes:     # the server's per-principal limit on unsent replies
+            refused = [bkeys[i] for i, sz in enumerate(sizes) if sz == -2]
+            raise QuotaExceeded(f"reading {len(refused)} keys (first {refused[0]!r}) "
+                                "would exceed this client's limit on pinned and "
+                                "unsent bytes on the server; read in smaller batches")
+        hit_sizes = [s for s in sizes if s >= 0]
+        counts = r.body.get("counts", [1] * len(r.frames))
+        try:
+            values = unpack_frames(r.frames, counts, hit_sizes)
+        except FrameLayoutError as exc:
+            raise ProtocolError(f"GET reply from {self.hello.get('server')}: {exc}") \
+                from None
+        data: list[Any] = [None] * len(sizes)
+        j = 0
+        for i, sz in enumerate(sizes):
+            if sz < 0:
+                continue
+            v = values[j]
+            j += 1
+            if sink is not None:
+                sink.from_frame(i, v)
+            elif views is not None:
+                self._check_out(bkeys[i], views[i], sz)
+                views[i][:sz] = v
+                data[i] = views[i][:sz]
+            else:
+                data[i] = v.tobytes()
         if verify:
             self._verify(bkeys, sizes, r.body.get("sums"), data)
         return sizes, data
@@ -1398,6 +1424,133 @@ class Client:
                 raise
         return _Reply(rid, Status.OK, {}, [])
 
+    # ------------------------------------------------------ one-key requests (lean)
+    #
+    # A single-key put / get / get_into / exists through the server's own messages (the
+    # TCP mover: no offsets, no grants) is one request and one reply. These paths do
+    # what _run + _roundtrip do for such an operation, without the generator and
+    # _Drive machinery; each is taken only when nothing else is due (HELLO, errors to
+    # report, a local reader, writes behind), else the general path runs and raises
+    # what it raises. The messages are the same.
+
+    def _lean(self) -> "_Session | None":
+        """The session when a one-key request may take the lean path now, else None."""
+        s = self._session
+        if (s.mover is None and s.wb is None and s.local is None and not s.need_hello
+                and not self._closed and not s.lost_commits and not s.wb_lost
+                and not s.wb_refused and s.pid == os.getpid()):
+            return s
+        return None
+
+    def _call1(self, op: int, body: dict[str, Any], frames: Sequence[Any] = ()
+               ) -> tuple[int, dict[str, Any], list[Any]]:
+        """One request of an operation that holds no grants and may be sent again
+        after a HELLO (as _roundtrip with a fresh _Drive): ``(status, body, frames)``
+        of its reply, never STALE_EPOCH."""
+        s = self._session
+        chan = self._chan
+        try:
+            with chan.lock:
+                for _ in range(3):
+                    if s.need_hello:
+                        self._hello_locked()
+                    rid = s.new_id()
+                    sent = s.take_piggyback(body)   # ``body`` itself when nothing rides
+                    try:
+                        _, st, rbody, rframes = chan.request(op, sent, frames, req_id=rid,
+                                                             epoch=s.epoch)
+                    except BaseException as exc:
+                        if not _gone_unsent(exc):
+                            # timed out, send failed, interrupted (as _Drive.failed)
+                            if sent is not body:
+                                s.requeue(sent)
+                            s.need_hello = True
+                            raise
+                        st, rbody, rframes = Status.STALE_EPOCH, {}, []
+                    if st != _STALE:
+                        s.note_reply(rbody)
+                        return st, rbody, rframes
+                    # nothing was done: HELLO, then the same request again
+                    if sent is not body:
+                        s.requeue(sent)
+                    s.need_hello = True
+                    self._hello_locked()
+            raise ServerUnavailable(f"kvshm server at {self.address} keeps forgetting "
+                                    "this client's session; retry")
+        finally:
+            self._arm_idle_flush()
+
+    def _put1(self, key: Key, value: Any, checksum: bool) -> bool:
+        """put() of one value by a remote client (one PUT). False: not taken (nothing
+        done); the general path then runs."""
+        s = self._lean()
+        if s is None:
+            return False
+        bkey = _key1(s, key)
+        if bkey is None:
+            return False
+        try:
+            view = memoryview(value)
+        except TypeError:
+            return False            # a tensor, or what byte_view refuses
+        if not view.c_contiguous:
+            return False
+        if view.ndim != 1 or view.format != "B":
+            view = view.cast("B")
+        size = view.nbytes
+        if size > s.capacity or (s.limits.max_value_bytes and
+                                 size > s.limits.max_value_bytes):
+            return False
+        # the body op_put_batch sends for one value in one frame (frames.pack)
+        if checksum:
+            body = {"keys": [bkey], "sums": [_xxh(view)], "sizes": [size], "counts": [1]}
+        else:
+            body = {"keys": [bkey], "sizes": [size], "counts": [1]}
+        st, rbody, _ = self._call1(Op.PUT, body, (view,))
+        if st:
+            _check(_Reply(0, st, rbody, []), "put")
+        per_key = rbody["st"]
+        if per_key != _ONE_OK:
+            s.raise_failures([bkey], per_key, "put")
+        return True
+
+    def _get1(self, key: Key, out: Any, verify: bool) -> tuple[list[int], list[Any]] | None:
+        """op_lookup_copy of one key by a remote client (one GET): ``(sizes, data)``;
+        None: not taken (nothing done)."""
+        s = self._lean()
+        if s is None:
+            return None
+        bkey = _key1(s, key)
+        if bkey is None:
+            return None
+        views = None
+        if out is not None:
+            try:
+                view = memoryview(out)
+            except TypeError:
+                return None
+            if view.readonly or not view.c_contiguous:
+                return None
+            if view.ndim != 1 or view.format != "B":
+                view = view.cast("B")
+            views = (view,)
+        keys = [bkey]
+        st, rbody, frames = self._call1(Op.GET, {"keys": keys})
+        return s.got(keys, views, None, verify, _Reply(0, st, rbody, frames))
+
+    def _exists1(self, key: Key) -> bool | None:
+        """exists() of one key by a remote client (one EXISTS); None: not taken."""
+        s = self._lean()
+        if s is None:
+            return None
+        bkey = _key1(s, key)
+        if bkey is None:
+            return None
+        st, rbody, _ = self._call1(Op.EXISTS, {"keys": [bkey]})
+        if st:
+            _check(_Reply(0, st, rbody, []), "exists")
+        return rbody["found"][0]  # type: ignore[no-any-return]
+
     def run_op(self, gen: OpGen) -> Any:
         """Drive an operation generator (``kvshm.client._Session.op_*``, or one of
         :mod:`kvshm.paged`, :mod:`kvshm.layerwise`, :mod:`kvshm.integrations`) to its
@@ -1483,6 +1636,8 @@ class Client:
             With ``write_behind``: an earlier write made behind was not stored.
         """
         if self._session.wb is not None and not checksum and self._put_behind(key, value):
+            return
+        if self._put1(key, value, checksum):
             return
         self._run(self._session.op_put_batch([key], [value], checksum))
 
@@ -1617,7 +1772,9 @@ class Client:
                 if v is None:
                     raise KeyNotFound(f"key {key!r} not found")
                 return v  # type: ignore[no-any-return]
-        sizes, data = self._run(self._session.op_lookup_copy([key], None, verify))
+        got = self._get1(key, None, verify)
+        sizes, data = got if got is not None else self._run(
+            self._session.op_lookup_copy([key], None, verify))
         if sizes[0] < 0:
             raise KeyNotFound(f"key {key!r} not found")
         return data[0]  # type: ignore[no-any-return]
@@ -1641,7 +1798,9 @@ class Client:
                 if n == localread.MISS:
                     raise KeyNotFound(f"key {key!r} not found")
                 return n  # type: ignore[no-any-return]
-        sizes, _ = self._run(self._session.op_lookup_copy([key], [out], verify))
+        got = self._get1(key, out, verify)
+        sizes, _ = got if got is not None else self._run(
+            self._session.op_lookup_copy([key], [out], verify))
         if sizes[0] < 0:
             raise KeyNotFound(f"key {key!r} not found")
         return sizes[0]  # type: ignore[no-any-return]
@@ -1682,7 +1841,8 @@ class Client:
     # ---------------------------------------------------------------- queries
 
     def exists(self, key: Key) -> bool:
-        return self.exists_batch([key])[0]
+        found = self._exists1(key)
+        return self.exists_batch([key])[0] if found is None else found
 
     def exists_batch(self, keys: Sequence[Key]) -> list[bool]:
         """Whether each key is present (committed, or written behind by this client)."""

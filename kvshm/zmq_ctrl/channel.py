@@ -27,7 +27,67 @@ from kvshm.errors import AuthenticationFailed, ProtocolError, ServerUnavailable
 from kvshm.zmq_ctrl.protocol import DecodeError, decode_reply, encode_request
 from kvshm.zmq_ctrl.serverwatch import IDLE_S, POLL_S, ServerGone, ServerWatch
 
+try:    # direct libzmq calls (kvshm.zmq_ctrl._zmqc); pyzmq's compiled layer without it
+    from kvshm.zmq_ctrl import _zmqc
+except ImportError:         # not built, or no libzmq symbols found: pyzmq does it
+    _zmqc = None  # type: ignore[assignment]
+
 __all__ = ["Channel", "endpoint_of"]
+
+#: Longest blocking receive of one wait (s): between two, the monitor (handshake
+#: failures), the server watch and the deadline are looked at. A reply ends the
+#: receive at once; only a wait with no reply pays a wake-up per slice.
+WAIT_SLICE_S = 0.05
+#: Frames of at least this many bytes are sent zero-copy (as pyzmq's copy_threshold).
+ZERO_COPY_BYTES = zmq.COPY_THRESHOLD
+
+# pyzmq's compiled socket methods, called with int flags: the Python layer above them
+# (send_multipart's per-frame type checks and Flag enum arithmetic, Poller) costs more
+# than the libzmq calls themselves
+_psend = zmq.backend.Socket.send
+_precv = zmq.backend.Socket.recv
+_SNDMORE = int(zmq.SNDMORE)
+
+
+def _send_pyzmq(sock: zmq.Socket, header: bytes, frames: Sequence[Any]) -> None:
+    if not frames:
+        _psend(sock, header, 0)
+        return
+    _psend(sock, header, _SNDMORE)
+    last = len(frames) - 1
+    for i, f in enumerate(frames):
+        _psend(sock, f, 0 if i == last else _SNDMORE, False)
+
+
+def _recv_pyzmq(sock: zmq.Socket) -> list[Any]:
+    f = _precv(sock, 0, False)
+    msg = [f]
+    while f.more:
+        f = _precv(sock, 0, False)
+        msg.append(f)
+    return msg
+
+
+def _send_zmqc(sock: zmq.Socket, header: bytes, frames: Sequence[Any]) -> None:
+    if not frames:
+        _zmqc.send_parts(sock, (header,))
+        return
+    parts = [header, *frames]
+    for f in frames:
+        if memoryview(f).nbytes >= ZERO_COPY_BYTES:
+            _zmqc.send_parts(sock, parts, 0, 1)     # values zero-copy, as pyzmq sends
+            return
+    _zmqc.send_parts(sock, parts)
+
+
+def _recv_zmqc(sock: zmq.Socket) -> list[Any]:
+    return _zmqc.recv_multipart(sock, 0, ZERO_COPY_BYTES)  # type: ignore[no-any-return]
+
+
+#: send ``[header, *frames]``; receive one whole message, blocking up to RCVTIMEO
+#: (zmq.Again then). Frames come back as ``bytes`` or buffer objects.
+send_message, recv_message = ((_send_zmqc, _recv_zmqc) if _zmqc is not None
+                              else (_send_pyzmq, _recv_pyzmq))
 
 
 def endpoint_of(address: str) -> str:
@@ -104,6 +164,8 @@ class Channel:
         self._monitor: zmq.Socket | None = None
         self._poller: zmq.Poller | None = None
         self._next_id = 1
+        self._slice_ms = max(1, int(WAIT_SLICE_S * 1000))
+        self._rcvtimeo = self._slice_ms     # the socket's RCVTIMEO now (ms)
         self._hs_failed = 0         # handshakes the peer closed (see _handshake_failed)
         self.lock = threading.Lock()
         self._pid = os.getpid()
@@ -131,6 +193,8 @@ class Channel:
             # client says HELLO on every new socket before anything else
             self.routing_id = os.urandom(16)
             s.setsockopt(zmq.ROUTING_ID, self.routing_id)
+            s.setsockopt(zmq.RCVTIMEO, self._slice_ms)
+            self._rcvtimeo = self._slice_ms
             if self._setup is not None:
                 self._setup(s)
             self._poller = zmq.Poller()
@@ -175,12 +239,14 @@ class Channel:
 
     def request(self, op: int, body: dict[str, Any], frames: Sequence[Any] = (), *,
                 epoch: int = 0, req_id: int | None = None, timeout: float | None = None
-                ) -> tuple[int, int, dict[str, Any], list[zmq.Frame]]:
+                ) -> tuple[int, int, dict[str, Any], list[Any]]:
         """Send one request and wait for its reply. Call with :attr:`lock` held.
 
         Returns
         -------
         (req_id, status, body, frames)
+            ``frames``: the reply's payload frames, each ``bytes`` or (from
+            ``ZERO_COPY_BYTES`` on) a zero-copy object with the buffer protocol.
 
         Raises
         ------
@@ -194,7 +260,9 @@ class Channel:
         """
         if req_id is None:
             req_id = self.new_id()
-        sock = self._socket()
+        sock = self._sock
+        if sock is None or self._pid != os.getpid():
+            sock = self._socket()
         header = encode_request(op, req_id, epoch, body)
         wait = self.timeout if timeout is None else timeout
         watch = self.watch
@@ -202,7 +270,7 @@ class Channel:
             self._check(watch, sent=False)
         self.sent += 1
         try:
-            sock.send_multipart([header, *frames], copy=False)
+            send_message(sock, header, frames)
         except zmq.ZMQError as exc:
             self.reset()
             raise ServerUnavailable(f"cannot send to kvshm server at {self._where()}: "
@@ -213,28 +281,19 @@ class Channel:
             self.reset()
             raise
         deadline = time.monotonic() + wait
-        assert self._poller is not None
         self._hs_failed = 0
+        if self._rcvtimeo != self._slice_ms:
+            sock.setsockopt(zmq.RCVTIMEO, self._slice_ms)
+            self._rcvtimeo = self._slice_ms
         while True:
-            left = deadline - time.monotonic()
-            if watch is not None:
-                left = min(left, POLL_S)
-            events = dict(self._poller.poll(max(1, int(left * 1000)))) if left > 0 else {}
-            if self._monitor is not None and self._monitor in events:
-                self._handshake_failed()
-                continue
-            if sock not in events:
-                if watch is not None:
-                    self._check(watch, sent=True)
-                if time.monotonic() < deadline:
-                    continue
-                self.timeouts += 1
-                self.reset()
-                raise ServerUnavailable(
-                    f"no reply from kvshm server at {self._where()} within {wait:g} s")
-            msg = sock.recv_multipart(copy=False)
             try:
-                status, rid, rbody = decode_reply(msg[0].buffer)
+                # blocks one slice at most (RCVTIMEO), with the GIL released
+                msg = recv_message(sock)
+            except zmq.Again:
+                self._waited(sock, watch, deadline, wait)
+                continue
+            try:
+                status, rid, rbody = decode_reply(msg[0])
             except DecodeError as exc:
                 self.reset()
                 raise ProtocolError(f"bad reply from {self._where()}: {exc}") from None
@@ -245,6 +304,28 @@ class Channel:
                 continue
             self._last = time.monotonic()
             return rid, status, rbody, msg[1:]
+
+    def _waited(self, sock: zmq.Socket, watch: ServerWatch | None, deadline: float,
+                wait: float) -> None:
+        """A slice of a wait passed without a reply: a failed handshake, a server the
+        watch proves gone and the deadline end the wait (raising); else the next slice
+        is set up (shorter when the deadline is nearer)."""
+        mon = self._monitor
+        while mon is not None and mon.get(zmq.EVENTS) & zmq.POLLIN:
+            self._handshake_failed()        # raises, or the wait goes on
+            mon = self._monitor
+        if watch is not None:
+            self._check(watch, sent=True)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            self.timeouts += 1
+            self.reset()
+            raise ServerUnavailable(
+                f"no reply from kvshm server at {self._where()} within {wait:g} s")
+        ms = max(1, min(self._slice_ms, int(left * 1000)))
+        if ms != self._rcvtimeo:
+            sock.setsockopt(zmq.RCVTIMEO, ms)
+            self._rcvtimeo = ms
 
     def send(self, op: int, body: dict[str, Any], frames: Sequence[Any] = (), *,
              epoch: int = 0, req_id: int) -> None:
