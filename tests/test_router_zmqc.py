@@ -209,3 +209,73 @@ def test_poll_in(shm_name: str) -> None:
         for s in (r, d, m):
             s.close(0)
         ctx.term()
+
+
+def _head(op: int, rid: int, body: Any) -> bytes:
+    return msgpack.packb([PROTOCOL_VERSION, int(op), rid, EPOCH, body], use_bin_type=True)
+
+
+def test_large_header_decoded_between_others(bed: Bed) -> None:
+    """A header of > STREAM_HEADER_BYTES is decoded over several turns: another peer's
+    request is answered meanwhile; the same peer's next request waits behind it."""
+    other = bed.ctx.socket(zmq.DEALER)
+    other.setsockopt(zmq.LINGER, 0)
+    other.connect(bed.loop.endpoints[0])
+    try:
+        bed.req(Op.PUT, {"keys": [b"k000007"], "sizes": [1], "counts": [1]}, [b"v"])
+        other.send_multipart([_head(Op.EXISTS, 1, {"keys": [b"warm"]})])
+        for _ in range(2000):
+            bed.loop.turn(5)
+            if other.poll(0):
+                other.recv_multipart()
+                break
+        keys = [b"k%06d" % i for i in range(40_000)]
+        big = _head(Op.EXISTS, 50, {"keys": keys})
+        assert len(big) >= router_mod.STREAM_HEADER_BYTES
+        bed.sock.send_multipart([big])
+        bed.sock.send_multipart([_head(Op.EXISTS, 51, {"keys": [b"k000007"]})])
+        for _ in range(2000):           # both of this peer's requests are in
+            bed.loop.turn(5)
+            if bed.loop._decodes and sum(map(len, bed.loop._held.values())) == 1:
+                break
+        assert bed.loop.in_progress
+        other.send_multipart([_head(Op.EXISTS, 2, {"keys": [b"k000007"]})])
+        order: list[Any] = []
+        for _ in range(5000):
+            bed.loop.turn(5)
+            while other.poll(0):
+                order.append(("other", decode_reply(other.recv_multipart()[0])))
+            while bed.sock.poll(0):
+                order.append(("bed", decode_reply(bed.sock.recv_multipart()[0])))
+            if len(order) == 3:
+                break
+        # 51 came before the other peer's request, and was held: answered after it (the
+        # big one is itself served in slices once decoded, so 51 may overtake it then)
+        assert order[0][0] == "other" and order[0][1][1] == 2
+        got = {r[1]: r[2]["found"] for _, r in order[1:]}
+        assert got == {50: [k == b"k000007" for k in keys], 51: [True]}
+        assert not bed.loop.in_progress and not bed.loop._held
+    finally:
+        other.close(0)
+
+
+@pytest.mark.parametrize("head", [
+    b"\x95\x01\x07\x01\x07\x81\xa4keys\xdd\x00\x01\x86\xa0" + b"\xc1" * 70_000,   # junk
+    b"\x95\x01\x07\x01\x07\x81\xa4keys\xdd\xff\xff\xff\xff" + b"\xc0" * 70_000,   # short
+    b"\x95\x01\x07\x01\x07\x81\xa4keys\xdd\x00\x00\x00\x01" + b"\xc0" * 70_000,   # extra
+    b"\x95\x01\x07\x01\x07\x81\x01\xdd\x00\x01\x11\x70" + b"\xc0" * 70_000,       # int key
+    b"\x95\x01\x07\xa1x\x07\x81\xa4keys\xdd\x00\x01\x11\x70" + b"\xc0" * 70_000,  # str id
+    b"\x95\x01\x07\x01\x07\xdd\x00\x01\x11\x70" + b"\xc0" * 70_000,               # list body
+])
+def test_large_malformed_header(bed: Bed, head: bytes) -> None:
+    assert len(head) >= router_mod.STREAM_HEADER_BYTES
+    bed.sock.send_multipart([head])
+    parts = bed.raw([_head(Op.EXISTS, 9, {"keys": [b"a"]})])      # held behind it
+    assert decode_reply(parts[0])[0] == Status.MALFORMED
+    for _ in range(2000):
+        if bed.sock.poll(0):
+            break
+        bed.loop.turn(5)
+    st, rid, body = decode_reply(bed.sock.recv_multipart()[0])
+    assert (st, rid, body["found"]) == (Status.OK, 9, [False])
+    assert bed.loop.errors.get("malformed") == 1 and not bed.loop._held

@@ -58,6 +58,7 @@ __all__ = [
     "Status",
     "Limits",
     "DecodeError",
+    "RequestDecoder",
     "encode_request",
     "decode_request",
     "encode_reply",
@@ -173,6 +174,99 @@ def decode_request(frame: bytes | memoryview) -> tuple[int, int, int, int, dict[
     if not isinstance(body, dict):
         raise DecodeError("request body must be a map")
     return version, op, req_id, epoch, body
+
+
+class RequestDecoder:
+    """:func:`decode_request` a bounded number of msgpack items at a time, so that the
+    server decodes a request of 100 k keys (~15-25 ms in one go) over several turns of its
+    loop, serving other clients between. The same checks as :func:`decode_request` (and
+    msgpack's ``unpackb``: map keys str or bytes, nothing after the header), raised as
+    :class:`DecodeError`.
+
+    ``step(budget)`` decodes about ``budget`` more items; it returns
+    ``(version, op, req_id, epoch, body)`` once done, None before.
+    """
+
+    __slots__ = ("_u", "_size", "_gen")
+
+    def __init__(self, frame: Any) -> None:
+        size = memoryview(frame).nbytes
+        u = msgpack.Unpacker(raw=False, use_list=True, strict_map_key=True,
+                             max_buffer_size=max(size, 1))
+        u.feed(frame)
+        self._u = u
+        self._size = size
+        self._gen = self._walk()
+        next(self._gen)             # to its first yield: step() sends the budgets
+
+    def step(self, budget: int) -> tuple[int, int, int, int, dict[str, Any]] | None:
+        try:
+            return self._gen.send(budget)
+        except StopIteration:       # pragma: no cover - the walk returns only by yield
+            raise DecodeError("request header decoded twice") from None
+        except DecodeError:
+            raise
+        except Exception as exc:
+            raise DecodeError(f"undecodable header frame: {exc}") from None
+
+    def _walk(self) -> Any:
+        u = self._u
+        budget = yield None
+        left = budget
+        try:
+            n = u.read_array_header()
+        except ValueError:
+            raise DecodeError("request header must be a 5-element array") from None
+        if n != 5:
+            raise DecodeError("request header must be a 5-element array")
+        head = [u.unpack() for _ in range(4)]
+        try:
+            nmap = u.read_map_header()
+        except ValueError:
+            body_is_map = False
+        else:
+            body_is_map = True
+        if not body_is_map:
+            u.unpack()              # the body, whatever it is: checked after the ints
+            nmap = 0
+        for name, v in zip(("version", "op", "req_id", "epoch"), head):
+            if type(v) is not int:
+                raise DecodeError(f"request header field {name} must be an int")
+        if not body_is_map:
+            raise DecodeError("request body must be a map")
+        body: dict[Any, Any] = {}
+        for _ in range(nmap):
+            k = u.unpack()
+            if type(k) is not str and type(k) is not bytes:
+                raise DecodeError(f"undecodable header frame: {type(k).__name__} is not "
+                                  "allowed for map key when strict_map_key=True")
+            try:
+                m = u.read_array_header()
+            except ValueError:      # not an array: the value in one go
+                body[k] = u.unpack()
+                left -= 1
+            else:
+                lst: list[Any] = []
+                app = lst.append
+                unpack = u.unpack
+                while m > 0:
+                    if left <= 0:
+                        budget = yield None
+                        left = budget
+                    k2 = min(m, left)
+                    for _ in range(k2):
+                        app(unpack())
+                    m -= k2
+                    left -= k2
+                body[k] = lst
+            if left <= 0:
+                budget = yield None
+                left = budget
+        if u.tell() != self._size:
+            raise DecodeError("undecodable header frame: unpack(b) received extra data.")
+        version, op, req_id, epoch = head
+        while True:
+            yield (version, op, req_id, epoch, body)
 
 
 def decode_reply(frame: bytes | memoryview) -> tuple[int, int, dict[str, Any]]:

@@ -69,6 +69,7 @@ from kvshm.zmq_ctrl.protocol import (
     PROTOCOL_VERSION,
     DecodeError,
     Op,
+    RequestDecoder,
     Status,
     decode_request,
     encode_reply,
@@ -94,6 +95,11 @@ _STALE_CHECK_S = 0.002   # poll interval while zero-copy sends are in flight
 #: ``kvshm serve --slice-keys``): ~1-4 ms of loop time per slice on this VM (an ALLOC key
 #: costs ~1 us, an EXISTS key ~0.4 us in the pure-Python loops).
 SLICE_KEYS = 2048
+
+#: Request header frames of at least this many bytes (~3.5 k keys) are decoded over
+#: several turns (``RequestDecoder``, ``2 * slice_keys`` items a turn: ~1 ms), other
+#: requests served between; one of 100 k keys takes ~15-25 ms in one go on this VM.
+STREAM_HEADER_BYTES = 64 << 10
 
 #: ServiceLoop.run's own full garbage collections: once no request came for this long
 #: (s), ...
@@ -215,6 +221,19 @@ class _Parked:
         self.forced = False         # a slice was forced: the later ones are too
 
 
+class _Decoding:
+    """A large request whose header is being decoded (:meth:`ServiceLoop._run_decodes`)."""
+
+    __slots__ = ("ident", "msg", "decoder", "t0")
+
+    def __init__(self, ident: bytes, msg: list[Any], decoder: RequestDecoder,
+                 t0: float) -> None:
+        self.ident = ident
+        self.msg = msg
+        self.decoder = decoder
+        self.t0 = t0
+
+
 def _list(body: dict[str, Any], name: str, *, ints: bool = False, optional: bool = False
           ) -> list[Any]:
     v = body.get(name)
@@ -310,6 +329,11 @@ class ServiceLoop:
             raise ValueError("slice_keys must be >= 1")
         self.slice_keys = slice_keys
         self._runnable: collections.deque[_Parked] = collections.deque()
+        # large headers being decoded (one RequestDecoder step a turn each), and the
+        # later messages of their peers, held until that request is dispatched (a
+        # request's effects, its piggybacked COMMITs among them, stay in its peer's order)
+        self._decodes: collections.deque[_Decoding] = collections.deque()
+        self._held: dict[bytes, collections.deque[list[Any]]] = {}
         #: sliced_requests (served in slices), slices (run), abandoned (cancelled or
         #: their session gone before the last slice)
         self.slice_counters = {"sliced_requests": 0, "slices": 0, "abandoned": 0}
@@ -445,6 +469,8 @@ class ServiceLoop:
                 p.cleanup()
         self._parked.clear()
         self._runnable.clear()
+        self._decodes.clear()
+        self._held.clear()
         if self._monitor is not None:
             self._sock.disable_monitor()
             self._monitor.close(0)
@@ -500,7 +526,8 @@ class ServiceLoop:
     @property
     def in_progress(self) -> int:
         """Large requests being served in slices (runnable or parked)."""
-        return len(self._runnable) + sum(1 for p in self._parked if p.sliced)
+        return (len(self._runnable) + len(self._decodes)
+                + sum(1 for p in self._parked if p.sliced))
 
     def turn(self, timeout_ms: int | None = None) -> bool:
         """One turn of the loop: wait for a message or a timer (at most ``timeout_ms``;
@@ -519,7 +546,7 @@ class ServiceLoop:
             if self._periodic:
                 self._next_evict = time.monotonic() + self._periodic[0]
         sock = self._sock
-        if self._runnable:
+        if self._runnable or self._decodes:
             timeout: int | None = 0
         else:
             timeout = self._next_timeout(self._next_evict)
@@ -544,7 +571,7 @@ class ServiceLoop:
         w0 = time.perf_counter()
         # CPU time of the turn only while large requests are in progress (thread_time is
         # a system call, ~1-10 us: not on every small request's turn)
-        c0 = time.thread_time() if self._runnable else -1.0
+        c0 = time.thread_time() if self._runnable or self._decodes else -1.0
         if ev & 2:
             try:
                 os.read(self._wake_r, 4096)
@@ -579,6 +606,8 @@ class ServiceLoop:
                                        if d is not None), default=None)
         if self._parked:
             self._retry_parked(now)
+        if self._decodes:
+            self._run_decodes()
         if self._runnable:
             self._run_slices()
         if self._sending:
@@ -598,7 +627,7 @@ class ServiceLoop:
         dt = time.perf_counter() - w0
         if dt > mt["wall_s"]:
             mt["wall_s"] = dt
-        return not ev and not self._runnable
+        return not ev and not self._runnable and not self._decodes
 
     def _housekeep(self, now: float) -> None:
         """Leases and liveness proofs. Never raises: a bug here must not end the loop
@@ -748,6 +777,37 @@ class ServiceLoop:
         if p.cleanup is not None:
             p.cleanup()
 
+    def _run_decodes(self) -> None:
+        """One step of each large header being decoded; a request decoded is dispatched,
+        then the messages its peer sent since (held until then)."""
+        budget = 2 * self.slice_keys
+        for _ in range(len(self._decodes)):
+            job = self._decodes.popleft()
+            try:
+                r = job.decoder.step(budget)
+            except DecodeError as exc:
+                self._count_error("malformed")
+                self._send(job.ident, encode_reply(Status.MALFORMED, 0, {"error": str(exc)}))
+                r = None
+                done = True
+            else:
+                done = r is not None
+            if not done:
+                self._decodes.append(job)
+                continue
+            if r is not None:
+                try:
+                    self._dispatch(job.msg, r, job.t0)
+                except Exception:
+                    log.exception("internal error dispatching a request")
+                    self._count_error("internal")
+            q = self._held.pop(job.ident, None)
+            while q:
+                self._handle(q.popleft())
+                if job.ident in self._held:     # that one is being decoded in turn
+                    self._held[job.ident].extend(q)
+                    break
+
     def _run_slices(self) -> None:
         """One slice of each large request in progress, in turn."""
         for _ in range(len(self._runnable)):
@@ -825,14 +885,24 @@ class ServiceLoop:
         self.errors[what] = self.errors.get(what, 0) + 1
 
     def _handle(self, msg: list[zmq.Frame]) -> None:
+        held = self._held
+        if held:
+            ident = msg[0] if type(msg[0]) is bytes else msg[0].bytes
+            q = held.get(ident)
+            if q is not None:       # behind its peer's request still being decoded
+                q.append(msg)
+                return
         try:
             self._dispatch(msg)
         except Exception:      # a bug outside the handlers: log it, keep serving
             log.exception("internal error dispatching a request")
             self._count_error("internal")
 
-    def _dispatch(self, msg: list[zmq.Frame]) -> None:
-        t0 = time.perf_counter()
+    def _dispatch(self, msg: list[zmq.Frame], decoded: Any = None, t0: float = 0.0) -> None:
+        """Serve one request; ``decoded``: its header, decoded over earlier turns
+        (:meth:`_run_decodes`), ``t0`` when it came."""
+        if decoded is None:
+            t0 = time.perf_counter()
         ident = msg[0]
         if type(ident) is not bytes:            # a pyzmq Frame
             ident = ident.bytes
@@ -843,7 +913,16 @@ class ServiceLoop:
             self._send(ident, encode_reply(Status.MALFORMED, 0, {"error": "no header frame"}))
             return
         try:
-            version, op, req_id, epoch, body = decode_request(msg[1].buffer)
+            if decoded is not None:
+                version, op, req_id, epoch, body = decoded
+            elif len(msg[1]) >= STREAM_HEADER_BYTES:
+                # a large request: its header is decoded a slice a turn; this peer's
+                # later messages wait behind it
+                self._decodes.append(_Decoding(ident, msg, RequestDecoder(msg[1]), t0))
+                self._held[ident] = collections.deque()
+                return
+            else:
+                version, op, req_id, epoch, body = decode_request(msg[1].buffer)
         except DecodeError as exc:
             self._count_error("malformed")
             self._send(ident, encode_reply(Status.MALFORMED, 0, {"error": str(exc)}))
