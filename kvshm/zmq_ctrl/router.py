@@ -69,6 +69,7 @@ from kvshm.zmq_ctrl.protocol import (
     PROTOCOL_VERSION,
     DecodeError,
     Op,
+    ReplyEncoder,
     RequestDecoder,
     Status,
     decode_request,
@@ -100,6 +101,9 @@ SLICE_KEYS = 2048
 #: several turns (``RequestDecoder``, ``2 * slice_keys`` items a turn: ~1 ms), other
 #: requests served between; one of 100 k keys takes ~15-25 ms in one go on this VM.
 STREAM_HEADER_BYTES = 64 << 10
+#: Replies with a list of more than this many items (and no payload) are encoded over
+#: several turns (``ReplyEncoder``, ``8 * slice_keys`` items a turn: ~1 ms).
+STREAM_REPLY_ITEMS = 16384
 
 #: ServiceLoop.run's own full garbage collections: once no request came for this long
 #: (s), ...
@@ -234,6 +238,18 @@ class _Decoding:
         self.t0 = t0
 
 
+class _Encoding:
+    """A large reply being encoded (:meth:`ServiceLoop._run_encodes`)."""
+
+    __slots__ = ("ident", "op", "encoder", "t0")
+
+    def __init__(self, ident: bytes, op: int, encoder: ReplyEncoder, t0: float) -> None:
+        self.ident = ident
+        self.op = op
+        self.encoder = encoder
+        self.t0 = t0
+
+
 def _list(body: dict[str, Any], name: str, *, ints: bool = False, optional: bool = False
           ) -> list[Any]:
     v = body.get(name)
@@ -334,6 +350,7 @@ class ServiceLoop:
         # request's effects, its piggybacked COMMITs among them, stay in its peer's order)
         self._decodes: collections.deque[_Decoding] = collections.deque()
         self._held: dict[bytes, collections.deque[list[Any]]] = {}
+        self._encodes: collections.deque[_Encoding] = collections.deque()
         #: sliced_requests (served in slices), slices (run), abandoned (cancelled or
         #: their session gone before the last slice)
         self.slice_counters = {"sliced_requests": 0, "slices": 0, "abandoned": 0}
@@ -471,6 +488,7 @@ class ServiceLoop:
         self._runnable.clear()
         self._decodes.clear()
         self._held.clear()
+        self._encodes.clear()
         if self._monitor is not None:
             self._sock.disable_monitor()
             self._monitor.close(0)
@@ -526,7 +544,7 @@ class ServiceLoop:
     @property
     def in_progress(self) -> int:
         """Large requests being served in slices (runnable or parked)."""
-        return (len(self._runnable) + len(self._decodes)
+        return (len(self._runnable) + len(self._decodes) + len(self._encodes)
                 + sum(1 for p in self._parked if p.sliced))
 
     def turn(self, timeout_ms: int | None = None) -> bool:
@@ -546,7 +564,7 @@ class ServiceLoop:
             if self._periodic:
                 self._next_evict = time.monotonic() + self._periodic[0]
         sock = self._sock
-        if self._runnable or self._decodes:
+        if self._runnable or self._decodes or self._encodes:
             timeout: int | None = 0
         else:
             timeout = self._next_timeout(self._next_evict)
@@ -571,7 +589,8 @@ class ServiceLoop:
         w0 = time.perf_counter()
         # CPU time of the turn only while large requests are in progress (thread_time is
         # a system call, ~1-10 us: not on every small request's turn)
-        c0 = time.thread_time() if self._runnable or self._decodes else -1.0
+        c0 = (time.thread_time() if self._runnable or self._decodes or self._encodes
+              else -1.0)
         if ev & 2:
             try:
                 os.read(self._wake_r, 4096)
@@ -610,6 +629,8 @@ class ServiceLoop:
             self._run_decodes()
         if self._runnable:
             self._run_slices()
+        if self._encodes:
+            self._run_encodes()
         if self._sending:
             self._reap_sends(now)
         next_evict = self._next_evict
@@ -627,7 +648,7 @@ class ServiceLoop:
         dt = time.perf_counter() - w0
         if dt > mt["wall_s"]:
             mt["wall_s"] = dt
-        return not ev and not self._runnable and not self._decodes
+        return not ev and not self._runnable and not self._decodes and not self._encodes
 
     def _housekeep(self, now: float) -> None:
         """Leases and liveness proofs. Never raises: a bug here must not end the loop
@@ -807,6 +828,18 @@ class ServiceLoop:
                 if job.ident in self._held:     # that one is being decoded in turn
                     self._held[job.ident].extend(q)
                     break
+
+    def _run_encodes(self) -> None:
+        """One step of each large reply being encoded; sent once whole."""
+        budget = 8 * self.slice_keys
+        for _ in range(len(self._encodes)):
+            job = self._encodes.popleft()
+            header = job.encoder.step(budget)
+            if header is None:
+                self._encodes.append(job)
+                continue
+            self._send(job.ident, header)
+            self._record_latency(job.op, job.t0)
 
     def _run_slices(self) -> None:
         """One slice of each large request in progress, in turn."""
@@ -1125,6 +1158,13 @@ class ServiceLoop:
                src: Any = None) -> None:
         if reply_extra:
             rbody.update(reply_extra)
+        if not on_sent and not frames and len(rbody) < 8:
+            for v in rbody.values():
+                if type(v) is list and len(v) > STREAM_REPLY_ITEMS:
+                    # a large reply: encoded a chunk a turn, then sent (nothing pinned)
+                    self._encodes.append(_Encoding(ident, op, ReplyEncoder(status, req_id,
+                                                                           rbody), t0))
+                    return
         track = bool(on_sent) and session is not None
         tracker = self._send(ident, encode_reply(status, req_id, rbody), frames,
                              track=track)
@@ -1137,6 +1177,9 @@ class ServiceLoop:
             else:
                 self._sending.append((tracker, entries, nblocks, session, ident,
                                       time.monotonic(), src))
+        self._record_latency(op, t0)
+
+    def _record_latency(self, op: int, t0: float) -> None:
         dt = time.perf_counter() - t0
         # keyed by the op's int (an Op member hashes as its int): no enum call per reply;
         # an op added through add_ops gets its histogram on first use
