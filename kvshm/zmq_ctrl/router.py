@@ -39,7 +39,16 @@ the request as above (once forced, its later slices are forced too, so the wait 
 bounded by ``tier_wait``). A RELEASE/ABORT naming it, or its session's end, abandons it:
 the grant made so far is settled (by that RELEASE/ABORT or by the session's close) and no
 later slice runs. Between two slices the store may change: a sliced EXISTS is not a
-snapshot, as two requests are not.
+snapshot, as two requests are not. The codec is sliced too: a request header of at least
+:data:`STREAM_HEADER_BYTES` is decoded ``2 * slice_keys`` msgpack items a turn
+(:class:`~kvshm.zmq_ctrl.protocol.RequestDecoder`; that peer's later messages wait behind
+it, so its requests still take effect in its order), and a reply with a list of more
+than :data:`STREAM_REPLY_ITEMS` items (and no payload) is encoded ``8 * slice_keys``
+items a turn (:class:`~kvshm.zmq_ctrl.protocol.ReplyEncoder`, the same bytes).
+
+Sockets. When :mod:`kvshm.zmq_ctrl._zmqc` is built, the loop polls, receives and sends
+through it (direct libzmq calls; the header frame is kept as a libzmq message for its
+metadata, zero-copy replies are tracked in C); otherwise through pyzmq, alike.
 
 Nothing a client sends may raise out of the loop: every handler runs under a catch-all
 that answers INTERNAL, and the store's lease and liveness checks never raise.
@@ -621,8 +630,12 @@ class ServiceLoop:
         self._housekeep(now)
         self._tier_deadline = self.store.service(now)
         if self._ticks:
-            self._tick_deadline = min((d for d in (t(now) for t in self._ticks)
-                                       if d is not None), default=None)
+            td = None
+            for tick in self._ticks:
+                d = tick(now)
+                if d is not None and (td is None or d < td):
+                    td = d
+            self._tick_deadline = td
         if self._parked:
             self._retry_parked(now)
         if self._decodes:
@@ -688,28 +701,30 @@ class ServiceLoop:
             del self._order[sid]
 
     def _next_timeout(self, next_evict: float | None) -> int | None:
-        deadlines = []
         try:
-            nd = self.store.expire()
+            first = self.store.expire()
         except Exception:
             log.exception("internal error in lease expiry")
-            nd = None
-        if nd is not None:
-            deadlines.append(nd)
-        if self._by_nonce:
-            deadlines.append(self._next_check)
-        if next_evict is not None:
-            deadlines.append(next_evict)
-        if self._tier_deadline is not None:
-            deadlines.append(self._tier_deadline)
-        if self._tick_deadline is not None:
-            deadlines.append(self._tick_deadline)
+            first = None
+        # the earliest of the deadlines (no list per turn)
+        if self._by_nonce and (first is None or self._next_check < first):
+            first = self._next_check
+        if next_evict is not None and (first is None or next_evict < first):
+            first = next_evict
+        d = self._tier_deadline
+        if d is not None and (first is None or d < first):
+            first = d
+        d = self._tick_deadline
+        if d is not None and (first is None or d < first):
+            first = d
         if self._parked:
-            deadlines.append(min(p.deadline for p in self._parked))
+            d = min(p.deadline for p in self._parked)
+            if first is None or d < first:
+                first = d
         now = time.monotonic()
         t = None
-        if deadlines:
-            t = max(0.0, min(deadlines) - now)
+        if first is not None:
+            t = max(0.0, first - now)
         if self._sending:
             t = _STALE_CHECK_S if t is None else min(t, _STALE_CHECK_S)
         if self._runnable:
