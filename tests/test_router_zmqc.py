@@ -279,3 +279,17 @@ def test_large_malformed_header(bed: Bed, head: bytes) -> None:
     st, rid, body = decode_reply(bed.sock.recv_multipart()[0])
     assert (st, rid, body["found"]) == (Status.OK, 9, [False])
     assert bed.loop.errors.get("malformed") == 1 and not bed.loop._held
+
+
+def test_single_key_get_edges(bed: Bed) -> None:
+    """The one-key GET path gives what the general one gives: empty value, a miss, a
+    value over several runs, a value of >= PACK_BELOW."""
+    st, _, body, _ = bed.req(Op.PUT, {"keys": [b"z"], "sizes": [0], "counts": [1]}, [b""])
+    assert body["st"] == [0]
+    assert bed.req(Op.GET, {"keys": [b"z"]})[2:] == ({"sizes": [0], "counts": [1]}, [b""])
+    assert bed.req(Op.GET, {"keys": [b"nope"]})[2:] == ({"sizes": [-1], "counts": []}, [])
+    big = os.urandom(300 << 10)
+    bed.req(Op.PUT, {"keys": [b"big"]}, [big])
+    st, _, body, frames = bed.req(Op.GET, {"keys": [b"big"]})
+    assert body["sizes"] == [len(big)] and b"".join(frames) == big
+    assert bed.store.stats()["pins"] in (0, 1)        # the zero-copy one until sent
