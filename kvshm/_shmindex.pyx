@@ -46,8 +46,8 @@ import warnings
 import posix_ipc
 
 from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t, uintptr_t
-from libc.string cimport memcmp, memcpy, memset
-from libc.stdlib cimport malloc, free as c_free
+from libc.string cimport memchr, memcmp, memcpy, memset
+from libc.stdlib cimport malloc, realloc, free as c_free
 from posix.mman cimport mmap, munmap, PROT_READ, PROT_WRITE, MAP_SHARED
 from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE,
                              PyBUF_ANY_CONTIGUOUS, PyBUF_WRITABLE)
@@ -118,6 +118,19 @@ cdef extern from *:
         h ^= w * 0x87c37b91114253d5ULL;
         return kvx_fmix(h);
     }
+    /* Bumped in the child of every fork() (pthread_atfork): a reader made before a fork
+       sees another generation in the child and sends its reads to the server (whose
+       client then says it was made before fork), with no getpid() per read. */
+    #include <pthread.h>
+    static volatile uint64_t kvx_fork_gen = 0;
+    static void kvx_on_fork_child(void) { kvx_fork_gen++; }
+    static int kvx_atfork_done = 0;
+    static inline int kvx_watch_forks(void) {
+        if (kvx_atfork_done) return 0;
+        kvx_atfork_done = 1;
+        return pthread_atfork(NULL, NULL, kvx_on_fork_child);
+    }
+    static inline uint64_t kvx_forks(void) { return kvx_fork_gen; }
     static inline double kvx_now(void) {
         struct timespec ts;
         clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
@@ -135,6 +148,12 @@ cdef extern from *:
     void kvx_pause() nogil
     uint64_t kvx_hash(const char* s, size_t n) nogil
     double kvx_now() nogil
+    int kvx_watch_forks() nogil
+    uint64_t kvx_forks() nogil
+
+
+if kvx_watch_forks() != 0:
+    raise ImportError("kvshm._shmindex: pthread_atfork failed")
 
 
 #: Most block runs one entry may have (kvshm.index.MAX_EXTENTS).
@@ -178,6 +197,11 @@ DEF R_FALLBACK = -2
 DEF R_MISS = -1
 DEF R_HIT = 0
 DEF TRIES = 4
+# get()'s copies this large or larger release the GIL (a smaller one into the new bytes
+# takes less than the release; get_into's always do: the caller's buffer may be slow)
+DEF NOGIL_COPY = 262144
+# slots prefetched ahead by the batch lookups
+DEF AHEAD = 24
 DEF VOID_SLOT = 0xFFFFFFFF
 
 
@@ -878,6 +902,7 @@ cdef class IndexReader:
     cdef uint64_t _pool_size
     cdef int _fd
     cdef int _busy
+    cdef uint64_t _forkgen
     cdef double _next_check
     cdef bint _dead
     cdef readonly str name
@@ -927,6 +952,7 @@ cdef class IndexReader:
             self._unmap()
             raise ValueError(f"{name} belongs to server epoch {found}, not {epoch}")
         self.epoch = epoch
+        self._forkgen = kvx_forks()
         self._nslots = h.nslots
         self._mask = h.nslots - 1
         self._bs = h.block_size
@@ -1045,6 +1071,8 @@ cdef class IndexReader:
         cdef double now
         if self._map == NULL or self._dead:
             return False
+        if self._forkgen != kvx_forks():
+            return False        # a forked child: its client raises on the server path
         if kvx_load_acq(&self._h.state) != H_OPEN:
             self._dead = True
             return False
@@ -1209,7 +1237,7 @@ cdef class IndexReader:
                     return -3
                 continue
             self._busy += 1
-            with nogil:
+            with nogil:                  # the caller's buffer may be slow (a file's pages)
                 self._copy_out(&f, dst)
             self._busy -= 1
             if self._valid(&f):
@@ -1254,10 +1282,13 @@ cdef class IndexReader:
                 continue
             out = PyBytes_FromStringAndSize(NULL, f.size)
             dst = PyBytes_AS_STRING(out)
-            self._busy += 1
-            with nogil:
+            if f.size >= NOGIL_COPY:
+                self._busy += 1
+                with nogil:
+                    self._copy_out(&f, dst)
+                self._busy -= 1
+            else:
                 self._copy_out(&f, dst)
-            self._busy -= 1
             if self._valid(&f):
                 if not self._record_one(&f):
                     break                    # the ring is full: the server records it
@@ -1392,74 +1423,145 @@ cdef class IndexReader:
         self.hits += nt
         return True
 
-    def exists_batch(self, keys):
-        """Whether each key is present: a list of bool, or None when a key must be
-        asked of the server. Keys are looked up in a C loop, slots prefetched ahead."""
-        cdef Py_ssize_t i, n, nk = len(keys)
-        cdef const char* k
+    cdef Py_ssize_t _probe_all(self, const char* arena,
+                               const uint32_t* offs, uint64_t* hashes, Py_ssize_t nk,
+                               char* out, bint prefix) noexcept nogil:
+        """Look up ``nk`` keys (key ``i``: ``arena[offs[i]:offs[i + 1]]``) in one C loop:
+        ``out[i]`` is R_HIT / R_MISS / R_FALLBACK per key. All keys are hashed first,
+        then each slot is prefetched AHEAD keys before its lookup. Stops after the first
+        key that is not a hit with ``prefix``, after the first fallback without.
+        Returns the keys looked up (the rest of ``out`` unset)."""
+        cdef Py_ssize_t i, j
         cdef Found f
         cdef int r
-        cdef bint final
+        for i in range(nk):
+            hashes[i] = kvx_hash(arena + offs[i], offs[i + 1] - offs[i])
+        for i in range(min(nk, AHEAD)):
+            kvx_prefetch(self._slot(hashes[i] & self._mask))
+        for i in range(nk):
+            j = i + AHEAD
+            if j < nk:
+                kvx_prefetch(self._slot(hashes[j] & self._mask))
+            r = self._find(arena + offs[i], offs[i + 1] - offs[i], hashes[i], &f, False)
+            out[i] = <char>r
+            if r == R_FALLBACK or (prefix and r != R_HIT):
+                return i + 1
+        return nk
+
+    cdef object _batch(self, object keys, bint prefix):
+        """The C lookup of every key of ``keys`` (a list or tuple): ``(flags, keys
+        done, bad)``, or None when a key is not one the table can hold (or the reader is
+        not usable); with ``prefix`` the keys before such a key are looked up (``bad``
+        True). The keys are copied into one buffer first (no reference to them is needed
+        once the GIL is released for the loop, and they lie in order for it);
+        ``_busy`` keeps close() from unmapping under the loop."""
+        cdef Py_ssize_t i, nk, done, n, total, cap
+        cdef const char* k
+        cdef char* arena
+        cdef char* grown
+        cdef uint32_t* offs
         cdef uint64_t* hashes
-        cdef const char** ptrs
-        cdef Py_ssize_t* lens
-        cdef list out
+        cdef char* out
+        cdef bytes flags
+        cdef bint bad = False
+        cdef object key
+        cdef Py_ssize_t maxk = <Py_ssize_t>self.max_key
         if not self._usable():
             return None
-        final = self._misses_final()
-        hashes = <uint64_t*>malloc(max(1, nk) * (sizeof(uint64_t) + sizeof(char*) +
-                                                 sizeof(Py_ssize_t)))
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = list(keys)
+        nk = len(keys)
+        flags = PyBytes_FromStringAndSize(NULL, nk)
+        out = PyBytes_AS_STRING(flags)
+        if nk == 0:
+            return flags, 0, False
+        if nk >= 0xFFFFFFFF // (C_KEY_MAX + 1):
+            return None                  # (offsets are 32-bit; the server takes it)
+        hashes = <uint64_t*>malloc((nk + 1) * (sizeof(uint64_t) + sizeof(uint32_t)))
         if hashes == NULL:
             raise MemoryError()
-        ptrs = <const char**>(hashes + max(1, nk))
-        lens = <Py_ssize_t*>(ptrs + max(1, nk))
+        offs = <uint32_t*>(hashes + nk + 1)
+        cap = nk * 24 + 64
+        arena = <char*>malloc(cap)
+        if arena == NULL:
+            c_free(hashes)
+            raise MemoryError()
         try:
+            total = 0
             for i in range(nk):
-                if not self._key_ok(keys[i], &ptrs[i], &lens[i]):
-                    return None
-            out = [False] * nk
-            # (the GIL stays held: close() in another thread must not unmap mid-loop)
-            for i in range(nk):
-                hashes[i] = kvx_hash(ptrs[i], lens[i])
-            for i in range(min(nk, 16)):
-                kvx_prefetch(self._slot(hashes[i] & self._mask))
-            for i in range(nk):
-                if i + 16 < nk:
-                    kvx_prefetch(self._slot(hashes[i + 16] & self._mask))
-                r = self._find(ptrs[i], lens[i], hashes[i], &f, False)
-                if r == R_HIT:
-                    out[i] = True
-                elif r == R_FALLBACK or not final:
-                    return None
-            return out
+                key = (<list>keys)[i] if type(keys) is list else (<tuple>keys)[i]
+                if type(key) is bytes:
+                    k = PyBytes_AS_STRING(key)
+                    n = PyBytes_GET_SIZE(key)
+                elif not _key_ptr(key, &k, &n):
+                    n = 0
+                if not 0 < n <= maxk:
+                    if not prefix:
+                        return None
+                    nk = i              # the keys before it may still answer the match
+                    bad = True
+                    break
+                if total + n > cap:
+                    cap = 2 * cap + n
+                    grown = <char*>realloc(arena, cap)
+                    if grown == NULL:
+                        raise MemoryError()
+                    arena = grown
+                offs[i] = <uint32_t>total
+                memcpy(arena + total, k, n)
+                total += n
+            offs[nk] = <uint32_t>total
+            if nk >= 2048:
+                self._busy += 1
+                with nogil:
+                    done = self._probe_all(arena, offs, hashes, nk, out, prefix)
+                self._busy -= 1
+            else:
+                done = self._probe_all(arena, offs, hashes, nk, out, prefix)
         finally:
             c_free(hashes)
+            c_free(arena)
+        return flags, done, bad
+
+    def exists_batch(self, keys):
+        """Whether each key is present: a list of bool, or None when a key must be
+        asked of the server. Keys are hashed and looked up in C (the GIL released for
+        large batches), slots prefetched ahead."""
+        cdef Py_ssize_t i, nk, done
+        cdef const char* out
+        cdef list res
+        got = self._batch(keys, False)
+        if got is None:
+            return None
+        flags, done, _ = got
+        nk = len(flags)
+        out = PyBytes_AS_STRING(flags)
+        if done < nk or (nk and out[nk - 1] == R_FALLBACK):
+            return None
+        if memchr(out, <char>R_MISS, nk) != NULL and not self._misses_final():
+            return None
+        res = [False] * nk
+        for i in range(nk):
+            if out[i] == R_HIT:
+                res[i] = True
+        return res
 
     def match_prefix(self, keys):
         """How many leading keys are present, or -2 (FALLBACK) when the answer needs
         the server."""
-        cdef Py_ssize_t i, n, nk = len(keys)
-        cdef const char* k
-        cdef Found f
-        cdef int r
-        cdef uint64_t h, h2
-        cdef const char* k2
-        cdef Py_ssize_t n2
-        if not self._usable():
+        cdef Py_ssize_t i, done
+        cdef const char* out
+        got = self._batch(keys, True)
+        if got is None:
             return FALLBACK
-        for i in range(nk):
-            if not self._key_ok(keys[i], &k, &n):
+        flags, done, bad = got
+        out = PyBytes_AS_STRING(flags)
+        for i in range(done):               # the first key not found decides
+            if out[i] != R_HIT:
+                if out[i] == R_MISS and self._misses_final():
+                    return i
                 return FALLBACK
-            h = kvx_hash(k, n)
-            if i + 1 < nk and self._key_ok(keys[i + 1], &k2, &n2):
-                kvx_prefetch(self._slot(kvx_hash(k2, n2) & self._mask))
-            r = self._find(k, n, h, &f, False)
-            if r == R_HIT:
-                continue
-            if r == R_MISS and self._misses_final():
-                return i
-            return FALLBACK
-        return nk
+        return FALLBACK if bad else done    # all found up to a key it cannot hold
 
 
 if sizeof(Slot) != C_SLOT or sizeof(Rec) != 16 or sizeof(Header) > C_HEADER:

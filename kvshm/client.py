@@ -1760,6 +1760,16 @@ class Client:
         """The value of ``key``. Raises KeyNotFound on a miss, CorruptValue on a checksum
         mismatch with ``verify``."""
         s = self._session
+        lr = s.local
+        if lr is not None and not (verify or s.commits or s.need_hello or
+                                   s.wb is not None and s.wb.placed):
+            # the common same-host read, no round trip (a reader made before a fork
+            # answers FALLBACK in the child, whose server path below then raises)
+            v = lr.get(key)
+            if v is not localread.FALLBACK:
+                if v is None:
+                    raise KeyNotFound(f"key {key!r} not found")
+                return v  # type: ignore[no-any-return]
         if s.wb is not None and s.wb.placed and not verify:
             s.raise_wb_errors()
             v = s.read_own(key, None)           # this client's write, not yet answered
@@ -1786,6 +1796,14 @@ class Client:
         ``out`` is smaller than the value.
         """
         s = self._session
+        lr = s.local
+        if lr is not None and not (verify or s.commits or s.need_hello or
+                                   s.wb is not None and s.wb.placed):
+            n = lr.get_into(key, out)           # as get's common same-host read
+            if n >= 0:
+                return n  # type: ignore[no-any-return]
+            if n == localread.MISS:
+                raise KeyNotFound(f"key {key!r} not found")
         if s.wb is not None and s.wb.placed and not verify:
             s.raise_wb_errors()
             n = s.read_own(key, out)           # this client's write, not yet answered

@@ -1,0 +1,124 @@
+"""The shared index's fast local paths (issue 13's local figures): the batch lookups done
+in one C loop (keys copied out, the GIL released for large batches), the get that copies
+straight into new bytes, and a reader made before fork() sending a child's reads to the
+server."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvshm._shmindex import FALLBACK, MISS
+from test_shmindex import Table
+
+
+def _filled(name: str, n: int, **kw) -> tuple[Table, list[bytes]]:
+    t = Table(name, blocks=n + 8, **kw)
+    keys = [b"k-%08d" % i for i in range(n)]
+    for i, k in enumerate(keys):
+        t.writer.publish(k, 1, [(i, 1)])
+    return t, keys
+
+
+@pytest.mark.parametrize("n", [1, 100, 5000])     # 5000: the loop without the GIL
+def test_batch_lookups_answer_as_single_ones(shm_name, n):
+    t, keys = _filled(shm_name, n)
+    try:
+        r = t.reader
+        gone = [b"gone-%d" % i for i in range(n)]
+        mixed = [k for pair in zip(keys, gone) for k in pair]
+        assert r.exists_batch(keys) == [True] * n
+        assert r.exists_batch(tuple(keys)) == [True] * n
+        assert r.exists_batch(mixed) == [True, False] * n
+        assert r.exists_batch(iter(keys)) == [True] * n       # any iterable
+        assert r.match_prefix(keys) == n
+        assert r.match_prefix(keys + gone) == n
+        assert r.match_prefix(keys[: n // 2] + gone[:1] + keys[n // 2:]) == n // 2
+        assert r.match_prefix(gone) == 0
+        # str keys are looked up by their UTF-8
+        assert r.exists_batch([k.decode() for k in keys]) == [True] * n
+    finally:
+        t.close()
+
+
+def test_batch_lookups_of_empty_and_odd_keys(shm_name):
+    t, keys = _filled(shm_name, 10)
+    try:
+        r = t.reader
+        assert r.exists_batch([]) == []
+        assert r.match_prefix([]) == 0
+        long_key = b"x" * 1000                 # never in the table: the server answers
+        for odd in (long_key, b"", 7, None):
+            assert r.exists_batch(keys + [odd]) is None
+            assert r.match_prefix(keys + [odd]) == FALLBACK
+            # a miss before it decides the match; the odd key after it does not matter
+            assert r.match_prefix(keys[:3] + [b"gone", odd]) == 3
+            assert r.match_prefix([odd] + keys) == FALLBACK
+    finally:
+        t.close()
+
+
+def test_batch_lookups_with_misses_not_final(shm_name):
+    t, keys = _filled(shm_name, 3000, misses_final=False)
+    try:
+        r = t.reader
+        assert r.exists_batch(keys) == [True] * 3000           # all hits: answered
+        assert r.exists_batch(keys + [b"gone"]) is None        # a miss: the server
+        assert r.match_prefix(keys) == 3000
+        assert r.match_prefix(keys + [b"gone"]) == FALLBACK
+    finally:
+        t.close()
+
+
+def test_batch_lookups_after_unpublish_and_rebuild(shm_name):
+    t, keys = _filled(shm_name, 4000)
+    try:
+        for k in keys[::2]:
+            t.writer.unpublish(k)              # tombstones on the probe paths
+        want = [bool(i % 2) for i in range(4000)]
+        assert t.reader.exists_batch(keys) == want
+        assert t.reader.match_prefix(keys[1::2]) == 2000
+    finally:
+        t.close()
+
+
+def test_get_copies_values_large_and_small(shm_name):
+    t = Table(shm_name, blocks=256)
+    try:
+        big = bytes(range(256)) * 1024 * 2                      # 512 KiB: the GIL released
+        t.pool.write(0, big)
+        t.writer.publish(b"big", len(big), [(0, len(big) // 4096)])
+        t.pool.write(len(big), b"small")
+        t.writer.publish(b"small", 5, [(len(big) // 4096, 1)])
+        assert t.reader.get(b"big") == big
+        assert t.reader.get(b"small") == b"small"
+        assert t.reader.get(b"none") is None
+        assert t.reader.get_into(b"none", bytearray(8)) == MISS
+    finally:
+        t.close()
+
+
+def test_reader_made_before_fork_sends_the_childs_reads_to_the_server(shm_name):
+    t, keys = _filled(shm_name, 10)
+    try:
+        assert t.reader.exists_batch(keys) == [True] * 10
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:                                           # pragma: no cover (child)
+            try:
+                rd = t.reader
+                got = (rd.usable, rd.get(keys[0]), rd.exists_batch(keys),
+                       rd.match_prefix(keys), rd.get_into(keys[0], bytearray(4096)))
+                ok = got == (False, FALLBACK, None, FALLBACK, FALLBACK)
+                os.write(w, b"ok" if ok else repr(got).encode())
+            finally:
+                os._exit(0)
+        os.close(w)
+        with os.fdopen(r, "rb") as f:
+            out = f.read()
+        os.waitpid(pid, 0)
+        assert out == b"ok", out
+        assert t.reader.usable and t.reader.exists_batch(keys) == [True] * 10
+    finally:
+        t.close()
