@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import threading
+import time
 from typing import Any, Callable, Generator, Iterable, NamedTuple, Sequence
 
 import xxhash
@@ -161,7 +162,7 @@ class _WriteBehind:
     """
 
     __slots__ = ("mover", "pool", "bs", "want", "gen", "runs", "free", "reserve_rid",
-                 "outstanding", "placed", "copying", "lock", "max_extents")
+                 "outstanding", "placed", "copying", "lock", "max_extents", "checked")
 
     def __init__(self, mover: ShmMover, block_size: int, want_blocks: int) -> None:
         self.mover = mover
@@ -177,6 +178,7 @@ class _WriteBehind:
         self.copying = 0
         self.lock = threading.Lock()
         self.max_extents = 8                # kvshm.index.MAX_EXTENTS: runs of one value
+        self.checked = 0.0                  # time.monotonic() the server was last seen alive
 
     def nblocks(self, size: int) -> int:
         return max(1, -(-size // self.bs))
@@ -1645,7 +1647,8 @@ class Client:
         """The common write-behind put (one value that fits the reservation, nothing to
         report) without the operation machinery: take blocks, copy, send PLACE and, when
         the reservation runs low, a RESERVE ahead. False: nothing done, take the
-        general path (which also raises what is due)."""
+        general path (which also raises what is due, and says HELLO again to a server
+        found gone here)."""
         s = self._session
         wb = s.wb
         if (wb is None or self._closed or s.need_hello or s.wb_lost or s.wb_refused
@@ -1654,46 +1657,66 @@ class Client:
         bkey = key.encode() if type(key) is str else key
         if type(bkey) is not bytes or not 0 < len(bkey) <= s.limits.max_key_bytes:
             return False
-        view = byte_view(value, what=f"value for key {key!r}")
+        try:
+            view = memoryview(value)
+        except TypeError:
+            return False                     # a tensor: the general path takes it
+        if view.ndim != 1 or view.format != "B" or not view.c_contiguous:
+            if not view.c_contiguous:
+                return False
+            view = view.cast("B")
         size = view.nbytes
         if size > s.capacity or (s.limits.max_value_bytes and
                                  size > s.limits.max_value_bytes):
             return False
-        n = wb.nblocks(size)
+        n = max(1, -(-size // wb.bs))
         if n * 2 > wb.want:
             return False
+        chan = self._chan
+        now = time.monotonic()
+        if now - max(chan._last, wb.checked) > serverwatch.IDLE_S:
+            # as the request path: after an idle spell, make sure the server still
+            # lives before writing into its pool (a PLACE to a server that is gone
+            # would wait in the socket for nobody; the general path says HELLO)
+            watch = chan.watch
+            if watch is not None and watch.gone() is not None:
+                s.need_hello = True
+                return False
+            wb.checked = now
         got = wb.take1(n) or wb.take((n,))
         if got is None:
             return False
         gen, runs, mover, bs = got
+        ext = runs[0]
         try:
             pool = mover.begin()
             try:
-                pos = 0
-                for b0, c in runs[0]:
-                    k = min(c * bs, size - pos)
-                    if k <= 0:
-                        break
-                    pool.write(b0 * bs, view[pos:pos + k] if k != size else view)
-                    pos += k
+                if len(ext) == 1:
+                    pool.write(ext[0][0] * bs, view)
+                else:
+                    pos = 0
+                    for b0, c in ext:
+                        k = min(c * bs, size - pos)
+                        if k <= 0:
+                            break
+                        pool.write(b0 * bs, view[pos:pos + k])
+                        pos += k
             finally:
                 mover.end()
         finally:
             wb.copy_done()
         keys = [bkey]
-        extents = [[(b0 * bs, c * bs) for b0, c in runs[0]]]
-        chan = self._chan
         with chan.lock:
-            if wb.reserve_rid or not len(wb.outstanding) & 15:
-                # replies already here (refusals, refills): read while a refill is
-                # awaited, else every 16th put (a read costs as much as the send)
+            if wb.free < 2 * n or not len(wb.outstanding) & 15:
+                # replies already here (refusals, refills): every 16th put (a read costs
+                # as much as the send), or at once when the reservation is nearly dry
                 chan.drain()
             rid = s.new_id()
             body = s.take_piggyback({"gen": gen, "keys": keys, "sizes": [size],
                                      "runs": runs})
             with wb.placed.lock:
                 wb.outstanding[rid] = keys
-            wb.placed.add(rid, keys, [size], extents, None)
+                wb.placed.map[bkey] = (rid, size, [(b0 * bs, c * bs) for b0, c in ext], None)
             try:
                 chan.send(Op.PLACE, body, req_id=rid, epoch=s.epoch)
             except BaseException:
@@ -1710,7 +1733,8 @@ class Client:
                 except KvshmError:
                     wb.reserve_rid = 0
                     s.need_hello = True
-        self._arm_idle_flush()
+        if self._timer is None:
+            self._arm_idle_flush()
         return True
 
     def put_batch(self, keys: Sequence[Key], values: Sequence[Any], *,

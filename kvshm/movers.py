@@ -81,7 +81,7 @@ class ShmMover:
     def _exit(self) -> None:
         with self._cv:
             self._busy -= 1
-            if self._busy == 0:
+            if self._busy == 0 and self._closing:    # only close() ever waits
                 self._cv.notify_all()
 
     def begin(self) -> Pool:

@@ -6,6 +6,7 @@ server."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -122,3 +123,72 @@ def test_reader_made_before_fork_sends_the_childs_reads_to_the_server(shm_name):
         assert t.reader.usable and t.reader.exists_batch(keys) == [True] * 10
     finally:
         t.close()
+
+
+# ---------------------------------------------------------------- write behind
+
+
+def test_write_behind_put_after_the_server_restarted_goes_to_the_new_server():
+    """A write-behind client idle while its server was replaced: the next put sees the
+    old server gone before writing into its pool (no PLACE sent into the void), says
+    HELLO to the new server and stores there; the old server's unanswered PLACEs are
+    reported by a later call."""
+    from servers import ServerProcess
+    from test_faults import free_port
+
+    from kvshm import Client
+    from kvshm.errors import WritesLost
+    from kvshm.zmq_ctrl.serverwatch import IDLE_S
+
+    port = free_port()
+    srv = ServerProcess(service_port=port, prealloc_size=1 / 64)
+    srv2 = None
+    c = None
+    try:
+        c = Client(srv.address, write_behind=True, timeout=5)
+        c.put("warm", b"w" * 9000)
+        c.flush()
+        srv.kill()
+        srv.remove_segment()
+        srv2 = ServerProcess(service_port=port, prealloc_size=1 / 64)
+        time.sleep(IDLE_S * 2)                  # idle: the next put checks first
+        c.put("fresh", b"f" * 9000)
+        c.flush()
+        with Client(srv2.address) as other:
+            assert other.get("fresh") == b"f" * 9000
+            assert not other.exists("warm")
+        assert c.get("fresh") == b"f" * 9000
+    except WritesLost:                          # (none was outstanding: not expected)
+        raise
+    finally:
+        if c is not None:
+            c.close()
+        srv.kill()
+        if srv2 is not None:
+            srv2.stop()
+
+
+def test_write_behind_put_to_a_killed_server_raises_instead_of_queueing():
+    from servers import ServerProcess
+
+    import kvshm
+    from kvshm import Client
+    from kvshm.zmq_ctrl.serverwatch import IDLE_S
+
+    srv = ServerProcess(prealloc_size=1 / 64)
+    c = None
+    try:
+        c = Client(srv.address, write_behind=True, timeout=3)
+        c.put("warm", b"w" * 9000)
+        c.flush()
+        srv.kill()
+        time.sleep(IDLE_S * 2)
+        t = time.monotonic()
+        with pytest.raises(kvshm.ServerUnavailable):
+            c.put("lost", b"l" * 9000)
+        assert time.monotonic() - t < 2.5       # found gone, not the whole timeout
+    finally:
+        if c is not None:
+            c.close()
+        srv.kill()
+        srv.remove_segment()
