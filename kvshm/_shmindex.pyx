@@ -114,9 +114,25 @@ cdef extern from *:
             s += 8; n -= 8;
         }
         w = 0;
+    #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+        /* the same word memcpy makes of the 0-7 bytes left, without a call */
+        for (size_t b = 0; b < n; b++) w |= (uint64_t)(unsigned char)s[b] << (8 * b);
+    #else
         memcpy(&w, s, n);
+    #endif
         h ^= w * 0x87c37b91114253d5ULL;
         return kvx_fmix(h);
+    }
+    /* memcmp(a, b, n) == 0 for the short keys of a slot, inline */
+    static inline int kvx_keyeq(const char *a, const char *b, size_t n) {
+        uint64_t x, y;
+        while (n >= 8) {
+            memcpy(&x, a, 8); memcpy(&y, b, 8);
+            if (x != y) return 0;
+            a += 8; b += 8; n -= 8;
+        }
+        while (n--) if (*a++ != *b++) return 0;
+        return 1;
     }
     /* Bumped in the child of every fork() (pthread_atfork): a reader made before a fork
        sees another generation in the child and sends its reads to the server (whose
@@ -147,6 +163,7 @@ cdef extern from *:
     void kvx_prefetch(const void* p) nogil
     void kvx_pause() nogil
     uint64_t kvx_hash(const char* s, size_t n) nogil
+    int kvx_keyeq(const char* a, const char* b, size_t n) nogil
     double kvx_now() nogil
     int kvx_watch_forks() nogil
     uint64_t kvx_forks() nogil
@@ -1434,6 +1451,8 @@ cdef class IndexReader:
         cdef Py_ssize_t i, j
         cdef Found f
         cdef int r
+        cdef uint64_t ts = kvx_load_acq(&self._h.table_seq)
+        cdef bint quick = not (ts & 1)        # no rebuild under way: one check at the end
         for i in range(nk):
             hashes[i] = kvx_hash(arena + offs[i], offs[i + 1] - offs[i])
         for i in range(min(nk, AHEAD)):
@@ -1442,11 +1461,49 @@ cdef class IndexReader:
             j = i + AHEAD
             if j < nk:
                 kvx_prefetch(self._slot(hashes[j] & self._mask))
-            r = self._find(arena + offs[i], offs[i + 1] - offs[i], hashes[i], &f, False)
+            r = self._probe1(arena + offs[i], offs[i + 1] - offs[i], hashes[i]) \
+                if quick else R_FALLBACK
+            if r == R_FALLBACK:       # a slot in a write, or a rebuild: the full lookup
+                r = self._find(arena + offs[i], offs[i + 1] - offs[i], hashes[i], &f, False)
             out[i] = <char>r
             if r == R_FALLBACK or (prefix and r != R_HIT):
-                return i + 1
+                nk = i + 1
+                break
+        if quick:
+            kvx_fence_acq()
+            if kvx_load_rlx(&self._h.table_seq) != ts:
+                # the table was rebuilt meanwhile: a miss may have been a key moving
+                # (rare: those keys are asked of the server)
+                for i in range(nk):
+                    if out[i] == R_MISS:
+                        out[i] = <char>R_FALLBACK
+                        if not prefix:
+                            return i + 1
         return nk
+
+    cdef inline int _probe1(self, const char* k, Py_ssize_t n, uint64_t h) noexcept nogil:
+        """One key's lookup while no rebuild runs (the caller checks the table sequence
+        once for the whole batch): R_HIT, R_MISS, or R_FALLBACK when a slot on the way
+        was being written (the caller then runs the full :meth:`_find`)."""
+        cdef uint64_t i = h & self._mask, probes, v1
+        cdef const Slot* s
+        cdef uint32_t st
+        for probes in range(self._nslots):
+            s = self._slot(i)
+            v1 = kvx_load_acq(&s.version)
+            if v1 & 1:
+                return R_FALLBACK
+            st = s.state
+            if st == S_LIVE and s.hash == h and s.keylen == n and kvx_keyeq(s.key, k, n):
+                kvx_fence_acq()
+                return R_HIT if kvx_load_rlx(&s.version) == v1 else R_FALLBACK
+            kvx_fence_acq()
+            if kvx_load_rlx(&s.version) != v1:
+                return R_FALLBACK
+            if st == S_EMPTY:
+                return R_MISS
+            i = (i + 1) & self._mask
+        return R_MISS
 
     cdef object _batch(self, object keys, bint prefix):
         """The C lookup of every key of ``keys`` (a list or tuple): ``(flags, keys

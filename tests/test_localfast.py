@@ -192,3 +192,35 @@ def test_write_behind_put_to_a_killed_server_raises_instead_of_queueing():
             c.close()
         srv.kill()
         srv.remove_segment()
+
+
+def _ref_hash(key: bytes) -> int:
+    """kvx_hash as first written (the tail word made by memcpy, little-endian): servers
+    and clients of other builds must agree on every key's slot."""
+    m = (1 << 64) - 1
+    n = len(key)
+    h = 0x9E3779B97F4A7C15 ^ ((n * 0xC2B2AE3D27D4EB4F) & m)
+    i = 0
+    while n - i >= 8:
+        w = int.from_bytes(key[i:i + 8], "little")
+        h ^= (w * 0x87C37B91114253D5) & m
+        h = ((h << 31) | (h >> 33)) & m
+        h = (h * 0x4CF5AD432745937F) & m
+        i += 8
+    w = int.from_bytes(key[i:], "little")
+    h ^= (w * 0x87C37B91114253D5) & m
+    h ^= h >> 33
+    h = (h * 0xFF51AFD7ED558CCD) & m
+    h ^= h >> 33
+    h = (h * 0xC4CEB9FE1A85EC53) & m
+    h ^= h >> 33
+    return h
+
+
+def test_the_key_hash_is_unchanged():
+    from kvshm._shmindex import key_hash
+
+    for n in range(0, 40):
+        key = bytes((7 * i + n) % 256 for i in range(n))
+        assert key_hash(key) == _ref_hash(key), n
+    assert key_hash("ключ") == _ref_hash("ключ".encode())
