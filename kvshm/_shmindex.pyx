@@ -1455,12 +1455,16 @@ cdef class IndexReader:
         cdef bint quick = not (ts & 1)        # no rebuild under way: one check at the end
         for i in range(nk):
             hashes[i] = kvx_hash(arena + offs[i], offs[i + 1] - offs[i])
+        # each key's home slot and the one after it (a third of the keys of a table half
+        # full are one slot past home: without the second, they wait for memory)
         for i in range(min(nk, AHEAD)):
             kvx_prefetch(self._slot(hashes[i] & self._mask))
+            kvx_prefetch(self._slot((hashes[i] + 1) & self._mask))
         for i in range(nk):
             j = i + AHEAD
             if j < nk:
                 kvx_prefetch(self._slot(hashes[j] & self._mask))
+                kvx_prefetch(self._slot((hashes[j] + 1) & self._mask))
             r = self._probe1(arena + offs[i], offs[i + 1] - offs[i], hashes[i]) \
                 if quick else R_FALLBACK
             if r == R_FALLBACK:       # a slot in a write, or a rebuild: the full lookup
