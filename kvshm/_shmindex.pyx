@@ -219,6 +219,8 @@ DEF TRIES = 4
 DEF NOGIL_COPY = 262144
 # slots prefetched ahead by the batch lookups
 DEF AHEAD = 24
+# scratch bytes a reader keeps between batch lookups (above: freed after the call)
+DEF SCRATCH_KEEP = 64 << 20
 DEF VOID_SLOT = 0xFFFFFFFF
 
 
@@ -920,6 +922,9 @@ cdef class IndexReader:
     cdef int _fd
     cdef int _busy
     cdef uint64_t _forkgen
+    cdef char* _scr[2]           # batch lookups' scratch: hashes + offsets, key bytes
+    cdef size_t _scr_cap[2]
+    cdef bint _scr_busy
     cdef double _next_check
     cdef bint _dead
     cdef readonly str name
@@ -1030,6 +1035,7 @@ cdef class IndexReader:
         another thread."""
         if self._busy:
             raise BufferError(f"{self._busy} lock-free read(s) are running in other threads")
+        self._free_scratch()
         if self._has_buf:
             PyBuffer_Release(&self._pool_buf)
             self._has_buf = False
@@ -1038,6 +1044,7 @@ cdef class IndexReader:
         self._unmap()
 
     def __dealloc__(self):
+        self._free_scratch()
         if self._has_buf:
             PyBuffer_Release(&self._pool_buf)
         if self._map != NULL:
@@ -1525,6 +1532,8 @@ cdef class IndexReader:
         cdef char* out
         cdef bytes flags
         cdef bint bad = False
+        cdef bint own
+        cdef size_t need
         cdef object key
         cdef Py_ssize_t maxk = <Py_ssize_t>self.max_key
         if not self._usable():
@@ -1538,15 +1547,36 @@ cdef class IndexReader:
             return flags, 0, False
         if nk >= 0xFFFFFFFF // (C_KEY_MAX + 1):
             return None                  # (offsets are 32-bit; the server takes it)
-        hashes = <uint64_t*>malloc((nk + 1) * (sizeof(uint64_t) + sizeof(uint32_t)))
-        if hashes == NULL:
+        # the reader's scratch buffers, kept between calls (a fresh malloc of megabytes
+        # is a fresh mmap, faulted in page by page each call); a second thread's batch
+        # meanwhile gets its own
+        own = not self._scr_busy
+        need = (nk + 1) * (sizeof(uint64_t) + sizeof(uint32_t))
+        cap = nk * 24 + 64
+        if own:
+            self._scr_busy = True
+            if self._scr_cap[0] < need:
+                c_free(self._scr[0])
+                self._scr[0] = <char*>malloc(need)
+                self._scr_cap[0] = need if self._scr[0] != NULL else 0
+            if self._scr_cap[1] < cap:
+                c_free(self._scr[1])
+                self._scr[1] = <char*>malloc(cap)
+                self._scr_cap[1] = cap if self._scr[1] != NULL else 0
+            hashes = <uint64_t*>self._scr[0]
+            arena = self._scr[1]
+            cap = self._scr_cap[1]
+        else:
+            hashes = <uint64_t*>malloc(need)
+            arena = <char*>malloc(cap)
+        if hashes == NULL or arena == NULL:
+            if own:
+                self._scr_busy = False
+            else:
+                c_free(hashes)
+                c_free(arena)
             raise MemoryError()
         offs = <uint32_t*>(hashes + nk + 1)
-        cap = nk * 24 + 64
-        arena = <char*>malloc(cap)
-        if arena == NULL:
-            c_free(hashes)
-            raise MemoryError()
         try:
             total = 0
             for i in range(nk):
@@ -1568,6 +1598,9 @@ cdef class IndexReader:
                     if grown == NULL:
                         raise MemoryError()
                     arena = grown
+                    if own:
+                        self._scr[1] = arena
+                        self._scr_cap[1] = cap
                 offs[i] = <uint32_t>total
                 memcpy(arena + total, k, n)
                 total += n
@@ -1580,9 +1613,20 @@ cdef class IndexReader:
             else:
                 done = self._probe_all(arena, offs, hashes, nk, out, prefix)
         finally:
-            c_free(hashes)
-            c_free(arena)
+            if own:
+                self._scr_busy = False
+                if self._scr_cap[0] + self._scr_cap[1] > SCRATCH_KEEP:
+                    self._free_scratch()        # a huge batch: do not keep it all
+            else:
+                c_free(hashes)
+                c_free(arena)
         return flags, done, bad
+
+    cdef void _free_scratch(self) noexcept:
+        c_free(self._scr[0])
+        c_free(self._scr[1])
+        self._scr[0] = self._scr[1] = NULL
+        self._scr_cap[0] = self._scr_cap[1] = 0
 
     def exists_batch(self, keys):
         """Whether each key is present: a list of bool, or None when a key must be

@@ -222,3 +222,31 @@ def test_the_key_hash_is_unchanged():
         key = bytes((7 * i + n) % 256 for i in range(n))
         assert key_hash(key) == _ref_hash(key), n
     assert key_hash("ключ") == _ref_hash("ключ".encode())
+
+
+def test_batch_lookups_from_threads_at_once(shm_name):
+    """Batches of several threads on one reader at once (each but the first takes its
+    own scratch buffers), and a batch much larger than the one before it."""
+    import threading
+
+    t, keys = _filled(shm_name, 6000)
+    try:
+        r = t.reader
+        errors: list[object] = []
+
+        def run(seed: int) -> None:
+            for j in range(30):
+                ks = keys[: 100 + (seed * 997 + j * 331) % 5900]
+                if r.exists_batch(ks) != [True] * len(ks) or r.match_prefix(ks) != len(ks):
+                    errors.append((seed, j))
+
+        ths = [threading.Thread(target=run, args=(s,)) for s in range(4)]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join(60)
+        assert not errors
+        long_keys = [k * 10 for k in keys[:100]]              # longer than the estimate
+        assert r.exists_batch(long_keys) == [False] * 100
+    finally:
+        t.close()
