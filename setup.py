@@ -1,5 +1,5 @@
-"""Build the Cython core (kvshm._bitmap, kvshm._pool, kvshm._shmindex); metadata lives in
-pyproject.toml."""
+"""Build the Cython core (kvshm._bitmap, kvshm._pool, kvshm._shmindex, kvshm._index,
+kvshm.zmq_ctrl._zmqc); metadata lives in pyproject.toml."""
 
 from Cython.Build import cythonize
 from setuptools import Extension, setup
@@ -8,6 +8,7 @@ extensions = [
     Extension("kvshm._bitmap", ["kvshm/_bitmap.pyx"], extra_compile_args=["-O3"]),
     Extension("kvshm._pool", ["kvshm/_pool.pyx"], extra_compile_args=["-O3"]),
     Extension("kvshm._shmindex", ["kvshm/_shmindex.pyx"], extra_compile_args=["-O3"]),
+    Extension("kvshm._index", ["kvshm/_index.pyx"], extra_compile_args=["-O3"]),
     Extension("kvshm.zmq_ctrl._zmqc", ["kvshm/zmq_ctrl/_zmqc.pyx"], extra_compile_args=["-O3"]),
     # -ffp-contract=off: placement scores must round alike on every host (no fused multiply-add)
     Extension("kvshm.cluster._hrw", ["kvshm/cluster/_hrw.pyx"],

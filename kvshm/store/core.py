@@ -11,6 +11,7 @@ import time
 from collections import OrderedDict, deque
 from typing import Any, Callable, Sequence
 
+from kvshm import _index
 from kvshm._bitmap import BitmapAllocator
 from kvshm._pool import Pool
 from kvshm.index import MAX_EXTENTS, Entry, Index
@@ -184,37 +185,20 @@ class Store(_Sessions, _Space, _Tiered, _Accounting, _Reserving):
 
         Returns a Status per key (None: deferred, as :meth:`alloc_entries`).
         """
-        sizes = [memoryview(v).nbytes for v in values]
+        sizes = _index.value_sizes(values)
         r = self._new_entries(keys, sizes, sums, None, defer, drop)
         if r is None:
             return None
         entries, statuses = r
         ok = [e for e in entries if e is not None]
         if ok:
-            bs = self.block_size
-            offs: list[int] = []
-            srcs: list[Any] = []
-            for e, v in zip(entries, values):
-                if e is None:
-                    continue
-                if len(e.extents) == 1:
-                    offs.append(e.start * bs)
-                    srcs.append(v)
-                    continue
-                m = memoryview(v)
-                if m.format != "B" or m.ndim != 1:
-                    m = m.cast("B")
-                pos = 0
-                for o, k in e.byte_extents(bs):     # the frame's bytes into each run
-                    offs.append(o)
-                    srcs.append(m[pos:pos + k])
-                    pos += k
+            # the bytes of each value into its run(s)
+            offs, srcs = _index.write_layout(entries, values, self.block_size)
             self.pool.write_many(offs, srcs)
             self.index.sync()       # lock-free reads recorded before this write go first
-            for e in ok:
-                self._install(e)
+            _index.install_entries(self, ok)
             self.counters["puts"] += len(ok)
-            self.counters["bytes_in"] += sum(e.size for e in ok)
+            self.counters["bytes_in"] += sum([e.size for e in ok])
         return statuses
 
     def lookup(self, session: Session | bytes, req_id: int, keys: Sequence[Any],
@@ -235,41 +219,19 @@ class Store(_Sessions, _Space, _Tiered, _Accounting, _Reserving):
         checksums : list of int or None
         """
         n = len(keys)
-        offsets: list[Any] = [-1] * n
-        sizes = [-1] * n
-        sums: list[int | None] = [None] * n
-        pinned: list[Entry] = []
         self.index.sync()           # lock-free reads recorded before this one go first
-        d = self.index.mapping
-        bs = self.block_size
-        nbytes = 0
-        tier = self.tier
         session = self._as_session(session)
         limit = self._limit_blocks(self.config.max_client_pinned_bytes)
         budget = 0
         if limit:
             q = session.quota
             budget = limit - q.pinned - q.sending
-        for i in range(n):
-            k = keys[i]
-            e = d.get(k) if type(k) is bytes else None
-            if e is None:
-                continue
-            if limit:
-                if e.nblocks > budget:
-                    self.counters["quota_refusals"] += 1
-                    sizes[i] = QUOTA_REFUSED     # present, but over this principal's limit
-                    continue
-                budget -= e.nblocks
-            d.move_to_end(k)
-            if tier is not None:
-                self._touch(e, hold)
-            self._pin(e)
-            pinned.append(e)
-            nbytes += e.size
-            offsets[i] = e.start * bs if len(e.extents) == 1 else e.byte_extents(bs)
-            sizes[i] = e.size
-            sums[i] = e.checksum
+        # per key: a miss; a hit over this principal's limit (QUOTA_REFUSED: present, not
+        # pinned); or a hit pinned, made most recently used, its place
+        offsets, sizes, sums, pinned, nbytes, refused = _index.lookup_pins(
+            self, keys, hold, bool(limit), budget, QUOTA_REFUSED)
+        if refused:
+            self.counters["quota_refusals"] += refused
         hits = len(pinned)
         self.counters["hits"] += hits
         self.counters["misses"] += n - hits
@@ -296,22 +258,7 @@ class Store(_Sessions, _Space, _Tiered, _Accounting, _Reserving):
         :meth:`prepare_read` first, as for :meth:`lookup`.
         """
         self.index.sync()           # lock-free reads recorded before this one go first
-        d = self.index.mapping
-        out: list[Entry | None] = []
-        sums: list[int | None] = []
-        hits = nbytes = 0
-        tier = self.tier
-        for k in keys:
-            e = d.get(k) if type(k) is bytes else None
-            if e is not None:
-                d.move_to_end(k)
-                if tier is not None:
-                    self._touch(e, hold)
-                self._pin(e)
-                hits += 1
-                nbytes += e.size
-            out.append(e)
-            sums.append(e.checksum if e is not None else None)
+        out, sums, hits, nbytes = _index.pin_for_send(self, keys, hold)
         self.counters["hits"] += hits
         self.counters["misses"] += len(keys) - hits
         self.counters["gets"] += hits
@@ -321,12 +268,10 @@ class Store(_Sessions, _Space, _Tiered, _Accounting, _Reserving):
     def pin_entries(self, entries: Sequence[Entry]) -> None:
         """Pin live entries (a handoff pin, kvshm.zmq_ctrl.ops_cluster); undo with
         :meth:`unpin`. Counts no read."""
-        for e in entries:
-            self._pin(e)
+        _index.pin_entries(self, entries)
 
     def unpin(self, entries: Sequence[Entry]) -> None:
-        for e in entries:
-            self._unpin(e)
+        _index.unpin_entries(self, entries)
 
     def view(self, e: Entry) -> memoryview:
         """A read-only view of a pinned entry's bytes (one run; see :meth:`views`)."""

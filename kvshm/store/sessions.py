@@ -12,6 +12,7 @@ import logging
 import time
 from typing import Any, Sequence
 
+from kvshm import _index
 from kvshm.index import Entry
 
 __all__ = ["Session"]
@@ -148,18 +149,15 @@ class _Sessions:
         q = session.quota
         if g.kind == _ALLOC:
             q.pending -= g.nblocks
+            self._pending -= len(g.entries)
             if commit:
                 self.index.sync()   # lock-free reads recorded before this write go first
-            for e in g.entries:
-                self._pending -= 1
-                if commit:
-                    self._install(e)
-                else:
-                    self._free(e)
+                _index.install_entries(self, g.entries)
+            else:
+                _index.free_entries(self, g.entries)
         else:
             q.pinned -= g.nblocks
-            for e in g.entries:
-                self._unpin(e)
+            _index.unpin_entries(self, g.entries)
 
     def grant_entries(self, session: Session, req_ids: Sequence[int]) -> int:
         """Entries held by the grants ``req_ids`` of ``session`` (what settling them
@@ -206,17 +204,14 @@ class _Sessions:
             self._pending -= n
             if how == "commit":
                 self.index.sync()   # lock-free reads recorded before this write go first
-                for e in part:
-                    self._install(e)
+                _index.install_entries(self, part)
                 self.counters["puts"] += n
                 self.counters["bytes_in"] += nbytes
             else:
-                for e in part:
-                    self._free(e)
+                _index.free_entries(self, part)
         else:
             q.pinned -= nblocks
-            for e in part:
-                self._unpin(e)
+            _index.unpin_entries(self, part)
         g.deadline = self._clock() + self.config.lease_timeout
         self._leases.append((g.deadline, g))
         return n

@@ -9,6 +9,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from kvshm import _index
 from kvshm._pool import Pool
 from kvshm.index import DEAD, LIVE, Entry
 from kvshm.store.outcome import Outcome
@@ -52,14 +53,7 @@ class _Space:
         return max(1, -(-size // self.block_size))
 
     def _free(self, e: Entry) -> None:
-        if len(e.extents) == 1:
-            self.alloc.free(e.start, e.nblocks)
-        else:
-            self.alloc.free_extents(e.extents)
-        e.state = DEAD
-        e.start = -1
-        e.extents = ()
-        self.progress += 1
+        _index.free_entry(self, e)
 
     def _free_runs(self, ext: tuple[tuple[int, int], ...]) -> None:
         # blocks allocated for an entry that was never made
@@ -143,9 +137,15 @@ class _Space:
         dirty entries without a copy instead (a request that waited long enough).
         """
         starts = self.alloc.alloc_many(nblocks_list) if nblocks_list else []
+        self._wait = False
+        return self._allocate_rest(starts, nblocks_list, drop, replacing)
+
+    def _allocate_rest(self, starts: list[int], nblocks_list: list[int], drop: bool,
+                       replacing: Sequence[Any]
+                       ) -> list[tuple[tuple[int, int], ...] | None]:
+        # _allocate once the allocator placed what fits (``starts``, -1 where not)
         out: list[tuple[tuple[int, int], ...] | None] = [
             ((s, n),) if s >= 0 else None for s, n in zip(starts, nblocks_list)]
-        self._wait = False
         if -1 not in starts:
             return out
         tier = self.tier
@@ -335,43 +335,17 @@ class _Space:
         placed now but may be once spills in flight complete.
         """
         n = len(keys)
-        statuses: list[int] = [Outcome.OK] * n
-        want: list[int] = []
-        want_idx: list[int] = []
-        budget = pending_budget
-        bad_keys = too_large = quota = 0
-        for i in range(n):
-            if budget == 0:
-                # the principal's quota is spent: every key left holds at least one
-                # block, so it is refused (cheaply: a 1 M-key request costs its quota)
-                statuses[i:] = [Outcome.QUOTA_EXCEEDED] * (n - i)
-                quota += n - i
-                break
-            st: int = self._check_key(keys[i])
-            size = sizes[i]
-            if st != Outcome.OK:
-                bad_keys += 1
-            elif type(size) is not int or size < 0:
-                st = Outcome.INVALID_REQUEST
-            elif size > self.max_value:
-                st = Outcome.TOO_LARGE
-                too_large += 1
-            elif budget is not None:
-                nb = self._nblocks(size)         # blocks it holds (a 0-byte value: one)
-                if nb > budget:
-                    st = Outcome.QUOTA_EXCEEDED
-                    quota += 1
-                else:
-                    budget -= nb
-            statuses[i] = st
-            if st == Outcome.OK:
-                want.append(self._nblocks(size))
-                want_idx.append(i)
-        entries: list[Entry | None] = [None] * n
-        places = self._allocate(want, drop, [keys[i] for i in want_idx])
+        statuses, want, want_idx, bad_keys, too_large, quota = _index.check_new(
+            self, keys, sizes, pending_budget, Outcome.OK, Outcome.INVALID_KEY,
+            Outcome.INVALID_REQUEST, Outcome.TOO_LARGE, Outcome.QUOTA_EXCEEDED)
+        starts = self.alloc.alloc_many(want) if want else []
+        self._wait = False
+        places: Any = starts            # one run per key: the start blocks do
+        if -1 in starts:
+            places = self._allocate_rest(starts, want, drop, [keys[i] for i in want_idx])
         if self.tier is not None:
             self.tier.submit()          # spills started to make room
-        if defer and self._wait and None in places:
+        if defer and self._wait and places is not starts and None in places:
             for ext in places:
                 if ext is not None:
                     self._free_runs(ext)
@@ -380,17 +354,12 @@ class _Space:
         c["invalid_keys"] += bad_keys
         c["too_large"] += too_large
         c["quota_refusals"] += quota
-        for j, i in enumerate(want_idx):
-            ext = places[j]
-            if ext is None:
-                statuses[i] = Outcome.POOL_FULL
-                self.counters["pool_full"] += 1
-                continue
-            csum = sums[i] if sums is not None else None
-            entries[i] = Entry(keys[i], ext[0][0], want[j], sizes[i],
-                               csum if type(csum) is int else None, ext)
-            if len(ext) > 1:
-                c["split_values"] += 1
+        entries, full, split = _index.make_entries(keys, sizes, sums, want, want_idx, places,
+                                                   n, Outcome.POOL_FULL, statuses)
+        if full:
+            c["pool_full"] += full
+        if split:
+            c["split_values"] += split
         return entries, statuses
 
     def _install(self, e: Entry) -> None:

@@ -1,0 +1,639 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""The key index and the store's per-key loops in C (kvshm.index re-exports them).
+
+:class:`Entry` is one value (C fields; a value in one run keeps no extents tuple, its
+``extents`` are made from ``start`` and ``nblocks`` when read). :class:`Index` maps key ->
+entry in LRU order (an ``OrderedDict``, as before, so ``mapping`` stays what it was) and
+publishes into the shared table. The module functions are the store's hot loops (PUT's
+install, LOOKUP's and GET's pins, unpins, the allocation of a batch's entries), each doing
+for every key exactly what the Python methods of :mod:`kvshm.store` they replace did, in
+the same order (exact LRU, the shared index's publish order, pins and accounting), with the
+store's counters summed once per batch. Paths with a tier below call the store's Python
+methods for what a tier adds (``_touch``, ``_tier_leave``, ``discard_key``).
+"""
+
+from cpython.dict cimport PyDict_GetItem
+from cpython.ref cimport PyObject
+
+from collections import OrderedDict
+
+__all__ = ["Entry", "Index", "PENDING", "LIVE", "DEAD", "MAX_EXTENTS"]
+
+#: Allocated, bytes being written, invisible to readers.
+PENDING = 0
+#: Committed and visible.
+LIVE = 1
+#: Replaced or deleted while pinned: invisible, blocks freed when the last pin goes.
+DEAD = 2
+
+#: Most block runs one value may be laid over (``Entry.extents``).
+MAX_EXTENTS = 8
+
+cdef enum:
+    C_PENDING = 0
+    C_LIVE = 1
+    C_DEAD = 2
+
+
+cdef class Entry:
+    """One value: ``nblocks`` blocks in one or more runs (``extents``).
+
+    Attributes
+    ----------
+    key : bytes
+    extents : tuple of (int, int)
+        ``(first block, block count)`` of each run, in the order the value's bytes are
+        laid (a run's byte offset in the pool is ``first * block_size``); one run in
+        the common case, at most :data:`MAX_EXTENTS`; ``()`` once freed.
+    start : int
+        First block of the first run (-1 once freed).
+    nblocks : int
+        Blocks held in all, ``max(1, ceil(size / block_size))``.
+    size : int
+        Value length in bytes.
+    pins : int
+        Readers holding the entry; a pinned entry is never evicted or reused.
+    state : int
+        PENDING, LIVE or DEAD.
+    checksum : int or None
+        xxh64 of the value when the writer asked for end-to-end checksums.
+    meta : object
+        Opaque per-entry data of a tier (e.g. SSD location).
+    """
+
+    cdef public object key
+    cdef public long long start
+    cdef public long long nblocks
+    cdef public long long size
+    cdef public long long pins
+    cdef public int state
+    cdef public object checksum
+    cdef public object meta
+    # None: one run, (start, nblocks); else the runs as given (or () once freed)
+    cdef object _ext
+
+    def __init__(self, key, long long start, long long nblocks, long long size,
+                 checksum=None, extents=None):
+        self.key = key
+        self.start = start
+        self.nblocks = nblocks
+        self.size = size
+        self.pins = 0
+        self.state = C_PENDING
+        self.checksum = checksum
+        self.meta = None
+        self._ext = None
+        if extents is not None:
+            self._set_ext(extents)
+
+    cdef inline void _set_ext(self, ext) except *:
+        if len(ext) == 1:
+            r = ext[0]
+            if r[0] == self.start and r[1] == self.nblocks:
+                self._ext = None
+                return
+        self._ext = tuple(ext)
+
+    @property
+    def extents(self):
+        if self._ext is None:
+            return ((self.start, self.nblocks),)
+        return self._ext
+
+    @extents.setter
+    def extents(self, value):
+        if len(value) == 1:
+            r = value[0]
+            if r[1] == self.nblocks:
+                # one run of the whole value: kept as start (the callers set start to
+                # the same right after, as they always have)
+                self.start = r[0]
+                self._ext = None
+                return
+        self._ext = tuple(value)
+
+    def __repr__(self):
+        state = ("pending", "live", "dead")[self.state]
+        runs = ",".join(f"{s}+{n}" for s, n in self.extents) or "-"
+        return (f"<Entry {self.key!r} blocks={runs} size={self.size} "
+                f"pins={self.pins} {state}>")
+
+    def byte_extents(self, long long block_size):
+        """``[[offset, length], ...]`` in the pool, covering exactly ``size`` bytes (the
+        last run's tail past the value is left out; a value of 0 bytes: one [offset, 0])."""
+        cdef long long left, k, s, n
+        if self._ext is None:
+            return [[self.start * block_size, self.size]]
+        out = []
+        left = self.size
+        for s, n in self._ext:
+            k = n * block_size
+            if left < k:
+                k = left
+            out.append([s * block_size, k])
+            left -= k
+        return out
+
+
+cdef inline int _nruns(Entry e):
+    return 1 if e._ext is None else len(e._ext)
+
+
+cdef inline tuple _runs(Entry e):
+    # what the shared table is given (a freed entry: its last start, as before)
+    if e._ext is None or len(e._ext) == 0:
+        return ((e.start, e.nblocks),)
+    return e._ext
+
+
+cdef inline object _place(Entry e, long long bs):
+    if _nruns(e) == 1:
+        return e.start * bs
+    return e.byte_extents(bs)
+
+
+cdef class Index:
+    """Committed entries by key, least recently used first.
+
+    The index is the only structure that knows which keys are visible. With a shared table
+    attached (:meth:`attach_shared`, a :class:`kvshm._shmindex.IndexWriter`), every entry
+    that becomes live is published there for same-host readers, and every entry that
+    leaves is unpublished before the call returns, so before its blocks can be freed or
+    reused (docs/DESIGN.md, "Same-host reads without a round trip"). The reads those
+    readers record are applied (:meth:`sync`) before every LRU decision.
+    """
+
+    cdef readonly object _d        # OrderedDict[bytes, Entry]
+    cdef object _mte               # its move_to_end
+    cdef object _pop               # its pop
+    cdef public object _shared
+    #: Called with each entry a lock-free read touched (the store's tier order).
+    cdef public object on_read
+
+    def __init__(self):
+        self._d = OrderedDict()
+        self._mte = self._d.move_to_end
+        self._pop = self._d.pop
+        self._shared = None
+        self.on_read = None
+
+    # ------------------------------------------------------------ shared table
+
+    def attach_shared(self, table):
+        """Publish into ``table`` (a :class:`kvshm._shmindex.IndexWriter`) from now on;
+        the entries live now are published at once."""
+        cdef Entry e
+        self._shared = table
+        for e in self._d.values():
+            table.publish(e.key, e.size, _runs(e), e.checksum)
+
+    def detach_shared(self):
+        """Stop publishing (the server is closing the table)."""
+        self._shared = None
+
+    @property
+    def shared(self):
+        """The attached shared table, or None."""
+        return self._shared
+
+    cpdef sync(self):
+        """Apply the lock-free reads recorded since the last call, in their global order
+        (each makes its key most recently used, if its entry is still the one read).
+        Called before every LRU decision and before the store's own LRU touches."""
+        cdef PyObject* p
+        t = self._shared
+        if t is not None:
+            d = self._d
+            mte = self._mte
+            on_read = self.on_read
+            for k in t.drain():
+                p = PyDict_GetItem(d, k)
+                if p is not NULL:
+                    mte(k)
+                    if on_read is not None:
+                        on_read(<object>p)
+
+    def __len__(self):
+        return len(self._d)
+
+    def __contains__(self, key):
+        return key in self._d
+
+    def get(self, key):
+        """The live entry of ``key`` or None; does not touch the LRU order."""
+        return self._d.get(key)
+
+    def touch(self, key):
+        """Mark ``key`` most recently used."""
+        self._mte(key)
+
+    cpdef insert(self, Entry entry):
+        """Make ``entry`` the live, most recently used entry of its key.
+
+        Returns the entry it replaced, if any (the caller retires it). The caller
+        applies the lock-free reads recorded before the write first (:meth:`sync`, once
+        per request, not per key): they happened before it, so they must not end up more
+        recent than its keys (without that, a put into free blocks, which evicts
+        nothing, left them to the next eviction: the store departed from exact LRU).
+        """
+        cdef object d = self._d
+        cdef object key = entry.key
+        cdef PyObject* p = PyDict_GetItem(d, key) if type(key) is bytes else NULL
+        if p is not NULL:
+            old = <object>p
+            d[key] = entry          # OrderedDict: keeps its place ...
+            self._mte(key)          # ... so to the young end
+        else:
+            old = self._pop(key, None)
+            d[key] = entry
+        if self._shared is not None:
+            # in place of the old entry's slot: its readers notice before it is freed
+            self._shared.publish(key, entry.size, _runs(entry), entry.checksum)
+        return old
+
+    cpdef remove(self, key):
+        e = self._pop(key, None)
+        if e is not None and self._shared is not None:
+            self._shared.unpublish(key)
+        return e
+
+    def relocate(self, Entry entry, extents):
+        """Live ``entry`` now lies in ``extents`` (its bytes were copied there; the old
+        blocks are freed after this returns). Keeps its LRU position. The one place a
+        visible entry's location changes."""
+        entry.extents = extents
+        entry.start = extents[0][0]
+        if self._shared is not None and self._d.get(entry.key) is entry:
+            # reads of it recorded so far were of the old slot version: apply them now,
+            # the ring would drop them once the version changes
+            self.sync()
+            # Re-published in place: the slot's version changes, so a lock-free reader
+            # that copied from the old runs retries; the old blocks are freed only after.
+            self._shared.publish(entry.key, entry.size, _runs(entry), entry.checksum)
+
+    def lru(self):
+        """Entries from least to most recently used (do not mutate while iterating)."""
+        self.sync()
+        return iter(self._d.values())
+
+    def oldest_unpinned(self):
+        """The least recently used entry without pins, or None.
+
+        Pinned entries met at the old end are moved to the young end on the way (they
+        are being read, and a reader that holds pins long must not make every eviction
+        scan past them again): amortized O(1) per call, however many pins there are.
+        """
+        cdef Entry e
+        cdef Py_ssize_t i
+        self.sync()
+        d = self._d
+        for i in range(len(d)):
+            e = next(iter(d.values()))
+            if e.pins == 0:
+                return e
+            self._mte(e.key)
+        return None
+
+    def keys(self):
+        return iter(self._d.keys())
+
+    def clear(self):
+        entries = list(self._d.values())
+        self._d.clear()
+        if self._shared is not None:
+            self._shared.clear()
+        return entries
+
+    @property
+    def mapping(self):
+        """The underlying ordered dict, for read-only bulk membership tests."""
+        return self._d
+
+
+# ---------------------------------------------------------------- the store's loops
+
+cdef inline void _free_entry(object store, Entry e) except *:
+    # Store._free, without the progress bump (the caller adds them up)
+    if _nruns(e) == 1:
+        store.alloc.free(e.start, e.nblocks)
+    else:
+        store.alloc.free_extents(e._ext)
+    e.state = C_DEAD
+    e.start = -1
+    e._ext = ()
+
+
+def free_entry(store, Entry e):
+    """Store._free: give back ``e``'s blocks; it is DEAD, with no place, from now on."""
+    _free_entry(store, e)
+    store.progress += 1
+
+
+def install_entries(store, entries):
+    """``store._install(e)`` for each entry, in order (PUT and COMMIT)."""
+    cdef Entry e, old
+    cdef Index index = store.index
+    cdef Py_ssize_t freed = 0
+    tier = store.tier
+    if tier is not None:
+        inst = store._install
+        for e in entries:
+            inst(e)
+        return
+    dead = store._dead
+    try:
+        for e in entries:
+            o = index.insert(e)
+            e.state = C_LIVE
+            if o is not None:
+                old = <Entry>o
+                if old.pins:
+                    old.state = C_DEAD
+                    dead.add(old)
+                else:
+                    _free_entry(store, old)
+                    freed += 1
+    finally:
+        if freed:
+            store.progress += freed
+
+
+def free_entries(store, entries):
+    """``store._free(e)`` for each entry (an aborted ALLOC grant)."""
+    cdef Entry e
+    cdef Py_ssize_t freed = 0
+    try:
+        for e in entries:
+            _free_entry(store, e)
+            freed += 1
+    finally:
+        if freed:
+            store.progress += freed
+
+
+def unpin_entries(store, entries):
+    """``store._unpin(e)`` for each entry, in order."""
+    cdef Entry e
+    cdef long long dp = 0, dpe = 0
+    try:
+        for e in entries:
+            e.pins -= 1
+            dp += 1
+            if e.pins == 0:
+                dpe += 1
+                if e.state == C_DEAD and e.start >= 0:
+                    store._dead.discard(e)
+                    _free_entry(store, e)
+                    store.progress += 1
+    finally:
+        if dp:
+            store._pins -= dp
+        if dpe:
+            store._pinned_entries -= dpe
+
+
+def pin_entries(store, entries):
+    """``store._pin(e)`` for each entry."""
+    cdef Entry e
+    cdef long long dp = 0, dpe = 0
+    try:
+        for e in entries:
+            if e.pins == 0:
+                dpe += 1
+            e.pins += 1
+            dp += 1
+    finally:
+        if dp:
+            store._pins += dp
+        if dpe:
+            store._pinned_entries += dpe
+
+
+def pin_for_send(store, keys, hold):
+    """The per-key loop of :meth:`Store.pin_for_send`: (entries, checksums, hits, nbytes).
+    The caller has applied the recorded reads (``index.sync()``)."""
+    cdef Index index = store.index
+    cdef object d = index._d
+    cdef object mte = index._mte
+    cdef Py_ssize_t n = len(keys), i
+    cdef long long hits = 0, nbytes = 0, dp = 0, dpe = 0
+    cdef PyObject* p
+    cdef Entry e
+    out = [None] * n
+    sums = [None] * n
+    tier = store.tier
+    touch = store._touch if tier is not None else None
+    try:
+        for i in range(n):
+            k = keys[i]
+            if type(k) is not bytes:
+                continue
+            p = PyDict_GetItem(d, k)
+            if p is NULL:
+                continue
+            e = <Entry>p
+            mte(k)
+            if touch is not None:
+                touch(e, hold)
+            if e.pins == 0:
+                dpe += 1
+            e.pins += 1
+            dp += 1
+            hits += 1
+            nbytes += e.size
+            out[i] = e
+            sums[i] = e.checksum
+    finally:
+        if dp:
+            store._pins += dp
+        if dpe:
+            store._pinned_entries += dpe
+    return out, sums, hits, nbytes
+
+
+def lookup_pins(store, keys, hold, bint limited, long long budget, qrefused):
+    """The per-key loop of :meth:`Store.lookup`: (offsets, sizes, sums, pinned, nbytes,
+    refused). ``limited``: a pin limit applies, ``budget`` blocks of it left;
+    ``qrefused`` is the size a key over it gets."""
+    cdef Index index = store.index
+    cdef object d = index._d
+    cdef object mte = index._mte
+    cdef Py_ssize_t n = len(keys), i
+    cdef long long nbytes = 0, dp = 0, dpe = 0, refused = 0
+    cdef long long bs = store.block_size
+    cdef PyObject* p
+    cdef Entry e
+    offsets = [-1] * n
+    sizes = [-1] * n
+    sums = [None] * n
+    pinned = []
+    tier = store.tier
+    touch = store._touch if tier is not None else None
+    try:
+        for i in range(n):
+            k = keys[i]
+            if type(k) is not bytes:
+                continue
+            p = PyDict_GetItem(d, k)
+            if p is NULL:
+                continue
+            e = <Entry>p
+            if limited:
+                if e.nblocks > budget:
+                    refused += 1
+                    sizes[i] = qrefused
+                    continue
+                budget -= e.nblocks
+            mte(k)
+            if touch is not None:
+                touch(e, hold)
+            if e.pins == 0:
+                dpe += 1
+            e.pins += 1
+            dp += 1
+            pinned.append(e)
+            nbytes += e.size
+            offsets[i] = _place(e, bs)
+            sizes[i] = e.size
+            sums[i] = e.checksum
+    finally:
+        if dp:
+            store._pins += dp
+        if dpe:
+            store._pinned_entries += dpe
+    return offsets, sizes, sums, pinned, nbytes, refused
+
+
+def value_sizes(values):
+    """``[memoryview(v).nbytes for v in values]``."""
+    cdef Py_ssize_t n = len(values), i
+    out = [0] * n
+    for i in range(n):
+        v = values[i]
+        if type(v) is bytes:
+            out[i] = len(<bytes>v)
+        else:
+            out[i] = memoryview(v).nbytes
+    return out
+
+
+def write_layout(entries, values, long long bs):
+    """Where PUT copies each value: (offsets, sources), one pair per run."""
+    cdef Entry e
+    cdef Py_ssize_t n = len(entries), i
+    cdef long long pos, o, k
+    offs = []
+    srcs = []
+    for i in range(n):
+        x = entries[i]
+        if x is None:
+            continue
+        e = <Entry>x
+        v = values[i]
+        if _nruns(e) == 1:
+            offs.append(e.start * bs)
+            srcs.append(v)
+            continue
+        m = memoryview(v)
+        if m.format != "B" or m.ndim != 1:
+            m = m.cast("B")
+        pos = 0
+        for o, k in e.byte_extents(bs):     # the frame's bytes into each run
+            offs.append(o)
+            srcs.append(m[pos:pos + k])
+            pos += k
+    return offs, srcs
+
+
+def check_new(store, keys, sizes, pending_budget, ok, invalid_key, invalid_request,
+              too_large_st, quota_st):
+    """The validation loop of :meth:`Store._new_entries`: (statuses, want, want_idx,
+    bad_keys, too_large, quota)."""
+    cdef Py_ssize_t n = len(keys), i, kl
+    cdef long long bs = store.block_size
+    cdef long long max_value = store.max_value
+    cdef Py_ssize_t max_key = store.config.limits.max_key_bytes
+    cdef long long budget = -1 if pending_budget is None else pending_budget
+    cdef long long size, nb
+    cdef Py_ssize_t bad_keys = 0, too_large = 0, quota = 0
+    statuses = [ok] * n
+    want = []
+    want_idx = []
+    for i in range(n):
+        if budget == 0:
+            # the principal's quota is spent: every key left holds at least one
+            # block, so it is refused (cheaply: a 1 M-key request costs its quota)
+            statuses[i:] = [quota_st] * (n - i)
+            quota += n - i
+            break
+        k = keys[i]
+        sz = sizes[i]
+        if type(k) is not bytes:
+            bad_keys += 1
+            statuses[i] = invalid_key
+            continue
+        kl = len(<bytes>k)
+        if kl == 0 or kl > max_key:
+            bad_keys += 1
+            statuses[i] = invalid_key
+            continue
+        if type(sz) is not int or sz < 0:
+            statuses[i] = invalid_request
+            continue
+        if sz > max_value:
+            statuses[i] = too_large_st
+            too_large += 1
+            continue
+        size = sz
+        nb = (size + bs - 1) // bs if size > 0 else 1
+        if budget > 0:
+            if nb > budget:
+                statuses[i] = quota_st
+                quota += 1
+                continue
+            budget -= nb
+        want.append(nb)
+        want_idx.append(i)
+    return statuses, want, want_idx, bad_keys, too_large, quota
+
+
+def make_entries(keys, sizes, sums, want, want_idx, places, Py_ssize_t n,
+                 pool_full_st, statuses):
+    """Entries of the placed keys (None elsewhere), POOL_FULL where nothing was placed:
+    (entries, pool_full, split). ``places`` is a list of runs (or None) per wanted key,
+    or a list of start blocks (one run each: every key was placed)."""
+    cdef Py_ssize_t j, i, m = len(want_idx), full = 0, split = 0
+    cdef Entry e
+    entries = [None] * n
+    for j in range(m):
+        i = want_idx[j]
+        ext = places[j]
+        if ext is None:
+            statuses[i] = pool_full_st
+            full += 1
+            continue
+        e = Entry.__new__(Entry)
+        e.key = keys[i]
+        e.nblocks = want[j]
+        e.size = sizes[i]
+        e.pins = 0
+        e.state = C_PENDING
+        e.meta = None
+        if type(ext) is int:
+            e.start = ext
+            e._ext = None
+        else:
+            e.start = ext[0][0]
+            e._ext = None
+            if len(ext) > 1:
+                split += 1
+                e._ext = tuple(ext)
+            elif ext[0][1] != e.nblocks:
+                e._ext = tuple(ext)
+        if sums is None:
+            e.checksum = None
+        else:
+            c = sums[i]
+            e.checksum = c if type(c) is int else None
+        entries[i] = e
+    return entries, full, split
