@@ -135,6 +135,12 @@ cdef class Entry:
         return out
 
 
+cdef inline Entry _entry(object x):
+    if not isinstance(x, Entry):
+        raise TypeError(f"an Entry, not {type(x).__name__}")
+    return <Entry>x
+
+
 cdef inline int _nruns(Entry e):
     return 1 if e._ext is None else len(e._ext)
 
@@ -227,7 +233,7 @@ cdef class Index:
         """Mark ``key`` most recently used."""
         self._mte(key)
 
-    cpdef insert(self, Entry entry):
+    def insert(self, Entry entry not None):
         """Make ``entry`` the live, most recently used entry of its key.
 
         Returns the entry it replaced, if any (the caller retires it). The caller
@@ -236,19 +242,27 @@ cdef class Index:
         recent than its keys (without that, a put into free blocks, which evicts
         nothing, left them to the next eviction: the store departed from exact LRU).
         """
+        return self._insert(entry)
+
+    cdef object _insert(self, Entry entry):
+        old = self._insert_local(entry)
+        if self._shared is not None:
+            # in place of the old entry's slot: its readers notice before it is freed
+            self._shared.publish(entry.key, entry.size, _runs(entry), entry.checksum)
+        return old
+
+    cdef object _insert_local(self, Entry entry):  # entry: not None
+        # insert without the publish (the caller publishes, before retiring the old)
         cdef object d = self._d
         cdef object key = entry.key
         cdef PyObject* p = PyDict_GetItem(d, key) if type(key) is bytes else NULL
         if p is not NULL:
             old = <object>p
-            d[key] = entry          # OrderedDict: keeps its place ...
-            self._mte(key)          # ... so to the young end
-        else:
-            old = self._pop(key, None)
             d[key] = entry
-        if self._shared is not None:
-            # in place of the old entry's slot: its readers notice before it is freed
-            self._shared.publish(key, entry.size, _runs(entry), entry.checksum)
+            self._mte(key)
+            return old
+        old = self._pop(key, None)
+        d[key] = entry
         return old
 
     cpdef remove(self, key):
@@ -257,7 +271,7 @@ cdef class Index:
             self._shared.unpublish(key)
         return e
 
-    def relocate(self, Entry entry, extents):
+    def relocate(self, Entry entry not None, extents):
         """Live ``entry`` now lies in ``extents`` (its bytes were copied there; the old
         blocks are freed after this returns). Keeps its LRU position. The one place a
         visible entry's location changes."""
@@ -323,7 +337,7 @@ cdef inline void _free_entry(object store, Entry e) except *:
     e._ext = ()
 
 
-def free_entry(store, Entry e):
+def free_entry(store, Entry e not None):
     """Store._free: give back ``e``'s blocks; it is DEAD, with no place, from now on."""
     _free_entry(store, e)
     store.progress += 1
@@ -337,16 +351,52 @@ def install_entries(store, entries):
     tier = store.tier
     if tier is not None:
         inst = store._install
-        for e in entries:
-            inst(e)
+        for x in entries:
+            inst(x)
         return
     dead = store._dead
+    shared = index._shared
+    if shared is not None and len(entries) > 1:
+        # the same, with the table's publishes made in one call (in the same order,
+        # slots prefetched ahead) and every old entry retired after them: nothing runs
+        # in between, so no block of an old entry is freed before its key's slot changed
+        olds = []
+        keys = []
+        sizes = []
+        runs = []
+        sums = []
+        for x in entries:
+            e = _entry(x)
+            o = index._insert_local(e)
+            keys.append(e.key)
+            sizes.append(e.size)
+            runs.append(_runs(e))
+            sums.append(e.checksum)
+            if o is not None:
+                olds.append(o)
+        shared.publish_many(keys, sizes, runs, sums)
+        try:
+            for x in entries:
+                (<Entry>x).state = C_LIVE
+            for o in olds:
+                old = _entry(o)
+                if old.pins:
+                    old.state = C_DEAD
+                    dead.add(old)
+                else:
+                    _free_entry(store, old)
+                    freed += 1
+        finally:
+            if freed:
+                store.progress += freed
+        return
     try:
-        for e in entries:
-            o = index.insert(e)
+        for x in entries:
+            e = _entry(x)
+            o = index._insert(e)
             e.state = C_LIVE
             if o is not None:
-                old = <Entry>o
+                old = _entry(o)
                 if old.pins:
                     old.state = C_DEAD
                     dead.add(old)
@@ -363,7 +413,8 @@ def free_entries(store, entries):
     cdef Entry e
     cdef Py_ssize_t freed = 0
     try:
-        for e in entries:
+        for x in entries:
+            e = _entry(x)
             _free_entry(store, e)
             freed += 1
     finally:
@@ -376,7 +427,8 @@ def unpin_entries(store, entries):
     cdef Entry e
     cdef long long dp = 0, dpe = 0
     try:
-        for e in entries:
+        for x in entries:
+            e = _entry(x)
             e.pins -= 1
             dp += 1
             if e.pins == 0:
@@ -397,7 +449,8 @@ def pin_entries(store, entries):
     cdef Entry e
     cdef long long dp = 0, dpe = 0
     try:
-        for e in entries:
+        for x in entries:
+            e = _entry(x)
             if e.pins == 0:
                 dpe += 1
             e.pins += 1
@@ -431,7 +484,7 @@ def pin_for_send(store, keys, hold):
             p = PyDict_GetItem(d, k)
             if p is NULL:
                 continue
-            e = <Entry>p
+            e = _entry(<object>p)
             mte(k)
             if touch is not None:
                 touch(e, hold)
@@ -477,7 +530,7 @@ def lookup_pins(store, keys, hold, bint limited, long long budget, qrefused):
             p = PyDict_GetItem(d, k)
             if p is NULL:
                 continue
-            e = <Entry>p
+            e = _entry(<object>p)
             if limited:
                 if e.nblocks > budget:
                     refused += 1
@@ -528,7 +581,7 @@ def write_layout(entries, values, long long bs):
         x = entries[i]
         if x is None:
             continue
-        e = <Entry>x
+        e = _entry(x)
         v = values[i]
         if _nruns(e) == 1:
             offs.append(e.start * bs)

@@ -74,6 +74,13 @@ class IndexWriter:
         checksum: int | None = None,
     ) -> int:
         """The slot, or -1 when not published (too long, too many runs, table full)."""
+    def publish_many(
+        self, keys: Sequence[bytes | str], sizes: Sequence[int],
+        extents: Sequence[Sequence[tuple[int, int]]],
+        checksums: Sequence[int | None] | None = None,
+    ) -> int:
+        """:meth:`publish` of each, in order, slots prefetched ahead; how many were not
+        published."""
     def unpublish(self, key: bytes | str) -> bool:
         """The slot's version has changed when this returns."""
     def clear(self) -> None: ...

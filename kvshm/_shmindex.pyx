@@ -587,6 +587,35 @@ cdef class IndexWriter:
         slot, or -1 when the key is not published (too long, too many runs, table
         full): readers then ask the server for it.
         """
+        return self._publish(key, size, extents, checksum)
+
+    def publish_many(self, keys, sizes, extents, checksums=None):
+        """:meth:`publish` of each ``(keys[i], sizes[i], extents[i], checksums[i])``, in
+        order (``checksums`` None: none), with the slots of the keys ahead prefetched
+        (a batch's table misses overlap). Returns how many were not published."""
+        cdef Py_ssize_t i, n = len(keys), refused = 0, pn
+        cdef const char* pk
+        cdef uint64_t size
+        self._check()
+        if len(sizes) != n or len(extents) != n or (checksums is not None and
+                                                     len(checksums) != n):
+            raise ValueError("keys, sizes, extents and checksums differ in length")
+        for i in range(min(n, 16)):
+            if type(keys[i]) is bytes:
+                _key_ptr(keys[i], &pk, &pn)
+                kvx_prefetch(self._slot(kvx_hash(pk, pn) & self._mask))
+        for i in range(n):
+            if i + 16 < n and type(keys[i + 16]) is bytes:
+                _key_ptr(keys[i + 16], &pk, &pn)
+                kvx_prefetch(self._slot(kvx_hash(pk, pn) & self._mask))
+            size = sizes[i]
+            if self._publish(keys[i], size, extents[i],
+                             None if checksums is None else checksums[i]) < 0:
+                refused += 1
+        return refused
+
+    cdef int64_t _publish(self, key, uint64_t size, extents, checksum) except -2:
+        cdef long long a, b
         cdef const char* k
         cdef Py_ssize_t n
         cdef uint64_t h
@@ -602,11 +631,16 @@ cdef class IndexWriter:
             self._refuse(key, k, n)
             return -1
         for j in range(ne):
-            a, b = extents[j]
+            ra, rb = extents[j]
+            try:
+                a = ra
+                b = rb
+            except OverflowError:     # past 64 bits: out of range as well
+                a = b = -1
             if a < 0 or b < 0 or a > 0xFFFFFFFF or b > 0xFFFFFFFF:
                 raise ValueError(f"bad extent {extents[j]!r}")
-            ext[j][0] = a
-            ext[j][1] = b
+            ext[j][0] = <uint32_t>a
+            ext[j][1] = <uint32_t>b
         h = kvx_hash(k, n)
         i = self._find(k, n, h, &free_at)
         if i < 0:
