@@ -3,8 +3,7 @@
 
 :class:`Entry` is one value (C fields; a value in one run keeps no extents tuple, its
 ``extents`` are made from ``start`` and ``nblocks`` when read). :class:`Index` maps key ->
-entry in LRU order (an ``OrderedDict``, as before, so ``mapping`` stays what it was) and
-publishes into the shared table. The module functions are the store's hot loops (PUT's
+entry in LRU order (a dict, and a list threaded through the entries) and publishes into the shared table. The module functions are the store's hot loops (PUT's
 install, LOOKUP's and GET's pins, unpins, the allocation of a batch's entries), each doing
 for every key exactly what the Python methods of :mod:`kvshm.store` they replace did, in
 the same order (exact LRU, the shared index's publish order, pins and accounting), with the
@@ -12,10 +11,11 @@ store's counters summed once per batch. Paths with a tier below call the store's
 methods for what a tier adds (``_touch``, ``_tier_leave``, ``discard_key``).
 """
 
+cimport cython
 from cpython.dict cimport PyDict_GetItem
 from cpython.ref cimport PyObject
 
-from collections import OrderedDict
+from types import MappingProxyType
 
 __all__ = ["Entry", "Index", "PENDING", "LIVE", "DEAD", "MAX_EXTENTS"]
 
@@ -35,6 +35,11 @@ cdef enum:
     C_DEAD = 2
 
 
+# Not tracked by the cyclic collector: a store holds millions of entries, and the young
+# collections a batch's new ones set off cost more than the rest of the batch. Only
+# ``meta`` can close a cycle (a tier's record of the entry pointing back at it, as
+# kvshm.tiers.ssd's ``owner``): the tier breaks it when its record goes.
+@cython.no_gc
 cdef class Entry:
     """One value: ``nblocks`` blocks in one or more runs (``extents``).
 
@@ -63,16 +68,19 @@ cdef class Entry:
 
     cdef public object key
     cdef public long long start
-    cdef public long long nblocks
     cdef public long long size
-    cdef public long long pins
+    cdef public int nblocks         # (the shared table holds 32-bit block counts)
+    cdef public int pins
     cdef public int state
     cdef public object checksum
     cdef public object meta
     # None: one run, (start, nblocks); else the runs as given (or () once freed)
     cdef object _ext
+    # the index's LRU list (borrowed: set only while the index's dict holds the entry)
+    cdef PyObject* _prev
+    cdef PyObject* _next
 
-    def __init__(self, key, long long start, long long nblocks, long long size,
+    def __init__(self, key, long long start, int nblocks, long long size,
                  checksum=None, extents=None):
         self.key = key
         self.start = start
@@ -83,16 +91,13 @@ cdef class Entry:
         self.checksum = checksum
         self.meta = None
         self._ext = None
+        self._prev = NULL
+        self._next = NULL
         if extents is not None:
-            self._set_ext(extents)
-
-    cdef inline void _set_ext(self, ext) except *:
-        if len(ext) == 1:
-            r = ext[0]
-            if r[0] == self.start and r[1] == self.nblocks:
-                self._ext = None
-                return
-        self._ext = tuple(ext)
+            if len(extents) == 1 and extents[0][0] == start and extents[0][1] == nblocks:
+                pass            # one run: kept as start and nblocks
+            else:
+                self._ext = tuple(extents)
 
     @property
     def extents(self):
@@ -167,21 +172,60 @@ cdef class Index:
     leaves is unpublished before the call returns, so before its blocks can be freed or
     reused (docs/DESIGN.md, "Same-host reads without a round trip"). The reads those
     readers record are applied (:meth:`sync`) before every LRU decision.
+
+    A dict maps key -> entry; the LRU order is a list threaded through the entries
+    themselves (``_prev``/``_next``, borrowed: an entry is linked exactly while the dict
+    holds it), oldest at ``_head``.
     """
 
-    cdef readonly object _d        # OrderedDict[bytes, Entry]
-    cdef object _mte               # its move_to_end
-    cdef object _pop               # its pop
+    cdef dict _d
+    cdef object _view               # read-only view of _d (mapping)
+    cdef PyObject* _head            # least recently used
+    cdef PyObject* _tail            # most recently used
+    cdef Py_ssize_t _version        # bumped on every change of order or membership
     cdef public object _shared
     #: Called with each entry a lock-free read touched (the store's tier order).
     cdef public object on_read
 
     def __init__(self):
-        self._d = OrderedDict()
-        self._mte = self._d.move_to_end
-        self._pop = self._d.pop
+        self._d = {}
+        self._view = MappingProxyType(self._d)
+        self._head = NULL
+        self._tail = NULL
+        self._version = 0
         self._shared = None
         self.on_read = None
+
+    # ------------------------------------------------------------ the LRU list
+
+    cdef inline void _unlink(self, Entry e) noexcept:
+        if e._prev != NULL:
+            (<Entry>e._prev)._next = e._next
+        else:
+            self._head = e._next
+        if e._next != NULL:
+            (<Entry>e._next)._prev = e._prev
+        else:
+            self._tail = e._prev
+        e._prev = NULL
+        e._next = NULL
+
+    cdef inline void _link_tail(self, Entry e) noexcept:
+        e._next = NULL
+        e._prev = self._tail
+        if self._tail != NULL:
+            (<Entry>self._tail)._next = <PyObject*>e
+        else:
+            self._head = <PyObject*>e
+        self._tail = <PyObject*>e
+
+    cdef inline void _to_tail(self, Entry e) noexcept:
+        # e is linked: make it the most recently used
+        self._version += 1
+        if self._tail == <PyObject*>e:
+            return
+        self._unlink(e)
+        self._link_tail(e)
 
     # ------------------------------------------------------------ shared table
 
@@ -190,7 +234,7 @@ cdef class Index:
         the entries live now are published at once."""
         cdef Entry e
         self._shared = table
-        for e in self._d.values():
+        for e in list(_LruIter(self, False)):
             table.publish(e.key, e.size, _runs(e), e.checksum)
 
     def detach_shared(self):
@@ -207,17 +251,18 @@ cdef class Index:
         (each makes its key most recently used, if its entry is still the one read).
         Called before every LRU decision and before the store's own LRU touches."""
         cdef PyObject* p
+        cdef Entry e
         t = self._shared
         if t is not None:
             d = self._d
-            mte = self._mte
             on_read = self.on_read
             for k in t.drain():
                 p = PyDict_GetItem(d, k)
                 if p is not NULL:
-                    mte(k)
+                    e = <Entry>p
+                    self._to_tail(e)
                     if on_read is not None:
-                        on_read(<object>p)
+                        on_read(e)
 
     def __len__(self):
         return len(self._d)
@@ -230,8 +275,8 @@ cdef class Index:
         return self._d.get(key)
 
     def touch(self, key):
-        """Mark ``key`` most recently used."""
-        self._mte(key)
+        """Mark ``key`` most recently used (KeyError if it is not here)."""
+        self._to_tail(<Entry>self._d[key])
 
     def insert(self, Entry entry not None):
         """Make ``entry`` the live, most recently used entry of its key.
@@ -253,22 +298,28 @@ cdef class Index:
 
     cdef object _insert_local(self, Entry entry):  # entry: not None
         # insert without the publish (the caller publishes, before retiring the old)
-        cdef object d = self._d
+        cdef dict d = self._d
         cdef object key = entry.key
-        cdef PyObject* p = PyDict_GetItem(d, key) if type(key) is bytes else NULL
-        if p is not NULL:
-            old = <object>p
-            d[key] = entry
-            self._mte(key)
-            return old
-        old = self._pop(key, None)
+        cdef PyObject* p
+        if type(key) is bytes:
+            p = PyDict_GetItem(d, key)
+            old = None if p is NULL else <object>p
+        else:
+            old = d.get(key)        # raises for an unhashable key, before any change
         d[key] = entry
+        if old is not None:
+            self._unlink(<Entry>old)
+        self._link_tail(entry)
+        self._version += 1
         return old
 
     cpdef remove(self, key):
-        e = self._pop(key, None)
-        if e is not None and self._shared is not None:
-            self._shared.unpublish(key)
+        e = self._d.pop(key, None)
+        if e is not None:
+            self._unlink(<Entry>e)
+            self._version += 1
+            if self._shared is not None:
+                self._shared.unpublish(key)
         return e
 
     def relocate(self, Entry entry not None, extents):
@@ -286,9 +337,10 @@ cdef class Index:
             self._shared.publish(entry.key, entry.size, _runs(entry), entry.checksum)
 
     def lru(self):
-        """Entries from least to most recently used (do not mutate while iterating)."""
+        """Entries from least to most recently used (do not mutate while iterating:
+        RuntimeError, as an OrderedDict's)."""
         self.sync()
-        return iter(self._d.values())
+        return _LruIter(self, False)
 
     def oldest_unpinned(self):
         """The least recently used entry without pins, or None.
@@ -300,19 +352,26 @@ cdef class Index:
         cdef Entry e
         cdef Py_ssize_t i
         self.sync()
-        d = self._d
-        for i in range(len(d)):
-            e = next(iter(d.values()))
+        for i in range(len(self._d)):
+            e = <Entry>self._head
             if e.pins == 0:
                 return e
-            self._mte(e.key)
+            self._to_tail(e)
         return None
 
     def keys(self):
-        return iter(self._d.keys())
+        """Keys from least to most recently used."""
+        return _LruIter(self, True)
 
     def clear(self):
-        entries = list(self._d.values())
+        cdef Entry e
+        entries = list(_LruIter(self, False))
+        for e in entries:
+            e._prev = NULL
+            e._next = NULL
+        self._head = NULL
+        self._tail = NULL
+        self._version += 1
         self._d.clear()
         if self._shared is not None:
             self._shared.clear()
@@ -320,8 +379,37 @@ cdef class Index:
 
     @property
     def mapping(self):
-        """The underlying ordered dict, for read-only bulk membership tests."""
-        return self._d
+        """A read-only view of key -> entry, for bulk membership tests (no order)."""
+        return self._view
+
+
+@cython.final
+cdef class _LruIter:
+    """Entries (or their keys) from the least recently used; RuntimeError after a change."""
+
+    cdef Index _ix
+    cdef object _cur                # the entry next() returns, or None
+    cdef Py_ssize_t _version
+    cdef bint _keys
+
+    def __cinit__(self, Index ix, bint keys):
+        self._ix = ix
+        self._cur = None if ix._head == NULL else <object>ix._head
+        self._version = ix._version
+        self._keys = keys
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        cdef Entry e
+        if self._ix._version != self._version:
+            raise RuntimeError("the index changed during iteration")
+        if self._cur is None:
+            raise StopIteration
+        e = <Entry>self._cur
+        self._cur = None if e._next == NULL else <object>e._next
+        return e.key if self._keys else e
 
 
 # ---------------------------------------------------------------- the store's loops
@@ -466,8 +554,7 @@ def pin_for_send(store, keys, hold):
     """The per-key loop of :meth:`Store.pin_for_send`: (entries, checksums, hits, nbytes).
     The caller has applied the recorded reads (``index.sync()``)."""
     cdef Index index = store.index
-    cdef object d = index._d
-    cdef object mte = index._mte
+    cdef dict d = index._d
     cdef Py_ssize_t n = len(keys), i
     cdef long long hits = 0, nbytes = 0, dp = 0, dpe = 0
     cdef PyObject* p
@@ -485,7 +572,7 @@ def pin_for_send(store, keys, hold):
             if p is NULL:
                 continue
             e = _entry(<object>p)
-            mte(k)
+            index._to_tail(e)
             if touch is not None:
                 touch(e, hold)
             if e.pins == 0:
@@ -509,8 +596,7 @@ def lookup_pins(store, keys, hold, bint limited, long long budget, qrefused):
     refused). ``limited``: a pin limit applies, ``budget`` blocks of it left;
     ``qrefused`` is the size a key over it gets."""
     cdef Index index = store.index
-    cdef object d = index._d
-    cdef object mte = index._mte
+    cdef dict d = index._d
     cdef Py_ssize_t n = len(keys), i
     cdef long long nbytes = 0, dp = 0, dpe = 0, refused = 0
     cdef long long bs = store.block_size
@@ -537,7 +623,7 @@ def lookup_pins(store, keys, hold, bint limited, long long budget, qrefused):
                     sizes[i] = qrefused
                     continue
                 budget -= e.nblocks
-            mte(k)
+            index._to_tail(e)
             if touch is not None:
                 touch(e, hold)
             if e.pins == 0:

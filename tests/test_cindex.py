@@ -264,3 +264,40 @@ def test_helpers_reject_wrong_types(rig):
     with pytest.raises(TypeError):
         _index.write_layout([object()], [b"x"], BS)
     assert store._pins == 0
+
+
+def test_lru_list_iteration_and_view():
+    ix = Index()
+    es = [Entry(b"k%d" % i, i, 1, 1) for i in range(5)]
+    for e in es:
+        ix.insert(e)
+    it = ix.lru()
+    assert next(it) is es[0]
+    ix.touch(b"k0")
+    with pytest.raises(RuntimeError):
+        next(it)
+    with pytest.raises(KeyError):
+        ix.touch(b"nope")
+    it = ix.keys()
+    ix.remove(b"k3")
+    with pytest.raises(RuntimeError):
+        next(it)
+    assert list(ix.keys()) == [b"k1", b"k2", b"k4", b"k0"]
+    m = ix.mapping
+    assert m[b"k1"] is es[1] and b"k3" not in m and len(m) == 4
+    assert dict(m) == {e.key: e for e in ix.lru()}
+    with pytest.raises(TypeError):
+        m[b"x"] = es[3]             # type: ignore[index]
+    with pytest.raises(TypeError):
+        ix.insert(Entry([1], 0, 1, 1))       # type: ignore[arg-type]   unhashable key
+    assert len(ix) == 4 and list(ix.keys()) == [b"k1", b"k2", b"k4", b"k0"]
+    # the same entry again: it is the one replaced (as the ordered dict's pop returned)
+    assert ix.insert(es[1]) is es[1]
+    assert list(ix.keys()) == [b"k2", b"k4", b"k0", b"k1"]
+    assert ix.clear() == [es[2], es[4], es[0], es[1]]
+    assert list(ix.lru()) == [] and ix.oldest_unpinned() is None
+    for e in es:                    # re-used after a clear: links start afresh
+        ix.insert(e)
+    assert [e.key for e in ix.lru()] == [b"k%d" % i for i in range(5)]
+    del ix                          # entries outlive their index
+    assert es[2].key == b"k2"
