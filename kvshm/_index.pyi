@@ -18,6 +18,8 @@ class Entry:
     checksum: int | None
     meta: Any
     extents: tuple[tuple[int, int], ...]
+    @property
+    def nruns(self) -> int: ...
     def __init__(self, key: bytes, start: int, nblocks: int, size: int,
                  checksum: int | None = None,
                  extents: tuple[tuple[int, int], ...] | None = None) -> None: ...

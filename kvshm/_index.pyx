@@ -35,6 +35,13 @@ cdef enum:
     C_DEAD = 2
 
 
+cdef class Entry
+
+
+cdef inline int _nruns(Entry e):
+    return 1 if e._ext is None else len(e._ext)
+
+
 # Not tracked by the cyclic collector: a store holds millions of entries, and the young
 # collections a batch's new ones set off cost more than the rest of the batch. Only
 # ``meta`` can close a cycle (a tier's record of the entry pointing back at it, as
@@ -105,6 +112,11 @@ cdef class Entry:
             return ((self.start, self.nblocks),)
         return self._ext
 
+    @property
+    def nruns(self):
+        """``len(extents)``, without making the tuple (1 for a value in one run)."""
+        return _nruns(self)
+
     @extents.setter
     def extents(self, value):
         if len(value) == 1:
@@ -144,10 +156,6 @@ cdef inline Entry _entry(object x):
     if not isinstance(x, Entry):
         raise TypeError(f"an Entry, not {type(x).__name__}")
     return <Entry>x
-
-
-cdef inline int _nruns(Entry e):
-    return 1 if e._ext is None else len(e._ext)
 
 
 cdef inline tuple _runs(Entry e):

@@ -46,6 +46,7 @@ def test_entry_fields_and_extents():
     assert e.byte_extents(BS) == [[5 * BS, 7000]]
     m = Entry(b"m", 3, 3, 3 * BS - 1, 99, ((3, 1), (10, 2)))
     assert m.extents == ((3, 1), (10, 2)) and m.checksum == 99
+    assert m.nruns == 2 and e.nruns == 1
     assert m.byte_extents(BS) == [[3 * BS, BS], [10 * BS, 2 * BS - 1]]
     m.extents = ((20, 3),)          # relocated into one run
     m.start = 20
