@@ -784,3 +784,30 @@ def make_entries(keys, sizes, sums, want, want_idx, places, Py_ssize_t n,
             e.checksum = c if type(c) is int else None
         entries[i] = e
     return entries, full, split
+
+
+def places(entries, long long bs):
+    """Per entry (None: -1) its place as ALLOC answers it, the entries that are not None,
+    and their bytes: (offsets, granted, nbytes)."""
+    cdef Py_ssize_t n = len(entries), i
+    cdef long long nbytes = 0
+    cdef Entry e
+    offsets = [-1] * n
+    granted = []
+    for i in range(n):
+        x = entries[i]
+        if x is None:
+            continue
+        e = _entry(x)
+        offsets[i] = _place(e, bs)
+        granted.append(e)
+        nbytes += e.size
+    return offsets, granted, nbytes
+
+
+def sum_blocks(entries):
+    """``sum(e.nblocks for e in entries)``."""
+    cdef long long n = 0
+    for x in entries:
+        n += _entry(x).nblocks
+    return n

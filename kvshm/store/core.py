@@ -134,20 +134,17 @@ class Store(_Sessions, _Space, _Tiered, _Accounting, _Reserving):
         if r is None:
             return None
         entries, statuses = r
-        granted = [e for e in entries if e is not None]
-        bs = self.block_size
-        offsets = [-1 if e is None else e.start * bs if len(e.extents) == 1
-                   else e.byte_extents(bs) for e in entries]
+        # per key: -1, or its place (:meth:`place`); the entries made, their bytes
+        offsets, granted, nbytes = _index.places(entries, self.block_size)
         if granted:
             self._pending += len(granted)
-            self._add_grant(_ALLOC, session, req_id, granted, sum(e.size for e in granted),
-                            extend)
+            self._add_grant(_ALLOC, session, req_id, granted, nbytes, extend)
         return offsets, statuses
 
     def place(self, e: Entry) -> int | list[list[int]]:
         """Where ``e``'s bytes lie, as ALLOC and LOOKUP answer it: the byte offset of a
         value in one run, else its byte extents ``[[offset, length], ...]``."""
-        if len(e.extents) == 1:
+        if e.nruns == 1:
             return e.start * self.block_size
         return e.byte_extents(self.block_size)
 
@@ -275,7 +272,7 @@ class Store(_Sessions, _Space, _Tiered, _Accounting, _Reserving):
 
     def view(self, e: Entry) -> memoryview:
         """A read-only view of a pinned entry's bytes (one run; see :meth:`views`)."""
-        if len(e.extents) != 1:
+        if e.nruns != 1:
             raise ValueError(f"{e!r} lies in {len(e.extents)} runs: use views()")
         return self.pool.view(e.start * self.block_size, e.size, readonly=True)
 

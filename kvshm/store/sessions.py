@@ -114,7 +114,7 @@ class _Sessions:
         its lease starts again, so a long request cannot lose its first slices' blocks."""
         prev = session.grants.get(req_id)
         deadline = self._clock() + self.config.lease_timeout
-        nblocks = sum(e.nblocks for e in entries)
+        nblocks = _index.sum_blocks(entries)
         if prev is not None:
             if extend and prev.kind == kind:
                 prev.entries.extend(entries)
