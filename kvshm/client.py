@@ -127,6 +127,7 @@ def _check(r: _Reply, what: str) -> None:
 
 _STALE = int(Status.STALE_EPOCH)
 _ONE_OK = [int(Status.OK)]
+_ONE_FRAME = [1]
 
 
 def _key1(s: "_Session", key: Any) -> bytes | None:
@@ -1538,6 +1539,22 @@ class Client:
             views = (view,)
         keys = [bkey]
         st, rbody, frames = self._call1(Op.GET, {"keys": keys})
+        sizes = rbody.get("sizes")
+        if not st and not verify and type(sizes) is list and len(sizes) == 1:
+            # the usual replies, as got() reads them: a hit in one frame, or a miss
+            n = sizes[0]
+            counts = rbody.get("counts")
+            if type(n) is int and n >= 0 and len(frames) == 1 and counts == _ONE_FRAME:
+                f = frames[0]
+                if len(f) == n:
+                    if views is None:
+                        return sizes, [f if type(f) is bytes else memoryview(f).tobytes()]
+                    view = views[0]
+                    s._check_out(bkey, view, n)
+                    view[:n] = f
+                    return sizes, [view[:n]]
+            elif n == -1 and not frames and not counts:
+                return sizes, [None]
         return s.got(keys, views, None, verify, _Reply(0, st, rbody, frames))
 
     def _exists1(self, key: Key) -> bool | None:
