@@ -1551,7 +1551,9 @@ class Client:
                         return sizes, [f if type(f) is bytes else memoryview(f).tobytes()]
                     view = views[0]
                     s._check_out(bkey, view, n)
-                    view[:n] = f
+                    # (a memoryview of a frame: pyzmq's Frame exports a shape that does
+                    # not survive a copy of the buffer struct, as a slice assignment makes)
+                    view[:n] = f if type(f) is bytes else memoryview(f)
                     return sizes, [view[:n]]
             elif n == -1 and not frames and not counts:
                 return sizes, [None]
