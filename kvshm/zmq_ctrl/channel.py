@@ -162,9 +162,8 @@ class Channel:
         self._setup = socket_setup
         self._sock: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None
-        self._poller: zmq.Poller | None = None
         self._next_id = 1
-        self._slice_ms = max(1, int(WAIT_SLICE_S * 1000))
+        self._slice_ms = max(1, int(min(WAIT_SLICE_S, POLL_S) * 1000))
         self._rcvtimeo = self._slice_ms     # the socket's RCVTIMEO now (ms)
         self._hs_failed = 0         # handshakes the peer closed (see _handshake_failed)
         self.lock = threading.Lock()
@@ -197,15 +196,12 @@ class Channel:
             self._rcvtimeo = self._slice_ms
             if self._setup is not None:
                 self._setup(s)
-            self._poller = zmq.Poller()
-            self._poller.register(s, zmq.POLLIN)
             if not self.endpoint.startswith("inproc://"):
-                # Handshake failures (CURVE keys) end a wait at once with the reason,
-                # instead of a timeout.
+                # Handshake failures (CURVE keys) end a wait with the reason (within
+                # a slice of it), instead of a timeout.
                 self._monitor = s.get_monitor_socket(
                     zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-                self._poller.register(self._monitor, zmq.POLLIN)
             s.connect(self.endpoint)
             self._sock = s
         return self._sock
@@ -224,7 +220,6 @@ class Channel:
             self._sock.close(0)
         self._sock = None
         self._monitor = None
-        self._poller = None
         self.watch = None
         if endpoint is not None:
             self.endpoint = endpoint
@@ -254,7 +249,8 @@ class Channel:
             No reply within the timeout (the socket is then reset).
         ServerGone
             With :attr:`watch` set: the server is proven gone or replaced, before the send
-            (``sent`` False; idle over IDLE_S) or while waiting (checked every POLL_S).
+            (``sent`` False; idle over IDLE_S) or while waiting (checked every
+            WAIT_SLICE_S, at most POLL_S).
         ProtocolError
             An undecodable reply.
         """
