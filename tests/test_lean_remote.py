@@ -341,6 +341,7 @@ def test_channel_without_zmqc(server, monkeypatch):
     """pyzmq's compiled layer carries the same messages when _zmqc is absent."""
     monkeypatch.setattr(chmod, "send_message", chmod._send_pyzmq)
     monkeypatch.setattr(chmod, "recv_message", chmod._recv_pyzmq)
+    monkeypatch.setattr(chmod, "_zmqc", None)
     with Client(server.address, transport="tcp", timeout=5) as c:
         big = np.random.default_rng(1).integers(0, 255, 1 << 20, dtype=np.uint8)
         for v in (b"", b"small", big):
@@ -354,6 +355,13 @@ def test_channel_without_zmqc(server, monkeypatch):
         assert c.exists_batch([b"b1", b"b3"]) == [True, False]
         with pytest.raises(KeyNotFound):
             c.get(b"b3")
+    # sends without a wait and drain (write-behind PLACE/RESERVE and their replies)
+    with Client(server.address, transport="shm", timeout=5, write_behind=True) as w:
+        for i in range(40):
+            w.put(f"wb{i}", bytes([i]) * 1000)
+        w.flush()
+        assert w.get_batch([f"wb{i}" for i in range(40)]) == [bytes([i]) * 1000
+                                                               for i in range(40)]
 
 
 def test_recv_slices_and_send_failures(server):

@@ -328,13 +328,11 @@ class Channel:
         """Send one request whose reply nobody waits for: it goes to :attr:`on_stray`
         when a later :meth:`request` or :meth:`drain` reads it. Call with :attr:`lock`
         held. Raises ServerUnavailable when it cannot be sent (the socket is reset)."""
-        sock = self._socket()
+        sock = self._sock
+        if sock is None or self._pid != os.getpid():
+            sock = self._socket()
         try:
-            if frames:
-                sock.send_multipart([encode_request(op, req_id, epoch, body), *frames],
-                                    copy=False)
-            else:       # one small frame: a plain send is the cheapest
-                sock.send(encode_request(op, req_id, epoch, body))
+            send_message(sock, encode_request(op, req_id, epoch, body), frames)
         except zmq.ZMQError as exc:
             self.reset()
             raise ServerUnavailable(f"cannot send to kvshm server at {self._where()}: "
@@ -351,15 +349,21 @@ class Channel:
             return
         while True:
             try:
-                if not sock.get(zmq.EVENTS) & zmq.POLLIN:
-                    return          # (cheaper than a recv that raises Again)
-                msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                if _zmqc is not None:
+                    msg = _zmqc.recv_multipart(sock, _zmqc.DONTWAIT, ZERO_COPY_BYTES)
+                    if msg is None:
+                        return      # nothing queued
+                else:
+                    if not sock.get(zmq.EVENTS) & zmq.POLLIN:
+                        return      # (cheaper than a recv that raises Again)
+                    msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             except zmq.ZMQError:
                 return
             try:
-                status, rid, rbody = decode_reply(msg[0].buffer)
+                status, rid, rbody = decode_reply(msg[0] if type(msg[0]) is bytes
+                                                  else msg[0].buffer)
             except DecodeError:
                 continue
             if self.on_stray is not None:
