@@ -166,6 +166,7 @@ class Channel:
         self._slice_ms = max(1, int(min(WAIT_SLICE_S, POLL_S) * 1000))
         self._rcvtimeo = self._slice_ms     # the socket's RCVTIMEO now (ms)
         self._hs_failed = 0         # handshakes the peer closed (see _handshake_failed)
+        self._watch_at = 0.0        # a wait checks the server watch from then on
         self.lock = threading.Lock()
         self._pid = os.getpid()
         #: ``fn(req_id, status, body)`` for a reply no call waits for (a request sent
@@ -249,8 +250,10 @@ class Channel:
             No reply within the timeout (the socket is then reset).
         ServerGone
             With :attr:`watch` set: the server is proven gone or replaced, before the send
-            (``sent`` False; idle over IDLE_S) or while waiting (checked every
-            WAIT_SLICE_S, at most POLL_S).
+            (``sent`` False; idle over IDLE_S) or while waiting (checked once POLL_S
+            passed without a reply, then every POLL_S: a DEALER reconnecting to a new
+            server at the same address gets its reply in that time, and the client goes
+            on with the new server instead of raising).
         ProtocolError
             An undecodable reply.
         """
@@ -276,7 +279,9 @@ class Channel:
             # a half-sent message that the next send would complete. Drop the socket.
             self.reset()
             raise
-        deadline = time.monotonic() + wait
+        now = time.monotonic()
+        deadline = now + wait
+        self._watch_at = now + POLL_S
         self._hs_failed = 0
         if self._rcvtimeo != self._slice_ms:
             sock.setsockopt(zmq.RCVTIMEO, self._slice_ms)
@@ -310,9 +315,11 @@ class Channel:
         while mon is not None and mon.get(zmq.EVENTS) & zmq.POLLIN:
             self._handshake_failed()        # raises, or the wait goes on
             mon = self._monitor
-        if watch is not None:
+        now = time.monotonic()
+        if watch is not None and now >= self._watch_at:
+            self._watch_at = now + POLL_S
             self._check(watch, sent=True)
-        left = deadline - time.monotonic()
+        left = deadline - now
         if left <= 0:
             self.timeouts += 1
             self.reset()
