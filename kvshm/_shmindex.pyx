@@ -1552,9 +1552,8 @@ cdef class IndexReader:
 
     cdef object _batch(self, object keys, bint prefix):
         """The C lookup of every key of ``keys`` (a list or tuple): ``(flags, keys
-        done, bad)``, or None when a key is not one the table can hold (or the reader is
-        not usable); with ``prefix`` the keys before such a key are looked up (``bad``
-        True). The keys are copied into one buffer first (no reference to them is needed
+        done)``, or None when a key is not one the table can hold (or the reader is not
+        usable). The keys are copied into one buffer first (no reference to them is needed
         once the GIL is released for the loop, and they lie in order for it);
         ``_busy`` keeps close() from unmapping under the loop."""
         cdef Py_ssize_t i, nk, done, n, total, cap
@@ -1565,7 +1564,6 @@ cdef class IndexReader:
         cdef uint64_t* hashes
         cdef char* out
         cdef bytes flags
-        cdef bint bad = False
         cdef bint own
         cdef size_t need
         cdef object key
@@ -1578,7 +1576,7 @@ cdef class IndexReader:
         flags = PyBytes_FromStringAndSize(NULL, nk)
         out = PyBytes_AS_STRING(flags)
         if nk == 0:
-            return flags, 0, False
+            return flags, 0
         if nk >= 0xFFFFFFFF // (C_KEY_MAX + 1):
             return None                  # (offsets are 32-bit; the server takes it)
         # the reader's scratch buffers, kept between calls (a fresh malloc of megabytes
@@ -1621,11 +1619,11 @@ cdef class IndexReader:
                 elif not _key_ptr(key, &k, &n):
                     n = 0
                 if not 0 < n <= maxk:
-                    if not prefix:
-                        return None
-                    nk = i              # the keys before it may still answer the match
-                    bad = True
-                    break
+                    # a key the table cannot hold: the whole batch goes to the client's
+                    # general path, which raises for a key it refuses (wrong type,
+                    # empty, over the server's limit) and asks the server otherwise
+                    # (a match answered here before such a key would hide that error)
+                    return None
                 if total + n > cap:
                     cap = 2 * cap + n
                     grown = <char*>realloc(arena, cap)
@@ -1654,7 +1652,7 @@ cdef class IndexReader:
             else:
                 c_free(hashes)
                 c_free(arena)
-        return flags, done, bad
+        return flags, done
 
     cdef void _free_scratch(self) noexcept:
         c_free(self._scr[0])
@@ -1672,7 +1670,7 @@ cdef class IndexReader:
         got = self._batch(keys, False)
         if got is None:
             return None
-        flags, done, _ = got
+        flags, done = got
         nk = len(flags)
         out = PyBytes_AS_STRING(flags)
         if done < nk or (nk and out[nk - 1] == R_FALLBACK):
@@ -1693,14 +1691,14 @@ cdef class IndexReader:
         got = self._batch(keys, True)
         if got is None:
             return FALLBACK
-        flags, done, bad = got
+        flags, done = got
         out = PyBytes_AS_STRING(flags)
         for i in range(done):               # the first key not found decides
             if out[i] != R_HIT:
                 if out[i] == R_MISS and self._misses_final():
                     return i
                 return FALLBACK
-        return FALLBACK if bad else done    # all found up to a key it cannot hold
+        return done
 
 
 if sizeof(Slot) != C_SLOT or sizeof(Rec) != 16 or sizeof(Header) > C_HEADER:

@@ -86,3 +86,43 @@ def test_refill_that_does_not_come_in_time_takes_the_general_path(monkeypatch):
             c.put("late", b"l" * 100)
             assert c.get("late") == b"l" * 100
             c.flush()
+
+
+# ------------------------------------------------- batch lookups through the Client
+
+
+def _answer(fn, keys):
+    try:
+        return ("ok", fn(keys))
+    except Exception as exc:          # noqa: BLE001 - compared as type and message
+        return (type(exc).__name__, str(exc))
+
+
+def test_client_batch_lookups_answer_and_raise_as_the_server_path(monkeypatch):
+    from kvshm import localread
+
+    with ServerProcess("--block-size", "4", prealloc_size=1 / 16) as srv:
+        with Client(srv.address, transport="shm") as local:
+            monkeypatch.setenv(localread.ENV_DISABLE, "1")
+            with Client(srv.address, transport="shm") as remote:
+                monkeypatch.delenv(localread.ENV_DISABLE)
+                assert local._session.local_reader() is not None
+                assert remote._session.local_reader() is None
+                held = [f"k-{i}" for i in range(3000)]
+                local.put_batch(held, [b"v"] * len(held))
+                gone = ["gone-1", "gone-2"]
+                cases = [held, tuple(held), held + gone, gone + held, [], held[:5],
+                         [k.encode() for k in held], iter(held[:10]),
+                         held[:3] + ["\u00e9" * 1000], held[:3] + [bytearray(b"k-1")]]
+                for odd in (7, None, b"", "", b"x" * 100000, "\ud800", 1.5):
+                    cases += [held[:4] + [odd], [odd] + held[:4],
+                              held[:2] + ["gone"] + [odd]]
+                for keys in cases:
+                    keys = list(keys) if not isinstance(keys, (list, tuple)) else keys
+                    for fn in ("exists_batch", "match_prefix"):
+                        want = _answer(getattr(remote, fn), keys)
+                        got = _answer(getattr(local, fn), keys)
+                        assert got == want, (fn, keys[:3], keys[-2:])
+                # an iterator is consumed once, locally as by the server
+                assert local.exists_batch(iter(held[:10])) == [True] * 10
+                assert local.match_prefix(k for k in held[:10]) == 10
