@@ -9,6 +9,7 @@ extensions = [
     Extension("kvshm._pool", ["kvshm/_pool.pyx"], extra_compile_args=["-O3"]),
     Extension("kvshm._shmindex", ["kvshm/_shmindex.pyx"], extra_compile_args=["-O3"]),
     Extension("kvshm._index", ["kvshm/_index.pyx"], extra_compile_args=["-O3"]),
+    Extension("kvshm._batch", ["kvshm/_batch.pyx"], extra_compile_args=["-O3"]),
     Extension("kvshm.zmq_ctrl._zmqc", ["kvshm/zmq_ctrl/_zmqc.pyx"], extra_compile_args=["-O3"]),
     # -ffp-contract=off: placement scores must round alike on every host (no fused multiply-add)
     Extension("kvshm.cluster._hrw", ["kvshm/cluster/_hrw.pyx"],

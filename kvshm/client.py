@@ -28,6 +28,11 @@ import zmq
 
 from kvshm import localread, segments
 from kvshm._buffers import byte_view
+
+try:
+    from kvshm import _batch   # the per-key loops of a batch in C
+except ImportError:            # not built: the Python loops below
+    _batch = None  # type: ignore[assignment]
 from kvshm._pool import Pool
 from kvshm.errors import (
     CorruptValue,
@@ -106,10 +111,11 @@ class _Buffers:
 
     __slots__ = ("keys", "views", "sizes")
 
-    def __init__(self, keys: list[bytes], views: list[memoryview]) -> None:
+    def __init__(self, keys: list[bytes], views: list[memoryview],
+                 sizes: list[int] | None = None) -> None:
         self.keys = keys
         self.views = views
-        self.sizes = [v.nbytes for v in views]
+        self.sizes = [v.nbytes for v in views] if sizes is None else sizes
 
     def buffers(self) -> list[memoryview]:
         return self.views
@@ -338,6 +344,14 @@ class _Session:
     # ---------------------------------------------------------------- keys
 
     def keys(self, keys: Iterable[Key]) -> list[bytes]:
+        if type(keys) is not list:
+            keys = list(keys)
+        if _batch is not None:      # one C loop; None: something to word below
+            fast = _batch.keys(keys, self.limits.max_key_bytes)
+            if fast is not None:
+                if fast[0]:
+                    self._check_batch(len(fast[0]), fast[1])
+                return fast[0]  # type: ignore[no-any-return]
         try:
             out: list[Any] = [k.encode() if type(k) is str else k for k in keys]
         except UnicodeEncodeError as exc:
@@ -791,15 +805,24 @@ class _Session:
     # ---------------------------------------------------------------- operations
 
     def _values(self, keys: list[bytes], values: Sequence[Any]) -> list[memoryview]:
+        return self._views_sizes(keys, values)[0]
+
+    def _views_sizes(self, keys: list[bytes], values: Sequence[Any]
+                     ) -> tuple[list[memoryview], list[int]]:
+        """Byte views of ``values`` and their sizes; raises what a bad value means."""
         if len(values) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        if _batch is not None:      # one C loop; messages made only on failure
+            return _batch.value_views(  # type: ignore[no-any-return]
+                keys, values, self.capacity, self.limits.max_value_bytes or 0, byte_view,
+                ValueTooLarge)
         views = [byte_view(v, what=f"value for key {k!r}") for k, v in zip(keys, values)]
         for k, v in zip(keys, views):
             if v.nbytes > self.capacity or (self.limits.max_value_bytes and
                                             v.nbytes > self.limits.max_value_bytes):
                 raise ValueTooLarge(f"value for key {k!r} is {v.nbytes} bytes; the server "
                                     f"takes at most {self.limits.max_value_bytes or self.capacity}")
-        return views
+        return views, [v.nbytes for v in views]
 
     def raise_failures(self, keys: Sequence[bytes], statuses: Sequence[int],
                        what: str) -> None:
@@ -835,11 +858,11 @@ class _Session:
         self.raise_wb_errors()
         bkeys = self.keys(keys)
         if source is None:
-            views = self._values(bkeys, values)
+            views, vsizes = self._views_sizes(bkeys, values)
             wb = self.wb
             if wb is not None and bkeys and lazy is None and self.mover is wb.mover:
                 return (yield from self.op_put_behind(bkeys, views, checksum))
-            src: Any = _Buffers(bkeys, views)
+            src: Any = _Buffers(bkeys, views, vsizes)
         else:
             src = source
         if not bkeys:
@@ -979,8 +1002,11 @@ class _Session:
         if outs is not None:
             if len(outs) != len(bkeys):
                 raise ValueError(f"{len(bkeys)} keys but {len(outs)} output buffers")
-            views = [byte_view(o, writable=True, what=f"output for key {k!r}")
-                     for k, o in zip(bkeys, outs)]
+            if _batch is not None:      # one C loop; messages made only on failure
+                views = _batch.out_views(bkeys, outs, byte_view)
+            else:
+                views = [byte_view(o, writable=True, what=f"output for key {k!r}")
+                         for k, o in zip(bkeys, outs)]
         if not bkeys:
             return [], []
         wb = self.wb
@@ -1057,8 +1083,16 @@ class _Session:
             raise QuotaExceeded(f"reading {len(refused)} keys (first {refused[0]!r}) "
                                 "would exceed this client's limit on pinned and "
                                 "unsent bytes on the server; read in smaller batches")
-        hit_sizes = [s for s in sizes if s >= 0]
         counts = r.body.get("counts", [1] * len(r.frames))
+        if _batch is not None and sink is None and type(sizes) is list:
+            # one C loop; None: something unusual, which the loop below words
+            fast = _batch.fill(r.frames, counts, sizes,
+                               None if views is None else list(views))
+            if fast is not None:
+                if verify:
+                    self._verify(bkeys, sizes, r.body.get("sums"), fast)
+                return sizes, fast
+        hit_sizes = [s for s in sizes if s >= 0]
         try:
             values = unpack_frames(r.frames, counts, hit_sizes)
         except FrameLayoutError as exc:

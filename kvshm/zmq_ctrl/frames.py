@@ -126,3 +126,20 @@ def _bytes_view(f: Any) -> memoryview:
     if buf.ndim != 1 or buf.itemsize != 1:
         buf = buf.cast("B")
     return buf
+
+
+try:
+    from kvshm import _batch     # the same loops in C
+except ImportError:              # not built: the Python versions above
+    _batch = None  # type: ignore[assignment]
+
+if _batch is not None:
+    _py_plan, _py_pack, _py_unpack = plan, pack, unpack
+    plan = _batch.plan  # noqa: F811
+    pack = _batch.pack  # noqa: F811
+
+    def unpack(frames: Sequence[Any], counts: Sequence[Any],  # type: ignore[no-redef]
+               sizes: Sequence[Any]) -> list[Any]:
+        return _batch.unpack(frames, counts, sizes, _py_unpack)  # type: ignore[no-any-return]
+
+    unpack.__doc__ = _py_unpack.__doc__

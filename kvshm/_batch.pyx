@@ -1,0 +1,333 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""Per-key loops of a batch in C: keys, values, and the TCP mover's payload frames.
+
+Each function does the common case in one C loop and builds no message unless something
+fails. Where the input is unusual (a key that is not bytes or str, a value that is not
+a plain contiguous buffer, a layout that does not add up) it either hands back ``None``
+so that the caller runs its Python path (which raises the same errors as always), or
+calls that Python code itself. Results are those of the Python code they replace:
+
+* :func:`keys` -- ``_Session.keys``'s normalisation (str -> UTF-8, checks lengths);
+* :func:`value_views` -- ``_Session._values``'s byte views and size checks;
+* :func:`plan`, :func:`pack`, :func:`unpack` -- :mod:`kvshm.zmq_ctrl.frames`';
+* :func:`fill` -- the per-key part of ``_Session.got`` (a GET reply's values).
+"""
+
+from cpython.buffer cimport PyBuffer_IsContiguous
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.list cimport PyList_New, PyList_SET_ITEM
+from cpython.memoryview cimport PyMemoryView_FromObject, PyMemoryView_GET_BUFFER
+from cpython.object cimport PyObject
+from cpython.ref cimport Py_INCREF
+from cpython.unicode cimport PyUnicode_AsUTF8String
+from libc.string cimport memcpy
+
+
+cdef Py_ssize_t _PACK_BELOW = 256 << 10
+cdef Py_ssize_t _PACK_FRAME_BYTES = 8 << 20
+
+
+def keys(list ks, Py_ssize_t limit):
+    """``(keys as bytes, total bytes)`` when every key is a non-empty bytes or str
+    (UTF-8) of at most ``limit`` bytes; else None (the caller's Python path raises)."""
+    cdef Py_ssize_t n = len(ks), i, total = 0, m
+    cdef object k
+    cdef list out = PyList_New(n)
+    for i in range(n):
+        k = ks[i]
+        if type(k) is bytes:
+            pass
+        elif type(k) is str:
+            try:
+                k = PyUnicode_AsUTF8String(k)
+            except UnicodeError:
+                return None
+        else:
+            return None
+        m = PyBytes_GET_SIZE(k)
+        if m == 0 or m > limit:
+            return None
+        total += m
+        Py_INCREF(k)
+        PyList_SET_ITEM(out, i, k)
+    return out, total
+
+
+cdef inline object _view(object v):
+    """A 1-D unsigned-byte memoryview over ``v``, or None (not a plain contiguous
+    buffer: byte_view decides, and words the error)."""
+    cdef object m
+    cdef Py_buffer *b
+    try:
+        m = PyMemoryView_FromObject(v)
+    except TypeError:
+        return None
+    b = PyMemoryView_GET_BUFFER(m)
+    if not PyBuffer_IsContiguous(b, c'C'):
+        return None
+    if b.ndim == 1 and b.itemsize == 1 and (b.format == NULL or
+                                            (b.format[0] == b'B' and b.format[1] == 0)):
+        return m
+    return m.cast("B")
+
+
+def value_views(list bkeys, values, Py_ssize_t capacity, Py_ssize_t max_value, byte_view,
+                too_large):
+    """``(views, sizes)`` of ``values`` (one per key in ``bkeys``, lengths checked by
+    the caller), as ``_Session._values`` makes them: ``byte_view(v, what=...)`` words
+    every refusal; a value over ``capacity`` or ``max_value`` (when not 0) raises
+    ``too_large`` with the usual message (after every value was viewed, as before)."""
+    cdef Py_ssize_t n = len(bkeys), i, nb, bad = -1
+    cdef list views = PyList_New(n)
+    cdef list sizes = PyList_New(n)
+    cdef object v, m, sz
+    if type(values) is not list and type(values) is not tuple:
+        values = list(values)
+    for i in range(n):
+        v = values[i]
+        m = _view(v)
+        if m is None:
+            m = byte_view(v, what=f"value for key {bkeys[i]!r}")
+        nb = (PyMemoryView_GET_BUFFER(m)).len
+        if bad < 0 and (nb > capacity or (max_value and nb > max_value)):
+            bad = i
+        Py_INCREF(m)
+        PyList_SET_ITEM(views, i, m)
+        sz = nb
+        Py_INCREF(sz)
+        PyList_SET_ITEM(sizes, i, sz)
+    if bad >= 0:
+        nb = sizes[bad]
+        raise too_large(f"value for key {bkeys[bad]!r} is {nb} bytes; the server "
+                        f"takes at most {max_value or capacity}")
+    return views, sizes
+
+
+cdef inline Py_ssize_t _nbytes(object m) except -1:
+    if type(m) is memoryview:
+        return (PyMemoryView_GET_BUFFER(m)).len
+    return memoryview(m).nbytes
+
+
+def plan(sizes):
+    """:func:`kvshm.zmq_ctrl.frames.plan` in C (ints expected; anything else: the
+    Python version's behaviour via ``int()``)."""
+    cdef list groups = []
+    cdef Py_ssize_t start = -1, acc = 0, i = 0, n, nn
+    cdef object s
+    for s in sizes:
+        n = s
+        if n >= _PACK_BELOW:
+            if start >= 0:
+                groups.append((start, i - start))
+                start = -1
+            groups.append((i, 1))
+            i += 1
+            continue
+        if start >= 0 and acc + n > _PACK_FRAME_BYTES:
+            groups.append((start, i - start))
+            start = -1
+        if start < 0:
+            start = i
+            acc = 0
+        acc += n
+        i += 1
+    if start >= 0:
+        groups.append((start, i - start))
+    return groups
+
+
+def pack(views):
+    """:func:`kvshm.zmq_ctrl.frames.pack` in C: ``(frames, counts)``."""
+    cdef Py_ssize_t nv = len(views), i = 0, j, start, acc, n, pos
+    cdef list frames = [], counts = []
+    cdef object v, joined
+    cdef bint plain
+    cdef char *dst
+    cdef Py_buffer *b
+    if type(views) is not list:
+        views = list(views)
+    while i < nv:
+        v = views[i]
+        n = _nbytes(v)
+        if n >= _PACK_BELOW:
+            frames.append(v)
+            counts.append(1)
+            i += 1
+            continue
+        start = i
+        acc = n
+        i += 1
+        while i < nv:
+            n = _nbytes(views[i])
+            if n >= _PACK_BELOW or acc + n > _PACK_FRAME_BYTES:
+                break
+            acc += n
+            i += 1
+        if i - start == 1:
+            frames.append(v)
+            counts.append(1)
+            continue
+        plain = True
+        for j in range(start, i):
+            v = views[j]
+            if type(v) is not memoryview or \
+                    not PyBuffer_IsContiguous(PyMemoryView_GET_BUFFER(v), c'C'):
+                plain = False
+                break
+        if not plain:
+            joined = b"".join(views[start:i])
+        else:
+            joined = PyBytes_FromStringAndSize(NULL, acc)
+            dst = PyBytes_AS_STRING(joined)
+            pos = 0
+            for j in range(start, i):
+                b = PyMemoryView_GET_BUFFER(views[j])
+                memcpy(dst + pos, b.buf, b.len)
+                pos += b.len
+        frames.append(joined)
+        counts.append(i - start)
+    return frames, counts
+
+
+cdef inline object _frame_view(object f):
+    cdef object buf = PyMemoryView_FromObject(f)
+    cdef Py_buffer *b = PyMemoryView_GET_BUFFER(buf)
+    if b.ndim != 1 or b.itemsize != 1:
+        buf = buf.cast("B")
+    return buf
+
+
+def unpack(frames, counts, sizes, slow):
+    """:func:`kvshm.zmq_ctrl.frames.unpack` in C for frames that each hold whole values
+    (no count of 0), ints everywhere and sizes that add up; anything else is handed to
+    ``slow`` (the Python version: same result, same errors)."""
+    cdef Py_ssize_t nf = len(frames), ns = len(sizes), fi, i = 0, c, k, pos, n, total = 0
+    cdef list out
+    cdef object buf, cnt, s
+    cdef Py_buffer *b
+    if len(counts) != nf:
+        return slow(frames, counts, sizes)
+    for cnt in counts:
+        if type(cnt) is not int or cnt < 1:
+            return slow(frames, counts, sizes)
+        total += <Py_ssize_t>cnt
+    if total != ns:
+        return slow(frames, counts, sizes)
+    for s in sizes:
+        if type(s) is not int or s < 0:
+            return slow(frames, counts, sizes)
+    out = PyList_New(ns)
+    for fi in range(nf):
+        c = counts[fi]
+        buf = _frame_view(frames[fi])
+        b = PyMemoryView_GET_BUFFER(buf)
+        pos = 0
+        for k in range(i, i + c):
+            pos += <Py_ssize_t>sizes[k]
+        if pos != b.len:
+            return slow(frames, counts, sizes)
+        pos = 0
+        for k in range(i, i + c):
+            n = sizes[k]
+            s = buf[pos:pos + n]
+            Py_INCREF(s)
+            PyList_SET_ITEM(out, k, s)
+            pos += n
+        i += c
+    return out
+
+
+def fill(frames, counts, list sizes, list outs):
+    """The values of a GET reply, ``data`` as ``_Session.got`` makes it (bytes per hit,
+    None per miss; with ``outs``, copied into ``outs[i]`` and ``data[i]`` is
+    ``outs[i][:size]``), or None when anything is unusual (a size that is not an int,
+    a value over several frames, frames that do not add up, an output too small): the
+    caller's Python path then does it, or raises as always. ``outs``: 1-D byte
+    memoryviews."""
+    cdef Py_ssize_t nf = len(frames), ns = len(sizes), fi, i = 0, c, pos, n, hits = 0
+    cdef Py_ssize_t total = 0, k
+    cdef list data
+    cdef object buf, cnt, s, d, o
+    cdef Py_buffer *b
+    cdef Py_buffer *ob
+    cdef const char *src
+    if len(counts) != nf:
+        return None
+    for cnt in counts:
+        if type(cnt) is not int or cnt < 1:
+            return None
+        total += <Py_ssize_t>cnt
+    for s in sizes:
+        if type(s) is not int:
+            return None
+        if s >= 0:
+            hits += 1
+    if total != hits:
+        return None
+    # frames add up?
+    i = 0
+    for fi in range(nf):
+        c = counts[fi]
+        buf = _frame_view(frames[fi])
+        pos = 0
+        while c:
+            n = sizes[i]
+            i += 1
+            if n < 0:
+                continue
+            if outs is not None:
+                o = outs[i - 1]
+                if type(o) is not memoryview or PyMemoryView_GET_BUFFER(o).len < n or \
+                        PyMemoryView_GET_BUFFER(o).readonly:
+                    return None
+            pos += n
+            c -= 1
+        if pos != (PyMemoryView_GET_BUFFER(buf)).len:
+            return None
+    data = PyList_New(ns)
+    i = 0
+    fi = 0
+    c = 0
+    src = NULL
+    for k in range(ns):
+        n = sizes[k]
+        if n < 0:
+            d = None
+        else:
+            while c == 0:
+                buf = _frame_view(frames[fi])
+                b = PyMemoryView_GET_BUFFER(buf)
+                src = <const char *>b.buf
+                c = counts[fi]
+                fi += 1
+            if outs is None:
+                d = PyBytes_FromStringAndSize(src, n)
+            else:
+                o = outs[k]
+                ob = PyMemoryView_GET_BUFFER(o)
+                memcpy(ob.buf, src, n)
+                d = o[:n]
+            src += n
+            c -= 1
+        Py_INCREF(d)
+        PyList_SET_ITEM(data, k, d)
+    return data
+
+
+def out_views(list bkeys, outs, byte_view):
+    """Writable byte views of ``outs``, as ``byte_view(o, writable=True, what=...)``
+    makes them (and words every refusal)."""
+    cdef Py_ssize_t n = len(bkeys), i
+    cdef list views = PyList_New(n)
+    cdef object o, m
+    if type(outs) is not list and type(outs) is not tuple:
+        outs = list(outs)
+    for i in range(n):
+        o = outs[i]
+        m = _view(o)
+        if m is None or PyMemoryView_GET_BUFFER(m).readonly:
+            m = byte_view(o, writable=True, what=f"output for key {bkeys[i]!r}")
+        Py_INCREF(m)
+        PyList_SET_ITEM(views, i, m)
+    return views
