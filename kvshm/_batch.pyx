@@ -331,3 +331,75 @@ def out_views(list bkeys, outs, byte_view):
         Py_INCREF(m)
         PyList_SET_ITEM(views, i, m)
     return views
+
+
+def pack_values(list bkeys, values, Py_ssize_t capacity, Py_ssize_t max_value, byte_view,
+                too_large):
+    """``(sizes, frames, counts)`` of a PUT over TCP straight from ``values`` (one per
+    key in ``bkeys``, lengths checked by the caller), as ``_Session._values`` followed by
+    :func:`pack` would make them, without a view per bytes value: the same checks, in
+    the same order (every value viewed first, then the sizes), the same errors."""
+    cdef Py_ssize_t n = len(bkeys), i, j, nb, bad = -1, start, acc, pos
+    cdef list srcs = PyList_New(n)
+    cdef list sizes = PyList_New(n)
+    cdef list frames = [], counts = []
+    cdef object v, m, sz, joined
+    cdef char *dst
+    cdef Py_buffer *b
+    if type(values) is not list and type(values) is not tuple:
+        values = list(values)
+    for i in range(n):
+        v = values[i]
+        if type(v) is bytes:
+            m = v
+            nb = PyBytes_GET_SIZE(v)
+        else:
+            m = _view(v)
+            if m is None:
+                m = byte_view(v, what=f"value for key {bkeys[i]!r}")
+            nb = PyMemoryView_GET_BUFFER(m).len
+        if bad < 0 and (nb > capacity or (max_value and nb > max_value)):
+            bad = i
+        Py_INCREF(m)
+        PyList_SET_ITEM(srcs, i, m)
+        sz = nb
+        Py_INCREF(sz)
+        PyList_SET_ITEM(sizes, i, sz)
+    if bad >= 0:
+        nb = sizes[bad]
+        raise too_large(f"value for key {bkeys[bad]!r} is {nb} bytes; the server "
+                        f"takes at most {max_value or capacity}")
+    i = 0
+    while i < n:
+        nb = sizes[i]
+        if nb >= _PACK_BELOW:
+            v = srcs[i]
+            frames.append(v if type(v) is memoryview else PyMemoryView_FromObject(v))
+            counts.append(1)
+            i += 1
+            continue
+        start = i
+        acc = nb
+        i += 1
+        while i < n:
+            nb = sizes[i]
+            if nb >= _PACK_BELOW or acc + nb > _PACK_FRAME_BYTES:
+                break
+            acc += nb
+            i += 1
+        joined = PyBytes_FromStringAndSize(NULL, acc)
+        dst = PyBytes_AS_STRING(joined)
+        pos = 0
+        for j in range(start, i):
+            v = srcs[j]
+            if type(v) is bytes:
+                nb = PyBytes_GET_SIZE(v)
+                memcpy(dst + pos, PyBytes_AS_STRING(v), nb)
+            else:
+                b = PyMemoryView_GET_BUFFER(v)
+                nb = b.len
+                memcpy(dst + pos, b.buf, nb)
+            pos += nb
+        frames.append(joined)
+        counts.append(i - start)
+    return sizes, frames, counts

@@ -259,3 +259,23 @@ def test_tcp_batches_end_to_end(server, monkeypatch, fast):
         assert c.exists_batch([b"bad"]) == [False]
         with pytest.raises(ValueTooLarge):
             c.put_batch([b"huge"], [bytearray(c._session.capacity + 1)])
+
+
+@pytest.mark.parametrize("idx", range(10))
+def test_pack_values_same_as_views_then_pack(idx):
+    vals = _values_cases()[idx]
+    big = np.arange(F.PACK_BELOW + 5, dtype=np.uint8)
+    vals = [vals[0], b"q" * 7, big.tobytes(), b"", big] + vals[1:]
+    keys = [b"k%d" % i for i in range(len(vals))]
+    s = _session(capacity=F.PACK_BELOW * 2, max_value=F.PACK_BELOW + 100)
+    got = []
+    for fn in (lambda: _batch.pack_values(keys, vals, s.capacity, s.limits.max_value_bytes,
+                                          client_mod.byte_view, ValueTooLarge),
+               lambda: (lambda vs: ([v.nbytes for v in vs[0]], *F._py_pack(vs[0])))(
+                   s._views_sizes(keys, vals))):
+        try:
+            sizes, frames, counts = fn()
+            got.append((sizes, [bytes(f) for f in frames], counts))
+        except Exception as exc:  # noqa: BLE001
+            got.append((type(exc), str(exc)))
+    assert got[0] == got[1]
