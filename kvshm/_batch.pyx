@@ -403,3 +403,89 @@ def pack_values(list bkeys, values, Py_ssize_t capacity, Py_ssize_t max_value, b
         frames.append(joined)
         counts.append(i - start)
     return sizes, frames, counts
+
+
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_WRITABLE, PyBUF_C_CONTIGUOUS
+
+
+cdef int _try_buffer(object o, Py_buffer *pb):
+    try:
+        PyObject_GetBuffer(o, pb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)
+    except (TypeError, ValueError, BufferError):
+        return -1
+    return 0
+
+
+def check_outs(list bkeys, outs, byte_view):
+    """Raise what ``byte_view(o, writable=True, what=...)`` raises for the first output
+    buffer it refuses; makes no view of the plain ones (writable, C-contiguous
+    buffers)."""
+    cdef Py_ssize_t n = len(bkeys), i
+    cdef Py_buffer pb
+    cdef object o
+    for i in range(n):
+        o = outs[i]
+        if _try_buffer(o, &pb) == 0:
+            PyBuffer_Release(&pb)
+            continue
+        byte_view(o, writable=True, what=f"output for key {bkeys[i]!r}")
+
+
+def fill_outs(frames, counts, list sizes, outs):
+    """The values of a GET reply copied straight into ``outs`` (writable C-contiguous
+    buffers, no view made): True, or False when anything is unusual (as :func:`fill`,
+    or an output that is not such a buffer): the caller then does it in Python, and
+    raises as always. May have copied some values when it returns False."""
+    cdef Py_ssize_t nf = len(frames), ns = len(sizes), fi, i, c, pos, n, hits = 0
+    cdef Py_ssize_t total = 0, k
+    cdef object buf, cnt, s
+    cdef Py_buffer pb
+    cdef const char *src = NULL
+    if len(counts) != nf or len(outs) != ns:
+        return False
+    for cnt in counts:
+        if type(cnt) is not int or cnt < 1:
+            return False
+        total += <Py_ssize_t>cnt
+    for s in sizes:
+        if type(s) is not int:
+            return False
+        if s >= 0:
+            hits += 1
+    if total != hits:
+        return False
+    i = 0
+    for fi in range(nf):
+        c = counts[fi]
+        buf = _frame_view(frames[fi])
+        pos = 0
+        while c:
+            n = sizes[i]
+            i += 1
+            if n < 0:
+                continue
+            pos += n
+            c -= 1
+        if pos != PyMemoryView_GET_BUFFER(buf).len:
+            return False
+    fi = 0
+    c = 0
+    for k in range(ns):
+        n = sizes[k]
+        if n < 0:
+            continue
+        while c == 0:
+            buf = _frame_view(frames[fi])
+            src = <const char *>PyMemoryView_GET_BUFFER(buf).buf
+            c = counts[fi]
+            fi += 1
+        if _try_buffer(outs[k], &pb) < 0:
+            return False
+        if pb.len < n:
+            PyBuffer_Release(&pb)
+            return False
+        memcpy(pb.buf, src, n)
+        PyBuffer_Release(&pb)
+        src += n
+        c -= 1
+    return True

@@ -1020,6 +1020,15 @@ class _Session:
         if outs is not None:
             if len(outs) != len(bkeys):
                 raise ValueError(f"{len(bkeys)} keys but {len(outs)} output buffers")
+            if _batch is not None and sink is None and not verify and self.mover is None \
+                    and self.wb is None and self.local is None:
+                # TCP: one GET, the values copied straight into ``outs`` (no view made
+                # unless something is unusual); ``data`` is then all None
+                _batch.check_outs(bkeys, outs, byte_view)   # refuses as byte_view would
+                if not bkeys:
+                    return [], []
+                r = yield _Req(Op.GET, {"keys": bkeys})
+                return self.got(bkeys, None, None, False, r, outs)
             if _batch is not None:      # one C loop; messages made only on failure
                 views = _batch.out_views(bkeys, outs, byte_view)
             else:
@@ -1091,9 +1100,12 @@ class _Session:
         return sizes, data
 
     def got(self, bkeys: Sequence[bytes], views: Sequence[memoryview] | None, sink: Any,
-            verify: bool, r: _Reply) -> tuple[list[int], list[Any]]:
+            verify: bool, r: _Reply, outs: Sequence[Any] | None = None
+            ) -> tuple[list[int], list[Any]]:
         """``(sizes, data)`` of a GET reply (the TCP mover), as :meth:`op_lookup_copy`
-        returns them; raises what a refused or malformed reply means."""
+        returns them; raises what a refused or malformed reply means. ``outs`` (instead
+        of ``views``, no sink, no verify): the caller's output buffers, filled in C where
+        they are plain buffers; ``data`` is then all None."""
         _check(r, "get")
         sizes = r.body["sizes"]
         if -2 in sizes:     # the server's per-principal limit on unsent replies
@@ -1102,6 +1114,14 @@ class _Session:
                                 "would exceed this client's limit on pinned and "
                                 "unsent bytes on the server; read in smaller batches")
         counts = r.body.get("counts", [1] * len(r.frames))
+        if outs is not None:
+            if _batch is not None and type(sizes) is list and \
+                    _batch.fill_outs(r.frames, counts, sizes, outs):
+                return sizes, [None] * len(sizes)
+            views = [byte_view(o, writable=True, what=f"output for key {k!r}")
+                     for k, o in zip(bkeys, outs)]
+            sizes, _ = self.got(bkeys, views, None, False, r)
+            return sizes, [None] * len(sizes)
         if _batch is not None and sink is None and type(sizes) is list:
             # one C loop; None: something unusual, which the loop below words
             fast = _batch.fill(r.frames, counts, sizes,

@@ -279,3 +279,31 @@ def test_pack_values_same_as_views_then_pack(idx):
         except Exception as exc:  # noqa: BLE001
             got.append((type(exc), str(exc)))
     assert got[0] == got[1]
+
+
+BAD_OUTS = [
+    [bytearray(8), b"readonly"],
+    [bytearray(8), np.zeros(16, np.uint8)[::2]],
+    [bytearray(8), 7],
+    [bytearray(8), bytearray(2)],                       # smaller than the value
+    [bytearray(8), np.zeros((2, 4), np.float32)],       # fine: 32 bytes
+    [memoryview(bytearray(16))[::2], bytearray(8)],
+]
+
+
+@pytest.mark.parametrize("idx", range(len(BAD_OUTS)))
+def test_get_batch_into_outs_same_errors(server, monkeypatch, idx):
+    keys = [b"o-1", b"o-2"]
+    with Client(server.address, transport="tcp", timeout=10) as c:
+        c.put_batch(keys, [b"12345678", b"abcdefgh"])
+
+        def run():
+            outs = [o.copy() if isinstance(o, np.ndarray) else
+                    (bytearray(o) if type(o) is bytearray else o) for o in BAD_OUTS[idx]]
+            n = c.get_batch_into(keys, outs)
+            return n, [client_mod.byte_view(o).tobytes()[:8] for o in outs]
+
+        fast, py = _both(monkeypatch, run)
+        assert fast == py
+        if idx == 4:
+            assert fast[0] == "ok" and fast[1][0] == [8, 8]
