@@ -1009,7 +1009,9 @@ class _Session:
 
     def op_lookup_copy(self, keys: Iterable[Key], outs: Sequence[Any] | None,
                        verify: bool, sink: Any = None, _again: bool = False) -> OpGen:
-        """Shared read path: returns (sizes, data) where data is bytes per hit or None.
+        """Shared read path: returns (sizes, data) where data is bytes per hit or None
+        (with ``outs``: a view of ``outs[i]`` per hit, or all None over TCP, where the
+        values are copied into ``outs`` without views; callers with ``outs`` read sizes).
 
         ``sink``, when given (with ``outs=None``), places the hits itself (kvshm.paged):
         ``from_pool(mover, offsets, sizes, indices)`` with a one-sided mover,
