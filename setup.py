@@ -1,5 +1,5 @@
 """Build the Cython core (kvshm._bitmap, kvshm._pool, kvshm._shmindex, kvshm._index,
-kvshm.zmq_ctrl._zmqc); metadata lives in pyproject.toml."""
+kvshm._batch, kvshm.zmq_ctrl._zmqc, kvshm.cluster._hrw); metadata lives in pyproject.toml."""
 
 from Cython.Build import cythonize
 from setuptools import Extension, setup
