@@ -394,6 +394,8 @@ class ServiceLoop:
         #: kvshm.zmq_ctrl._zmqc (module-level ``_zmqc`` when the loop is made), or None:
         #: pyzmq receives and sends
         self._zmqc = _zmqc
+        #: replies queued by :meth:`_send` while a turn drains the socket (a list), else None
+        self._outq: list[tuple[bytes, bytes]] | None = None
         self.endpoints: list[str] = list(bound)
         try:
             for ep in endpoints:
@@ -612,13 +614,22 @@ class ServiceLoop:
             if zc is not None:
                 recv = zc.recv_multipart
                 handle = self._handle
-                for _ in range(256):
-                    # header frame kept as a libzmq message: its metadata (peer, fd,
-                    # User-Id) for HELLO and _cut; parts >= 64 KiB zero-copy
-                    m = recv(sock, 1, 65536, 1)
-                    if m is None:
-                        break
-                    handle(m)
+                # the plain replies of the drained requests go out together at the end
+                # (:meth:`_send`): libzmq wakes its I/O thread once for the lot rather
+                # than once a reply
+                self._outq = outq = []
+                try:
+                    for _ in range(256):
+                        # header frame kept as a libzmq message: its metadata (peer, fd,
+                        # User-Id) for HELLO and _cut; parts >= 64 KiB zero-copy
+                        m = recv(sock, 1, 65536, 1)
+                        if m is None:
+                            break
+                        handle(m)
+                finally:
+                    self._outq = None
+                    if outq:
+                        self._flush_out(outq)
             else:
                 for _ in range(256):
                     try:
@@ -1209,6 +1220,13 @@ class ServiceLoop:
 
     def _send(self, ident: bytes, header: bytes, frames: list[Any] = (),  # type: ignore[assignment]
               track: bool = False) -> zmq.MessageTracker | None:
+        outq = self._outq
+        if outq is not None:
+            if not track and not frames:
+                outq.append((ident, header))        # sent at the end of the drain
+                return None
+            if outq:
+                self._flush_out(outq)               # a peer's replies keep their order
         try:
             zc = self._zmqc
             if zc is not None:
@@ -1227,6 +1245,19 @@ class ServiceLoop:
             log.debug("reply to %s dropped: %s", ident.hex(), exc)
             self._count_error("send_failed")
         return None
+
+    def _flush_out(self, outq: list[tuple[bytes, bytes]]) -> None:
+        """Send the replies :meth:`_send` queued during a drain (``_zmqc`` only), in
+        order, and empty ``outq``; a failed one is dropped as :meth:`_send` drops it."""
+        send = self._zmqc.send_parts
+        sock = self._sock
+        for m in outq:
+            try:
+                send(sock, m)
+            except zmq.ZMQError as exc:
+                log.debug("reply to %s dropped: %s", m[0].hex(), exc)
+                self._count_error("send_failed")
+        outq.clear()
 
     def _piggyback(self, session: Session, body: dict[str, Any],
                    extra: dict[str, Any]) -> None:
@@ -1601,7 +1632,7 @@ class ServiceLoop:
             e = entries[0]
             if e is None:
                 return [-1], [], sums, []
-            if e.size < PACK_BELOW and len(e.extents) == 1:
+            if e.size < PACK_BELOW and e.nruns == 1:
                 bs = store.block_size
                 data = store.pool.read_bytes(e.start * bs, e.size)
                 store.unpin(entries)
@@ -1645,7 +1676,7 @@ class ServiceLoop:
             if count == 1 and e.size >= PACK_BELOW and (not copy_over or e.nblocks <= budget):
                 # zero-copy, pinned until sent; a value of several runs in one frame per
                 # run, the runs after the first with a count of 0 (frames.unpack)
-                if len(e.extents) == 1:
+                if e.nruns == 1:
                     out.append(store.view(e))
                     counts.append(1)
                 else:
@@ -1663,7 +1694,7 @@ class ServiceLoop:
             else:                                           # small values: one packed copy
                 n = sum(g.size for g in group)
                 queued += -(-n // bs)
-            if count == 1 and len(e.extents) == 1:      # one value, one run: one copy
+            if count == 1 and e.nruns == 1:      # one value, one run: one copy
                 out.append(store.pool.read_bytes(e.start * bs, e.size))
                 small.append(e)
                 counts.append(1)
@@ -1672,7 +1703,7 @@ class ServiceLoop:
             offs: list[int] = []
             lens: list[int] = []
             for g in group:
-                if len(g.extents) == 1:
+                if g.nruns == 1:
                     offs.append(g.start * bs)
                     lens.append(g.size)
                 else:
