@@ -43,7 +43,7 @@ snapshot, as two requests are not. The codec is sliced too: a request header of 
 :data:`STREAM_HEADER_BYTES` is decoded ``2 * slice_keys`` msgpack items a turn
 (:class:`~kvshm.zmq_ctrl.protocol.RequestDecoder`; that peer's later messages wait behind
 it, so its requests still take effect in its order), and a reply with a list of more
-than :data:`STREAM_REPLY_ITEMS` items (and no payload) is encoded ``8 * slice_keys``
+than :data:`STREAM_REPLY_ITEMS` items (and no payload) is encoded ``4 * slice_keys``
 items a turn (:class:`~kvshm.zmq_ctrl.protocol.ReplyEncoder`, the same bytes).
 
 Sockets. When :mod:`kvshm.zmq_ctrl._zmqc` is built, the loop polls, receives and sends
@@ -102,8 +102,8 @@ LATENCY_BUCKETS = (50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e
 _STALE_CHECK_S = 0.002   # poll interval while zero-copy sends are in flight
 
 #: Keys a request may have before it is served in slices (``ServerConfig.slice_keys``,
-#: ``kvshm serve --slice-keys``): ~1-4 ms of loop time per slice on this VM (an ALLOC key
-#: costs ~1 us, an EXISTS key ~0.4 us in the pure-Python loops).
+#: ``kvshm serve --slice-keys``): ~1 ms of loop time per slice on this VM (an EXISTS key
+#: costs ~0.4 us; an ALLOC key ~1 us, so ALLOC goes ``slice_keys // 2`` keys a slice).
 SLICE_KEYS = 2048
 
 #: Request header frames of at least this many bytes (~3.5 k keys) are decoded over
@@ -111,7 +111,8 @@ SLICE_KEYS = 2048
 #: requests served between; one of 100 k keys takes ~15-25 ms in one go on this VM.
 STREAM_HEADER_BYTES = 64 << 10
 #: Replies with a list of more than this many items (and no payload) are encoded over
-#: several turns (``ReplyEncoder``, ``8 * slice_keys`` items a turn: ~1 ms).
+#: several turns (``ReplyEncoder``, ``4 * slice_keys`` items a turn: ~1 ms; ``8 *`` took
+#: ~2 ms a turn for an ALLOC's offsets and statuses).
 STREAM_REPLY_ITEMS = 16384
 
 #: ServiceLoop.run's own full garbage collections: once no request came for this long
@@ -857,7 +858,7 @@ class ServiceLoop:
 
     def _run_encodes(self) -> None:
         """One step of each large reply being encoded; sent once whole."""
-        budget = 8 * self.slice_keys
+        budget = 4 * self.slice_keys
         for _ in range(len(self._encodes)):
             job = self._encodes.popleft()
             header = job.encoder.step(budget)
@@ -1400,7 +1401,7 @@ class ServiceLoop:
     def _alloc_in_slices(self, session: Session, req_id: int, keys: list[Any],
                          sizes: list[Any], sums: list[Any] | None) -> None:
         store = self.store
-        S = self.slice_keys
+        S = max(1, self.slice_keys // 2)    # ~1 us a key: ~1 ms a slice, as the others
         n = len(keys)
         offsets: list[Any] = []
         statuses: list[int] = []
