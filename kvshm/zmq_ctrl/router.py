@@ -1199,7 +1199,9 @@ class ServiceLoop:
             assert session is not None
             entries = [e for e in on_sent if not isinstance(e, int)]
             nblocks = sum(e for e in on_sent if isinstance(e, int))
-            if tracker is None:
+            if tracker is None or tracker.done:
+                # done at once (nothing zero-copy: a copied small value): settled now,
+                # not through _sending and a later turn's _reap_sends
                 self.store.sent(session, nblocks, entries)
             else:
                 self._sending.append((tracker, entries, nblocks, session, ident,
