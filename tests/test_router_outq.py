@@ -87,3 +87,23 @@ def test_queued_reply_to_a_gone_peer_is_dropped_and_counted(bed: Bed) -> None:
     bed.loop._outq = None
     st, _, _, _ = bed.req(Op.EXISTS, {"keys": [b"x"]})             # still serving
     assert st == Status.OK
+
+
+def test_a_copied_small_get_is_settled_when_sent(bed: Bed) -> None:
+    val = os.urandom(4096)
+    st, _, _, _ = bed.req(Op.PUT, {"keys": [b"s"], "sizes": [4096], "counts": [1]}, [val])
+    assert st == Status.OK
+    st, _, body, frames = bed.req(Op.GET, {"keys": [b"s"]})
+    assert st == Status.OK and frames == [val]
+    assert not bed.loop._sending                    # nothing left for a later reap
+    assert all(s.quota.sending == 0 for s in bed.loop.sessions())
+    big = os.urandom(1 << 20)                       # zero-copy: settled when libzmq is done
+    st, _, _, _ = bed.req(Op.PUT, {"keys": [b"b"]}, [big])
+    st, _, body, frames = bed.req(Op.GET, {"keys": [b"b"]})
+    assert st == Status.OK and frames == [big]
+    for _ in range(200):
+        bed.loop.turn(5)
+        if not bed.loop._sending:
+            break
+    assert not bed.loop._sending
+    assert all(s.quota.sending == 0 for s in bed.loop.sessions())
