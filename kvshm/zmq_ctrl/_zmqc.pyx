@@ -38,7 +38,8 @@ API
     Let go of dropped trackers' buffers that libzmq is done with (see above).
 """
 
-from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_ANY_CONTIGUOUS
+from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE,
+                             PyBUF_ANY_CONTIGUOUS, PyBUF_WRITABLE)
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.exc cimport PyErr_CheckSignals
 from libc.stdlib cimport malloc, free
@@ -189,6 +190,9 @@ cdef class Frame:
     cdef Py_ssize_t strides[1]
 
     def __cinit__(self):
+        # an empty message (what a Frame made from Python holds: libzmq asserts on a
+        # message never initialized); recv_multipart moves a received one over it
+        z_msg_init(&self.msg)
         self.live = False
 
     def __dealloc__(self):
@@ -200,6 +204,8 @@ cdef class Frame:
         return z_msg_size(&self.msg)
 
     def __getbuffer__(self, Py_buffer *view, int flags):
+        if flags & PyBUF_WRITABLE:
+            raise BufferError("a received Frame is read-only")
         self.shape[0] = z_msg_size(&self.msg)
         self.strides[0] = 1
         view.buf = z_msg_data(&self.msg)

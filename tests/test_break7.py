@@ -1,0 +1,63 @@
+"""break7: today's new paths attacked (direct libzmq Frames, the C index, the sliced codec,
+the lean client paths); each finding kept as a test."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import zmq
+
+try:
+    from kvshm.zmq_ctrl import _zmqc
+except ImportError:     # pragma: no cover - not built
+    _zmqc = None  # type: ignore[assignment]
+
+needs_zmqc = pytest.mark.skipif(_zmqc is None, reason="kvshm.zmq_ctrl._zmqc is not built")
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[Any, Any]]:
+    ctx = zmq.Context()
+    a = ctx.socket(zmq.PAIR)
+    b = ctx.socket(zmq.PAIR)
+    for s in (a, b):
+        s.setsockopt(zmq.LINGER, 0)
+    a.bind("inproc://break7")
+    b.connect("inproc://break7")
+    yield a, b
+    a.close(0)
+    b.close(0)
+    ctx.term()
+
+
+@needs_zmqc
+def test_frame_made_from_python_does_not_abort() -> None:
+    # Frame() held a message libzmq never initialized: len(), bytes or a memoryview of it
+    # tripped libzmq's assertion and aborted the whole process
+    code = ("from kvshm.zmq_ctrl import _zmqc as z\n"
+            "f = z.Frame()\n"
+            "assert len(f) == 0 and f.bytes == b'' and bytes(memoryview(f)) == b''\n"
+            "del f\n"
+            "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+@needs_zmqc
+def test_received_frame_is_read_only(pair: tuple[Any, Any]) -> None:
+    # the buffer said readonly=1 but granted PyBUF_WRITABLE requests: readinto() and
+    # socket.recv_into() wrote into the received libzmq message
+    a, b = pair
+    data = b"hello world" * 10000
+    a.send(data)
+    (f,) = _zmqc.recv_multipart(b, 0, 10)
+    assert isinstance(f, _zmqc.Frame)
+    with pytest.raises((BufferError, TypeError)):
+        io.BytesIO(b"QQ").readinto(f)  # type: ignore[arg-type]
+    assert f.bytes == data and memoryview(f).readonly
