@@ -38,6 +38,10 @@ cdef enum:
 cdef class Entry
 
 
+#: pins one entry may hold (Entry.pins is a C int: the C loops must not wrap it)
+cdef int _MAX_PINS = 2147483647
+
+
 cdef inline int _nruns(Entry e):
     return 1 if e._ext is None else len(e._ext)
 
@@ -547,6 +551,8 @@ def pin_entries(store, entries):
     try:
         for x in entries:
             e = _entry(x)
+            if e.pins >= _MAX_PINS:
+                raise OverflowError(f"{e.key!r} has {e.pins} pins (the most an entry holds)")
             if e.pins == 0:
                 dpe += 1
             e.pins += 1
@@ -580,6 +586,8 @@ def pin_for_send(store, keys, hold):
             if p is NULL:
                 continue
             e = _entry(<object>p)
+            if e.pins >= _MAX_PINS:
+                continue            # a miss: its 32-bit pin count must not wrap
             index._to_tail(e)
             if touch is not None:
                 touch(e, hold)
@@ -625,6 +633,8 @@ def lookup_pins(store, keys, hold, bint limited, long long budget, qrefused):
             if p is NULL:
                 continue
             e = _entry(<object>p)
+            if e.pins >= _MAX_PINS:
+                continue            # a miss: its 32-bit pin count must not wrap
             if limited:
                 if e.nblocks > budget:
                     refused += 1

@@ -61,3 +61,48 @@ def test_received_frame_is_read_only(pair: tuple[Any, Any]) -> None:
     with pytest.raises((BufferError, TypeError)):
         io.BytesIO(b"QQ").readinto(f)  # type: ignore[arg-type]
     assert f.bytes == data and memoryview(f).readonly
+
+
+@pytest.fixture
+def store(shm_name: str) -> Iterator[Any]:
+    from kvshm._pool import Pool
+    from kvshm.limits import Limits
+    from kvshm.store import Store, StoreConfig
+
+    pool = Pool.create(shm_name, 64 * 4096, 4096)
+    st = Store(pool, StoreConfig(limits=Limits(max_batch=100_000)))
+    yield st
+    pool.close()
+    pool.unlink()
+
+
+def test_pins_never_wrap(store: Any) -> None:
+    # Entry.pins is a C int since the index went to Cython: the C pin loops wrapped an
+    # entry's 2**31-th pin to -2**31 (then to 0 at 2**32: evictable while pinned); the
+    # Python int it was never wrapped. At the limit a key reads as a miss (GET, LOOKUP)
+    # or the pin is refused (pin_entries), its count unchanged.
+    assert store.put([b"k"], [b"v" * 100]) == [0]
+    e = store.index.get(b"k")
+    top = 2**31 - 1
+    e.pins = top
+    store._pins += top
+    store._pinned_entries += 1
+    try:
+        entries, _ = store.pin_for_send([b"k"])
+        assert entries == [None] and e.pins == top
+        offsets, sizes, _ = store.lookup(b"peer", 1, [b"k"])
+        assert sizes == [-1] and e.pins == top
+        with pytest.raises(OverflowError):
+            store.pin_entries([e])
+        assert e.pins == top
+        with pytest.raises(OverflowError):
+            store._pin(e)               # the Python path: refused on assignment
+        assert e.pins == top
+    finally:
+        e.pins = 0
+        store._pins -= top
+        store._pinned_entries -= 1
+    entries, _ = store.pin_for_send([b"k"])
+    assert entries == [e] and e.pins == 1
+    store.unpin(entries)
+    assert e.pins == 0 and store.stats()["pins"] == 0
