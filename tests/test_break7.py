@@ -4,6 +4,7 @@ the lean client paths); each finding kept as a test."""
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -106,3 +107,48 @@ def test_pins_never_wrap(store: Any) -> None:
     assert entries == [e] and e.pins == 1
     store.unpin(entries)
     assert e.pins == 0 and store.stats()["pins"] == 0
+
+
+@needs_zmqc
+def test_zero_copy_send_lets_go_of_the_value_once_received(pair: tuple[Any, Any]) -> None:
+    # a send whose tracker the caller drops (the client's put of a value >= 64 KiB sent
+    # zero-copy) kept the value referenced until a later tracked send: a put of a big
+    # value pinned the caller's buffer for good (pyzmq lets go once libzmq is done)
+    a, b = pair
+    v = bytes(1 << 20)
+    base = sys.getrefcount(v)
+    _zmqc.send_parts(a, [b"head", v], 0, 1)           # tracker dropped at once
+    got = _zmqc.recv_multipart(b, 0, 1 << 30)
+    assert [len(x) for x in got] == [4, 1 << 20]
+    for _ in range(1000):                             # the peer answers: any receive
+        a.send(b"reply")                              # lets go of what is done
+        assert _zmqc.recv_multipart(b, 0) == [b"reply"]
+        if sys.getrefcount(v) == base:
+            break
+    assert sys.getrefcount(v) == base and not _zmqc._orphans
+
+
+def test_client_put_lets_go_of_the_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the same through a client's put (the lean remote path): the caller's buffer is
+    # no longer referenced once a later request came back
+    sys.path.insert(0, os.path.dirname(__file__))
+    from servers import ServerProcess
+
+    from kvshm.client import Client
+
+    monkeypatch.setenv("KVSHM_NO_LOCAL_READS", "1")
+    srv = ServerProcess(prealloc_size=1 / 32)
+    try:
+        with Client(srv.address, transport="tcp", timeout=30) as c:
+            c.put(b"warm", b"x")
+            v = os.urandom(1 << 20)
+            base = sys.getrefcount(v)
+            c.put(b"k", v)
+            for _ in range(1000):
+                if sys.getrefcount(v) == base:
+                    break
+                assert c.exists(b"k")
+            assert sys.getrefcount(v) == base
+            assert c.get(b"k") == v
+    finally:
+        srv.stop()

@@ -30,7 +30,7 @@ API
 ``Tracker.done``, ``Tracker.wait(timeout)``
     As ``zmq.MessageTracker``: ``wait`` raises ``zmq.NotDone`` after ``timeout`` seconds.
     A tracker dropped before it is done keeps its buffers (libzmq may still read them)
-    until a later tracked send, or :func:`sweep`, finds it done.
+    until a later tracked send or received message, or :func:`sweep`, finds it done.
 ``poll_in(sock, fd=-1, mon=None, timeout_ms=-1)``
     ``zmq_poll`` for input on a socket, a file descriptor and a second socket: a bit
     mask (1, 2, 4) of what is readable; -1 if a signal interrupted it.
@@ -299,6 +299,11 @@ def recv_multipart(sock, int flags=1, Py_ssize_t copy_threshold=65536, Py_ssize_
             fr.live = True
             out.append(fr)
         i += 1
+    if _orphans:
+        # a message came (often the reply to the send that dropped its tracker): let go
+        # of the buffers libzmq is done with, or a caller's value sent zero-copy stays
+        # referenced until some later tracked send
+        _sweep()
     return out
 
 
