@@ -152,3 +152,62 @@ def test_client_put_lets_go_of_the_value(monkeypatch: pytest.MonkeyPatch) -> Non
             assert c.get(b"k") == v
     finally:
         srv.stop()
+
+
+def test_held_behind_queue_is_bounded(shm_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A peer's messages behind its large header being decoded were held in Python
+    # without bound: read off the socket (256 a turn) past libzmq's receive HWM, before
+    # any session check, for as long as the decode lasts (a header of 100 M one-byte
+    # items: ~25 k turns). Once a peer has HELD_MAX messages waiting, the rest of its
+    # decode runs at once (as before the sliced codec); its requests keep their order.
+    import msgpack
+
+    from kvshm._pool import Pool
+    from kvshm.limits import Limits
+    from kvshm.store import Store, StoreConfig
+    from kvshm.zmq_ctrl import router as router_mod
+    from kvshm.zmq_ctrl.protocol import PROTOCOL_VERSION, Op, decode_reply
+
+    monkeypatch.setattr(router_mod, "HELD_MAX", 40)
+    bs = 4096
+    ctx = zmq.Context()
+    pool = Pool.create(shm_name, 256 * bs, bs)
+    store = Store(pool, StoreConfig(limits=Limits(max_batch=1_000_000)))
+    loop = router_mod.ServiceLoop(store, ["tcp://127.0.0.1:0"], {"version": PROTOCOL_VERSION},
+                                  7, context=ctx, slice_keys=1)
+    a = ctx.socket(zmq.DEALER)
+    a.setsockopt(zmq.LINGER, 0)
+    a.connect(loop.endpoints[0])
+    try:
+        def head(op: int, rid: int, body: dict[str, Any]) -> bytes:
+            return msgpack.packb([PROTOCOL_VERSION, op, rid, 7, body], use_bin_type=True)
+
+        big = head(int(Op.EXISTS), 1, {"keys": [b"k%06d" % i for i in range(20000)]})
+        assert len(big) >= router_mod.STREAM_HEADER_BYTES
+        a.send_multipart([big])
+        n = 400
+        for i in range(n):
+            a.send_multipart([head(int(Op.PUT), 2 + i, {"keys": [b"p%d" % i]}), b"v%d" % i])
+        got: list[int] = []
+        most = 0
+        for _ in range(200_000):
+            loop.turn(1)
+            most = max([most, *(len(q) for q in loop._held.values())])
+            while a.poll(0):
+                st, rid, body = decode_reply(a.recv_multipart()[0])
+                assert st == 0, body
+                got.append(rid)
+            if len(got) == n + 1:
+                break
+        assert most <= 40
+        assert sorted(got) == list(range(1, n + 2))
+        # the PUTs in the order sent (the EXISTS, sliced once decoded, may come last)
+        assert [r for r in got if r != 1] == list(range(2, n + 2))
+        assert store.index.get(b"p%d" % (n - 1)) is not None
+        assert not loop._held and not loop._decodes
+    finally:
+        a.close(0)
+        loop.close()
+        ctx.term()
+        pool.close()
+        pool.unlink()

@@ -62,6 +62,7 @@ import gc
 import hmac
 import logging
 import os
+import sys
 import threading
 import time
 from bisect import bisect_left
@@ -114,6 +115,11 @@ STREAM_HEADER_BYTES = 64 << 10
 #: several turns (``ReplyEncoder``, ``4 * slice_keys`` items a turn: ~1 ms; ``8 *`` took
 #: ~2 ms a turn for an ALLOC's offsets and statuses).
 STREAM_REPLY_ITEMS = 16384
+#: A peer's messages held behind its large header being decoded (read off the socket,
+#: past libzmq's receive HWM, before any session check): at this many, the rest of that
+#: decode runs at once, as before the sliced codec, so what a peer makes the server hold
+#: stays bounded however long its header takes.
+HELD_MAX = 1024
 
 #: ServiceLoop.run's own full garbage collections: once no request came for this long
 #: (s), ...
@@ -843,18 +849,40 @@ class ServiceLoop:
             if not done:
                 self._decodes.append(job)
                 continue
-            if r is not None:
-                try:
-                    self._dispatch(job.msg, r, job.t0)
-                except Exception:
-                    log.exception("internal error dispatching a request")
-                    self._count_error("internal")
-            q = self._held.pop(job.ident, None)
-            while q:
-                self._handle(q.popleft())
-                if job.ident in self._held:     # that one is being decoded in turn
-                    self._held[job.ident].extend(q)
-                    break
+            self._decoded(job, r)
+
+    def _finish_decode(self, ident: bytes) -> None:
+        """The rest of ``ident``'s large header decoded now (its held messages reached
+        :data:`HELD_MAX`), then served as :meth:`_run_decodes` would."""
+        for job in self._decodes:
+            if job.ident == ident:
+                break
+        else:                                   # pragma: no cover - held implies a job
+            return
+        self._decodes.remove(job)
+        try:
+            r = job.decoder.step(sys.maxsize)
+        except DecodeError as exc:
+            self._count_error("malformed")
+            self._send(job.ident, encode_reply(Status.MALFORMED, 0, {"error": str(exc)}))
+            r = None
+        self._decoded(job, r)
+
+    def _decoded(self, job: _Decoding, r: Any) -> None:
+        """A large header decoded (``r``; None: it was refused): the request served,
+        then the messages its peer sent since."""
+        if r is not None:
+            try:
+                self._dispatch(job.msg, r, job.t0)
+            except Exception:
+                log.exception("internal error dispatching a request")
+                self._count_error("internal")
+        q = self._held.pop(job.ident, None)
+        while q:
+            self._handle(q.popleft())
+            if job.ident in self._held:     # that one is being decoded in turn
+                self._held[job.ident].extend(q)
+                break
 
     def _run_encodes(self) -> None:
         """One step of each large reply being encoded; sent once whole."""
@@ -951,6 +979,8 @@ class ServiceLoop:
             q = held.get(ident)
             if q is not None:       # behind its peer's request still being decoded
                 q.append(msg)
+                if len(q) >= HELD_MAX:
+                    self._finish_decode(ident)
                 return
         try:
             self._dispatch(msg)
