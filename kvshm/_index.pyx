@@ -83,6 +83,9 @@ cdef class Entry:
     cdef public int nblocks         # (the shared table holds 32-bit block counts)
     cdef public int pins
     cdef public int state
+    # in an index's LRU list (there at most once, in one index: a second link would
+    # corrupt both lists); in the struct's padding after ``state``
+    cdef bint _linked
     cdef public object checksum
     cdef public object meta
     # None: one run, (start, nblocks); else the runs as given (or () once freed)
@@ -93,6 +96,8 @@ cdef class Entry:
 
     def __init__(self, key, long long start, int nblocks, long long size,
                  checksum=None, extents=None):
+        if self._linked:
+            raise ValueError(f"{self!r} is in an index: not made again")
         self.key = key
         self.start = start
         self.nblocks = nblocks
@@ -104,6 +109,7 @@ cdef class Entry:
         self._ext = None
         self._prev = NULL
         self._next = NULL
+        self._linked = False
         if extents is not None:
             if len(extents) == 1 and extents[0][0] == start and extents[0][1] == nblocks:
                 pass            # one run: kept as start and nblocks
@@ -221,8 +227,10 @@ cdef class Index:
             self._tail = e._prev
         e._prev = NULL
         e._next = NULL
+        e._linked = False
 
     cdef inline void _link_tail(self, Entry e) noexcept:
+        e._linked = True
         e._next = NULL
         e._prev = self._tail
         if self._tail != NULL:
@@ -318,6 +326,9 @@ cdef class Index:
             old = None if p is NULL else <object>p
         else:
             old = d.get(key)        # raises for an unhashable key, before any change
+        if entry._linked and old is not entry:
+            raise ValueError(f"{entry!r} is in an index already (under another key, or "
+                             "in another index)")
         d[key] = entry
         if old is not None:
             self._unlink(<Entry>old)
@@ -381,6 +392,7 @@ cdef class Index:
         for e in entries:
             e._prev = NULL
             e._next = NULL
+            e._linked = False
         self._head = NULL
         self._tail = NULL
         self._version += 1

@@ -211,3 +211,37 @@ def test_held_behind_queue_is_bounded(shm_name: str, monkeypatch: pytest.MonkeyP
         ctx.term()
         pool.close()
         pool.unlink()
+
+
+def test_entry_linked_twice_is_refused() -> None:
+    # The index's LRU list is threaded through the entries (borrowed pointers): an entry
+    # inserted under a second key (Entry.key is writable), into a second index, or made
+    # again with __init__ while linked was linked twice: a self-loop (iterating the index
+    # never ended, growing a list without bound) or pointers into another index's list
+    # (use after free once either dropped it). The OrderedDict before took all of these.
+    from kvshm._index import Entry, Index
+
+    ix = Index()
+    a = Entry(b"a", 0, 1, 1)
+    b = Entry(b"b", 1, 1, 1)
+    ix.insert(a)
+    ix.insert(b)
+    b.key = b"c"
+    with pytest.raises(ValueError):
+        ix.insert(b)
+    other = Index()
+    with pytest.raises(ValueError):
+        other.insert(a)
+    with pytest.raises(ValueError):
+        a.__init__(b"a", 5, 1, 1)
+    assert len(other) == 0 and len(ix) == 2
+    assert [e.key for e in ix.lru()] == [b"a", b"c"] and a.start == 0
+    b.key = b"b"
+    assert ix.insert(b) is b                        # its own key again: allowed
+    assert ix.remove(b"b") is b and ix.remove(b"a") is a
+    other.insert(a)                                 # unlinked now: may go elsewhere
+    assert ix.insert(b) is None
+    assert [e.key for e in other.lru()] == [b"a"] and [e.key for e in ix.lru()] == [b"b"]
+    assert [e.key for e in other.clear()] == [b"a"]
+    ix.insert(a)                                    # clear() let go of it
+    assert [e.key for e in ix.lru()] == [b"b", b"a"]
