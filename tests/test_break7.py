@@ -245,3 +245,21 @@ def test_entry_linked_twice_is_refused() -> None:
     assert [e.key for e in other.clear()] == [b"a"]
     ix.insert(a)                                    # clear() let go of it
     assert [e.key for e in ix.lru()] == [b"b", b"a"]
+
+
+@needs_zmqc
+@pytest.mark.parametrize("bad", ["text", None, memoryview(b"abcdef")[::2]],
+                         ids=["str", "None", "strided"])
+@pytest.mark.parametrize("track_from", [-1, 1])
+def test_send_parts_with_a_bad_part_sends_nothing(pair: tuple[Any, Any], bad: Any,
+                                                  track_from: int) -> None:
+    # A part without a contiguous buffer failed after the parts before it went out with
+    # SNDMORE: the socket's next message was glued onto that one (on the server's
+    # ROUTER: another peer's reply delivered as extra frames of this one's). pyzmq's
+    # send_multipart checks the types before sending anything.
+    a, b = pair
+    with pytest.raises((TypeError, BufferError)):
+        _zmqc.send_parts(a, [b"first", bytes(100_000), bad], 0, track_from)
+    _zmqc.send_parts(a, [b"next"])
+    assert _zmqc.recv_multipart(b, 0) == [b"next"]
+    assert _zmqc.sweep(5.0) == 0

@@ -43,7 +43,7 @@ from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE,
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.exc cimport PyErr_CheckSignals
 from libc.stdlib cimport malloc, free
-from libc.string cimport memset
+from libc.string cimport memcpy, memset
 
 import time as _time
 
@@ -386,83 +386,94 @@ def send_parts(sock, parts, int flags=0, Py_ssize_t track_from=-1,
                Py_ssize_t copy_threshold=65536):
     """Send ``parts`` as one multipart message (see the module docstring)."""
     cdef void *s = _handle(sock)
-    cdef Py_ssize_t n = len(parts), i, k
-    cdef Py_buffer view
+    cdef Py_ssize_t n = len(parts), i, got = 0, reached = 0
+    cdef Py_buffer small[4]
+    cdef Py_buffer *views = small
     cdef Py_buffer *held
     cdef kv_zmq_msg_t msg
     cdef int f, rc, err
     cdef Tracker tr = None
     cdef bint block = not (flags & _DONTWAIT)
-    if track_from >= 0:
-        if _orphans:
-            _sweep()
-        tr = Tracker.__new__(Tracker)
-        tr.t = <kv_track_t *>malloc(sizeof(kv_track_t))
-        if tr.t == NULL:
-            raise MemoryError
-        tr.t.refs = 1
-        if track_from < n:
-            tr.views = <Py_buffer *>malloc(sizeof(Py_buffer) * (n - track_from))
-            if tr.views == NULL:
-                raise MemoryError
     if n == 0:
         raise ValueError("send_parts: no parts")
-    for i in range(n):
-        f = _SNDMORE if i < n - 1 else 0
-        part = parts[i]
-        held = NULL
-        if tr is not None and i >= track_from:
-            held = &tr.views[tr.nviews]
-            PyObject_GetBuffer(part, held, PyBUF_ANY_CONTIGUOUS)
-            if held.len < copy_threshold:       # copied below, done at once (as pyzmq)
-                PyBuffer_Release(held)
-                held = NULL
-        if held != NULL:
-            tr.nviews += 1
-            z_msg_init_data(&msg, held.buf, held.len, kv_track_free, tr.t)
-            kv_track_add(tr.t)
+    if n > 4:
+        views = <Py_buffer *>malloc(sizeof(Py_buffer) * n)
+        if views == NULL:
+            raise MemoryError
+    try:
+        # every part's buffer first: a part without one fails before anything is sent
+        # (as pyzmq's type check), not after earlier parts went out with SNDMORE (the
+        # socket's next message would then be glued onto this one: another peer's reply)
+        for i in range(n):
+            PyObject_GetBuffer(parts[i], &views[i], PyBUF_ANY_CONTIGUOUS)
+            got += 1
+        if track_from >= 0:
+            if _orphans:
+                _sweep()
+            tr = Tracker.__new__(Tracker)
+            tr.t = <kv_track_t *>malloc(sizeof(kv_track_t))
+            if tr.t == NULL:
+                raise MemoryError
+            tr.t.refs = 1
+            if track_from < n:
+                tr.views = <Py_buffer *>malloc(sizeof(Py_buffer) * (n - track_from))
+                if tr.views == NULL:
+                    raise MemoryError
+        for i in range(n):
+            reached = i + 1
+            f = _SNDMORE if i < n - 1 else 0
+            if tr is not None and i >= track_from and views[i].len >= copy_threshold:
+                # zero-copy: the tracker takes the buffer over (released when done);
+                # parts under copy_threshold are copied below, done at once (as pyzmq)
+                held = &tr.views[tr.nviews]
+                memcpy(held, &views[i], sizeof(Py_buffer))     # moved (not released below)
+                tr.nviews += 1
+                z_msg_init_data(&msg, held.buf, held.len, kv_track_free, tr.t)
+                kv_track_add(tr.t)
+                while True:
+                    rc = z_msg_send(&msg, s, f | _DONTWAIT)
+                    if rc >= 0:
+                        break
+                    err = z_errno()
+                    if err == _EAGAIN and block:
+                        with nogil:
+                            rc = z_msg_send(&msg, s, f)
+                        if rc >= 0:
+                            break
+                        err = z_errno()
+                    if err == _EINTR:
+                        PyErr_CheckSignals()
+                        continue
+                    z_msg_close(&msg)       # runs kv_track_free: the ref taken above goes
+                    if err == _EAGAIN and i == 0 and not block:
+                        return False
+                    _raise_errno(err)
+                continue
             while True:
-                rc = z_msg_send(&msg, s, f | _DONTWAIT)
+                rc = z_send(s, views[i].buf, views[i].len, f | _DONTWAIT)
                 if rc >= 0:
                     break
                 err = z_errno()
                 if err == _EAGAIN and block:
                     with nogil:
-                        rc = z_msg_send(&msg, s, f)
+                        rc = z_send(s, views[i].buf, views[i].len, f)
                     if rc >= 0:
                         break
                     err = z_errno()
                 if err == _EINTR:
                     PyErr_CheckSignals()
                     continue
-                z_msg_close(&msg)       # runs kv_track_free: the ref taken above goes
                 if err == _EAGAIN and i == 0 and not block:
                     return False
                 _raise_errno(err)
-            continue
-        PyObject_GetBuffer(part, &view, PyBUF_ANY_CONTIGUOUS)
-        try:
-            while True:
-                rc = z_send(s, view.buf, view.len, f | _DONTWAIT)
-                if rc >= 0:
-                    break
-                err = z_errno()
-                if err == _EAGAIN and block:
-                    with nogil:
-                        rc = z_send(s, view.buf, view.len, f)
-                    if rc >= 0:
-                        break
-                    err = z_errno()
-                if err == _EINTR:
-                    PyErr_CheckSignals()
-                    continue
-                if err == _EAGAIN and i == 0 and not block:
-                    return False
-                _raise_errno(err)
-        finally:
-            PyBuffer_Release(&view)
+    finally:
+        for i in range(got):
+            if not (tr is not None and track_from <= i < reached
+                    and views[i].len >= copy_threshold):
+                PyBuffer_Release(&views[i])     # (else the tracker's now)
+        if views != small:
+            free(views)
     return True if tr is None else tr
-
 
 
 def poll_in(sock, int fd=-1, mon=None, long timeout_ms=-1):
