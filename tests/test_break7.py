@@ -263,3 +263,80 @@ def test_send_parts_with_a_bad_part_sends_nothing(pair: tuple[Any, Any], bad: An
     _zmqc.send_parts(a, [b"next"])
     assert _zmqc.recv_multipart(b, 0) == [b"next"]
     assert _zmqc.sweep(5.0) == 0
+
+
+def test_zero_copy_reply_survives_overwrite_and_eviction(shm_name: str) -> None:
+    # (a guard, no finding) GET replies sent zero-copy from the pool to a peer that does
+    # not read them yet, while the key is overwritten and the pool filled past eviction:
+    # every reply read later has the bytes it had when asked (the entry stays pinned
+    # until libzmq is done with the frame)
+    import hashlib
+
+    import msgpack
+
+    from kvshm._pool import Pool
+    from kvshm.limits import Limits
+    from kvshm.store import Store, StoreConfig
+    from kvshm.zmq_ctrl import router as router_mod
+    from kvshm.zmq_ctrl.protocol import PROTOCOL_VERSION, Op, decode_reply
+
+    bs = 4096
+    ctx = zmq.Context()
+    pool = Pool.create(shm_name, 4096 * bs, bs)
+    store = Store(pool, StoreConfig(limits=Limits(max_batch=100_000)))
+    loop = router_mod.ServiceLoop(store, ["tcp://127.0.0.1:0"], {"version": PROTOCOL_VERSION},
+                                  7, context=ctx)
+    slow = ctx.socket(zmq.DEALER)
+    slow.setsockopt(zmq.RCVHWM, 1)
+    slow.setsockopt(zmq.RCVBUF, 4096)
+    fast = ctx.socket(zmq.DEALER)
+    for s in (slow, fast):
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(loop.endpoints[0])
+    rid = [0]
+
+    def head(op: int, body: dict[str, Any]) -> bytes:
+        rid[0] += 1
+        return msgpack.packb([PROTOCOL_VERSION, op, rid[0], 7, body], use_bin_type=True)
+
+    def call(op: int, body: dict[str, Any], frames: list[bytes]) -> int:
+        fast.send_multipart([head(op, body), *frames])
+        for _ in range(20000):
+            loop.turn(1)
+            if fast.poll(0):
+                st, _, _ = decode_reply(fast.recv_multipart()[0])
+                return st
+        raise AssertionError("no reply")
+
+    try:
+        v1 = os.urandom(300 << 10)
+        want = hashlib.sha256(v1).digest()
+        assert call(int(Op.PUT), {"keys": [b"k"]}, [v1]) == 0
+        for _ in range(30):
+            slow.send_multipart([head(int(Op.GET), {"keys": [b"k"]})])
+        for _ in range(200):
+            loop.turn(1)
+        assert loop._sending                        # zero-copy replies still in flight
+        for i in range(60):                         # overwrite, then evict everything
+            assert call(int(Op.PUT), {"keys": [b"k%d" % i if i else b"k"]},
+                        [os.urandom(300 << 10)]) == 0
+        assert store.counters["evictions"] > 0
+        hits = 0
+        for _ in range(20000):
+            loop.turn(1)
+            while slow.poll(0):
+                m = slow.recv_multipart()
+                st, _, body = decode_reply(m[0])
+                if st == 0 and body["sizes"][0] >= 0 and m[1:]:
+                    assert hashlib.sha256(b"".join(m[1:])).digest() == want
+                    hits += 1
+            if not loop._sending and not slow.poll(0) and hits:
+                break
+        assert hits > 0
+    finally:
+        slow.close(0)
+        fast.close(0)
+        loop.close()
+        ctx.term()
+        pool.close()
+        pool.unlink()
