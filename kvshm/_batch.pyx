@@ -22,8 +22,12 @@ from cpython.ref cimport Py_INCREF
 from cpython.unicode cimport PyUnicode_AsUTF8String
 from libc.string cimport memcpy
 
+cdef extern from "Python.h":
+    Py_ssize_t PY_SSIZE_T_MAX
+
 
 cdef Py_ssize_t _PACK_BELOW = 256 << 10
+cdef Py_ssize_t _SSIZE_MAX = PY_SSIZE_T_MAX
 cdef Py_ssize_t _PACK_FRAME_BYTES = 8 << 20
 
 
@@ -209,13 +213,14 @@ def unpack(frames, counts, sizes, slow):
     if len(counts) != nf:
         return slow(frames, counts, sizes)
     for cnt in counts:
-        if type(cnt) is not int or cnt < 1:
+        # a count over ns (a hostile peer's 2**62s) could wrap total to ns: over-read
+        if type(cnt) is not int or cnt < 1 or cnt > ns:
             return slow(frames, counts, sizes)
         total += <Py_ssize_t>cnt
     if total != ns:
         return slow(frames, counts, sizes)
     for s in sizes:
-        if type(s) is not int or s < 0:
+        if type(s) is not int or s < 0 or s > _SSIZE_MAX:
             return slow(frames, counts, sizes)
     out = PyList_New(ns)
     for fi in range(nf):
@@ -224,7 +229,10 @@ def unpack(frames, counts, sizes, slow):
         b = PyMemoryView_GET_BUFFER(buf)
         pos = 0
         for k in range(i, i + c):
-            pos += <Py_ssize_t>sizes[k]
+            n = sizes[k]
+            if n > b.len - pos:         # no sum that wraps round to the frame's length
+                return slow(frames, counts, sizes)
+            pos += n
         if pos != b.len:
             return slow(frames, counts, sizes)
         pos = 0
@@ -255,11 +263,11 @@ def fill(frames, counts, list sizes, list outs):
     if len(counts) != nf:
         return None
     for cnt in counts:
-        if type(cnt) is not int or cnt < 1:
+        if type(cnt) is not int or cnt < 1 or cnt > ns:   # no total that wraps
             return None
         total += <Py_ssize_t>cnt
     for s in sizes:
-        if type(s) is not int:
+        if type(s) is not int or s > _SSIZE_MAX or s < -_SSIZE_MAX:
             return None
         if s >= 0:
             hits += 1
@@ -281,6 +289,8 @@ def fill(frames, counts, list sizes, list outs):
                 if type(o) is not memoryview or PyMemoryView_GET_BUFFER(o).len < n or \
                         PyMemoryView_GET_BUFFER(o).readonly:
                     return None
+            if n > PyMemoryView_GET_BUFFER(buf).len - pos:   # no sum that wraps round
+                return None
             pos += n
             c -= 1
         if pos != (PyMemoryView_GET_BUFFER(buf)).len:
@@ -444,11 +454,11 @@ def fill_outs(frames, counts, list sizes, outs):
     if len(counts) != nf or len(outs) != ns:
         return False
     for cnt in counts:
-        if type(cnt) is not int or cnt < 1:
+        if type(cnt) is not int or cnt < 1 or cnt > ns:   # no total that wraps
             return False
         total += <Py_ssize_t>cnt
     for s in sizes:
-        if type(s) is not int:
+        if type(s) is not int or s > _SSIZE_MAX or s < -_SSIZE_MAX:
             return False
         if s >= 0:
             hits += 1
@@ -464,6 +474,8 @@ def fill_outs(frames, counts, list sizes, outs):
             i += 1
             if n < 0:
                 continue
+            if n > PyMemoryView_GET_BUFFER(buf).len - pos:   # no sum that wraps round
+                return False
             pos += n
             c -= 1
         if pos != PyMemoryView_GET_BUFFER(buf).len:

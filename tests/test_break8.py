@@ -1,0 +1,90 @@
+"""break8: the C batch loops (kvshm/_batch.pyx) against hostile frame layouts.
+
+Each crash case runs in a child interpreter: before the fix it died of SIGSEGV (a sum of
+counts or sizes wrapped round in a C Py_ssize_t to the expected total, and the loop then
+read a list past its end with boundscheck off).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+
+W = 2**62
+
+_CHILD = textwrap.dedent("""
+    import sys
+    from kvshm import _batch
+    from kvshm.zmq_ctrl import frames as F
+    frames, counts, sizes = eval(sys.argv[1])
+    got = []
+    for fn in (F.unpack, F._py_unpack):
+        try:
+            got.append([bytes(v) for v in fn(frames, counts, sizes)])
+        except F.FrameLayoutError as exc:
+            got.append(("FrameLayoutError", str(exc)))
+    assert got[0] == got[1], got
+    want = got[1]
+    d = _batch.fill(frames, counts, list(sizes), None)
+    assert d is None or d == want, d
+    outs = [bytearray(64) for _ in sizes]
+    assert _batch.fill_outs(frames, counts, list(sizes), outs) in (False, True)
+    mv = [memoryview(o) for o in outs]
+    d = _batch.fill(frames, counts, list(sizes), mv)
+    assert d is None or [bytes(x) for x in d] == want, d
+    print("ok")
+""")
+
+HOSTILE = [
+    ([b"a"] * 4, [W, W, W, W + 1], [1]),             # counts wrap round to 1
+    ([b"a"], [2**63], [1]),                          # a count past a C ssize_t
+    ([b""], [4], [W] * 4),                           # sizes wrap round to 0
+    ([b"ab"], [3], [2**63 - 1, 2**63 - 1, 4]),       # sizes wrap round to 2
+    ([b"a"], [1], [2**64]),                          # a size past a C ssize_t
+    ([b"a", b"b"], [1, W * 4 - 1], [1, 1]),          # counts sum wrap with a tail frame
+]
+
+
+@pytest.mark.parametrize("case", HOSTILE, ids=range(len(HOSTILE)))
+def test_hostile_layouts_same_as_python_no_crash(case):
+    r = subprocess.run([sys.executable, "-c", _CHILD, repr(case)], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])
+
+
+_SERVER_CHILD = textwrap.dedent("""
+    import sys
+    import msgpack
+    sys.path.insert(0, sys.argv[2])
+    from fuzzing import FuzzServer
+    from kvshm.zmq_ctrl.protocol import PROTOCOL_VERSION, Op, Status
+    body, frames = eval(sys.argv[1])
+    srv = FuzzServer()
+    try:
+        req = [msgpack.packb([PROTOCOL_VERSION, Op.PUT, 1, srv.epoch, body],
+                             use_bin_type=True)]
+        st, _, reply = srv.send(req + frames)
+        assert st == Status.INVALID_REQUEST, (st, reply)
+        srv.check_healthy()
+    finally:
+        srv.close()
+    print("ok")
+""")
+
+
+@pytest.mark.parametrize("case", [
+    ({"keys": [b"a"], "sizes": [1], "counts": [W, W, W, W + 1]}, [b"a"] * 4),
+    ({"keys": [b"a"], "sizes": [1], "counts": [2**63]}, [b"a"]),
+    ({"keys": [b"a", b"b", b"c", b"d"], "sizes": [W] * 4, "counts": [4]}, [b""]),
+], ids=range(3))
+def test_router_put_with_wrapping_layout_is_refused(case):
+    import os
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, "-c", _SERVER_CHILD, repr(case), here],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.returncode,
+                                                                  r.stderr[-2000:])
