@@ -24,6 +24,15 @@ from libc.string cimport memcpy
 
 cdef extern from "Python.h":
     Py_ssize_t PY_SSIZE_T_MAX
+    ctypedef struct PyMemoryViewObject:
+        int flags
+    int _Py_MEMORYVIEW_RELEASED
+
+
+cdef inline bint _live(object m):
+    """``m`` (a memoryview) not released: a released one keeps its Py_buffer's buf and
+    len, but the memory under them may be gone."""
+    return not ((<PyMemoryViewObject *>m).flags & _Py_MEMORYVIEW_RELEASED)
 
 
 cdef Py_ssize_t _PACK_BELOW = 256 << 10
@@ -108,9 +117,9 @@ def value_views(list bkeys, values, Py_ssize_t capacity, Py_ssize_t max_value, b
 
 
 cdef inline Py_ssize_t _nbytes(object m) except -1:
-    if type(m) is memoryview:
+    if type(m) is memoryview and _live(m):
         return (PyMemoryView_GET_BUFFER(m)).len
-    return memoryview(m).nbytes
+    return memoryview(m).nbytes     # a released view: ValueError, as v.nbytes raises
 
 
 def plan(sizes):
@@ -286,7 +295,8 @@ def fill(frames, counts, list sizes, list outs):
                 continue
             if outs is not None:
                 o = outs[i - 1]
-                if type(o) is not memoryview or PyMemoryView_GET_BUFFER(o).len < n or \
+                if type(o) is not memoryview or not _live(o) or \
+                        PyMemoryView_GET_BUFFER(o).len < n or \
                         PyMemoryView_GET_BUFFER(o).readonly:
                     return None
             if n > PyMemoryView_GET_BUFFER(buf).len - pos:   # no sum that wraps round

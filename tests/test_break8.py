@@ -88,3 +88,40 @@ def test_router_put_with_wrapping_layout_is_refused(case):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.returncode,
                                                                   r.stderr[-2000:])
+
+
+def _child(code: str) -> None:
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])
+
+
+def test_pack_a_released_view_raises_as_python():
+    """frames.pack (C) read a released memoryview's stale buf/len (freed memory copied
+    into the frame); the Python version raises ValueError."""
+    _child("""
+        from kvshm.zmq_ctrl import frames as F
+        for second in (1000, 300 << 10):
+            a = memoryview(bytearray(b"x" * 100))
+            b = memoryview(bytearray(b"y" * second))
+            b.release()
+            for fn in (F._py_pack, F.pack):
+                try:
+                    fn([a, b])
+                except ValueError as exc:
+                    assert "released" in str(exc), exc
+                else:
+                    raise AssertionError(fn)
+        print("ok")
+    """)
+
+
+def test_fill_into_a_released_out_view_is_refused():
+    """_batch.fill copied into a released output view (freed memory: SIGSEGV)."""
+    _child("""
+        from kvshm import _batch
+        o = memoryview(bytearray(1 << 20))
+        o.release()
+        assert _batch.fill([b"abc"], [1], [3], [o]) is None
+        print("ok")
+    """)
