@@ -29,6 +29,10 @@ cdef extern from "Python.h":
     int _Py_MEMORYVIEW_RELEASED
 
 
+cdef int _shrunk(Py_ssize_t n, object seq) except -1:
+    raise ValueError(f"{n} keys but {len(seq)} values (changed during the call)")
+
+
 cdef inline bint _live(object m):
     """``m`` (a memoryview) not released: a released one keeps its Py_buffer's buf and
     len, but the memory under them may be gone."""
@@ -97,6 +101,8 @@ def value_views(list bkeys, values, Py_ssize_t capacity, Py_ssize_t max_value, b
     if type(values) is not list and type(values) is not tuple:
         values = list(values)
     for i in range(n):
+        if i >= len(values):    # byte_view ran caller code (a tensor's methods) that
+            _shrunk(n, values)  # shrank the list: values[i] would read past its end
         v = values[i]
         m = _view(v)
         if m is None:
@@ -344,6 +350,8 @@ def out_views(list bkeys, outs, byte_view):
     if type(outs) is not list and type(outs) is not tuple:
         outs = list(outs)
     for i in range(n):
+        if i >= len(outs):
+            _shrunk(n, outs)
         o = outs[i]
         m = _view(o)
         if m is None or PyMemoryView_GET_BUFFER(m).readonly:
@@ -369,6 +377,8 @@ def pack_values(list bkeys, values, Py_ssize_t capacity, Py_ssize_t max_value, b
     if type(values) is not list and type(values) is not tuple:
         values = list(values)
     for i in range(n):
+        if i >= len(values):    # byte_view ran caller code (a tensor's methods) that
+            _shrunk(n, values)  # shrank the list: values[i] would read past its end
         v = values[i]
         if type(v) is bytes:
             m = v
@@ -444,6 +454,8 @@ def check_outs(list bkeys, outs, byte_view):
     cdef Py_buffer pb
     cdef object o
     for i in range(n):
+        if i >= len(outs):
+            _shrunk(n, outs)
         o = outs[i]
         if _try_buffer(o, &pb) == 0:
             PyBuffer_Release(&pb)

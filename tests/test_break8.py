@@ -125,3 +125,47 @@ def test_fill_into_a_released_out_view_is_refused():
         assert _batch.fill([b"abc"], [1], [3], [o]) is None
         print("ok")
     """)
+
+
+_FAKE_TORCH = """
+    import sys, types
+    import numpy as np
+    torch = types.ModuleType("torch"); torch.uint8 = "uint8"; sys.modules["torch"] = torch
+    class Evil:
+        # a tensor-like value whose is_contiguous() empties the caller's list
+        device = None
+        dtype = "uint8"
+        def __init__(self, victim): self.victim = victim
+        def data_ptr(self): return 0
+        def is_contiguous(self):
+            del self.victim[:]
+            return True
+        def detach(self): return self
+        def reshape(self, *a): return self
+        def numpy(self): return np.zeros(8, np.uint8)
+"""
+
+
+@pytest.mark.parametrize("fn", ["value_views", "pack_values", "out_views", "check_outs"])
+def test_a_list_shrunk_by_byte_view_is_not_read_past_its_end(fn):
+    """byte_view runs the caller's code for a tensor-like value; a list it empties was
+    then read past its end (boundscheck off: SIGSEGV)."""
+    _child(_FAKE_TORCH + f"""
+    from kvshm import _batch
+    from kvshm._buffers import byte_view
+    from kvshm.errors import ValueTooLarge
+    keys = [b"k%d" % i for i in range(1000)]
+    vals = [None] + [bytearray(8) for _ in range(999)]
+    vals[0] = Evil(vals)
+    fn = "{fn}"
+    try:
+        if fn in ("value_views", "pack_values"):
+            getattr(_batch, fn)(keys, vals, 1 << 20, 0, byte_view, ValueTooLarge)
+        else:
+            getattr(_batch, fn)(keys, vals, byte_view)
+    except ValueError as exc:
+        assert "changed during the call" in str(exc), exc
+    else:
+        raise AssertionError("no error")
+    print("ok")
+    """)
