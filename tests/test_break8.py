@@ -7,6 +7,7 @@ read a list past its end with boundscheck off).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -169,3 +170,57 @@ def test_a_list_shrunk_by_byte_view_is_not_read_past_its_end(fn):
         raise AssertionError("no error")
     print("ok")
     """)
+
+
+def test_server_sigkill_mid_get_batch_into_raises_not_partial():
+    """The server SIGKILLed while a client loops get_batch_into over TCP (the C fill
+    path): every call either returns the whole right data or raises a KvshmError; the
+    client never hangs (bounded by a thread join) nor returns partial data as success."""
+    import signal
+    import threading
+
+    import numpy as np
+
+    from kvshm import Client
+    from kvshm.errors import KvshmError
+    from servers import ServerProcess
+
+    srv = ServerProcess()
+    try:
+        keys = [b"b8-%05d" % i for i in range(1000)]
+        vals = [bytes([i % 251]) * 700 for i in range(1000)]
+        result: dict = {"ok": 0}
+        started = threading.Event()
+        with Client(srv.address, transport="tcp", timeout=5) as c:
+            c.put_batch(keys, vals)
+
+            def loop():
+                outs = [np.zeros(700, np.uint8) for _ in keys]
+                try:
+                    while True:
+                        for o in outs:
+                            o[:] = 0
+                        sizes = c.get_batch_into(keys, outs)
+                        assert sizes == [700] * len(keys)
+                        assert all(o[0] == i % 251 and o[-1] == i % 251
+                                   for i, o in enumerate(outs))
+                        result["ok"] += 1
+                        started.set()
+                except KvshmError as exc:
+                    result["exc"] = exc
+                except BaseException as exc:     # noqa: BLE001
+                    result["bad"] = exc
+                finally:
+                    started.set()
+
+            t = threading.Thread(target=loop, daemon=True)
+            t.start()
+            assert started.wait(60)
+            os.killpg(srv.proc.pid, signal.SIGKILL)
+            t.join(60)
+            assert not t.is_alive(), "get_batch_into hung after the server died"
+        assert "bad" not in result, result
+        assert isinstance(result.get("exc"), KvshmError), result
+    finally:
+        srv.kill()
+        srv.remove_segment()
