@@ -450,7 +450,7 @@ def check_outs(list bkeys, outs, byte_view):
     """Raise what ``byte_view(o, writable=True, what=...)`` raises for the first output
     buffer it refuses; makes no view of the plain ones (writable, C-contiguous
     buffers)."""
-    cdef Py_ssize_t n = len(bkeys), i
+    cdef Py_ssize_t n = len(bkeys), i, nb
     cdef Py_buffer pb
     cdef object o
     for i in range(n):
@@ -458,8 +458,12 @@ def check_outs(list bkeys, outs, byte_view):
             _shrunk(n, outs)
         o = outs[i]
         if _try_buffer(o, &pb) == 0:
+            nb = pb.len
             PyBuffer_Release(&pb)
-            continue
+            if nb:
+                continue
+            # empty: byte_view refuses some (a shape with a 0 and more than one dim:
+            # memoryview.cast raises), so it decides
         byte_view(o, writable=True, what=f"output for key {bkeys[i]!r}")
 
 

@@ -224,3 +224,27 @@ def test_server_sigkill_mid_get_batch_into_raises_not_partial():
     finally:
         srv.kill()
         srv.remove_segment()
+
+
+def test_check_outs_refuses_what_byte_view_refuses():
+    """check_outs took an empty array with a 0 in a multi-dim shape (byte_view: the
+    cast raises TypeError), so get_batch_into of a miss into it answered where it
+    raised before the C loop."""
+    import numpy as np
+
+    from kvshm import _batch
+    from kvshm._buffers import byte_view
+
+    cases = [np.zeros((0, 4), np.uint8), np.zeros((3, 0), np.float32), bytearray(),
+             np.zeros(0, np.uint8), np.zeros((2, 3), np.float16), np.array(5, np.uint8),
+             np.zeros(4, ">u4"), b"ro", np.zeros(8, np.uint8)[::2]]
+    for o in cases:
+        got = []
+        for fn in (lambda: byte_view(o, writable=True, what="output for key b'x'"),
+                   lambda: _batch.check_outs([b"x"], [o], byte_view)):
+            try:
+                fn()
+                got.append("ok")
+            except Exception as exc:    # noqa: BLE001 - compared as type and message
+                got.append((type(exc).__name__, str(exc)))
+        assert got[0] == got[1], (o, got)
