@@ -85,6 +85,8 @@ cdef inline object _view(object v):
     if b.ndim == 1 and b.itemsize == 1 and (b.format == NULL or
                                             (b.format[0] == b'B' and b.format[1] == 0)):
         return m
+    if b.len == 0:
+        return None     # the cast may refuse it (a 0 in a shape): byte_view words that
     return m.cast("B")
 
 

@@ -248,3 +248,30 @@ def test_check_outs_refuses_what_byte_view_refuses():
             except Exception as exc:    # noqa: BLE001 - compared as type and message
                 got.append((type(exc).__name__, str(exc)))
         assert got[0] == got[1], (o, got)
+
+
+def test_out_views_and_value_views_word_empty_shapes_as_byte_view():
+    """_view cast an empty multi-dim array itself: a read-only one got the cast's
+    TypeError, not byte_view's 'must be writable'."""
+    import numpy as np
+
+    from kvshm import _batch
+    from kvshm._buffers import byte_view
+    from kvshm.errors import ValueTooLarge
+
+    ro = np.zeros((0, 4), np.uint8)
+    ro.flags.writeable = False
+    for o in (ro, np.zeros((0, 4), np.uint8), np.zeros((2, 0)), bytearray()):
+        for writable in (True, False):
+            got = []
+            for fn in ((lambda: byte_view(o, writable=writable, what="output for key b'x'"
+                                          if writable else "value for key b'x'")),
+                       (lambda: _batch.out_views([b"x"], [o], byte_view)) if writable else
+                       (lambda: _batch.value_views([b"x"], [o], 1 << 20, 0, byte_view,
+                                                   ValueTooLarge))):
+                try:
+                    fn()
+                    got.append("ok")
+                except Exception as exc:    # noqa: BLE001
+                    got.append((type(exc).__name__, str(exc)))
+            assert got[0] == got[1], (o, writable, got)
