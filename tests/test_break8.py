@@ -327,3 +327,39 @@ def test_client_killed_mid_put_batch_of_100k_keys(transport):
                 assert c.get_batch([b"after-0", b"after-999"]) == [b"z" * 100] * 2
             assert c.stats(verify=True).get("accounting_ok", True)
         assert srv.alive()
+
+
+def test_unpack_and_fill_same_as_python_on_hostile_layouts():
+    """Hypothesis: frames.unpack (C) gives what _py_unpack gives (result or
+    FrameLayoutError and message), and _batch.fill answers only what _py_unpack
+    accepts, on layouts with huge, negative, bool and float counts and sizes (before the
+    fix a sum wrapping round a C Py_ssize_t read past a list; run in-process, so only
+    after it)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from kvshm import _batch
+    from kvshm.zmq_ctrl import frames as F
+
+    ints = st.one_of(st.integers(-3, 6), st.sampled_from([W, 2**63 - 1, 2**63, -2**63,
+                                                          2**64, W + 1]),
+                     st.booleans(), st.floats(0, 3))
+
+    @given(st.lists(st.binary(max_size=8), max_size=4), st.lists(ints, max_size=5),
+           st.lists(ints, max_size=6))
+    @settings(max_examples=3000, deadline=None)
+    def check(frames, counts, sizes):
+        got = []
+        for fn in (F.unpack, F._py_unpack):
+            try:
+                got.append(("ok", [bytes(v) for v in fn(frames, counts, sizes)]))
+            except F.FrameLayoutError as exc:
+                got.append(("FrameLayoutError", str(exc)))
+        assert got[0] == got[1]
+        d = _batch.fill(frames, counts, list(sizes), None)
+        if d is not None:
+            hits = [s for s in sizes if s >= 0]
+            want = [bytes(v) for v in F._py_unpack(frames, counts, hits)]
+            assert [x for x in d if x is not None] == want
+
+    check()
