@@ -363,3 +363,47 @@ def test_unpack_and_fill_same_as_python_on_hostile_layouts():
             assert [x for x in d if x is not None] == want
 
     check()
+
+
+def test_write_behind_put_waiting_for_refill_server_sigstopped():
+    """A write-behind put that waits for the RESERVE in flight while the server is
+    SIGSTOPped: it raises a KvshmError within the client's timeout (the general path
+    after REFILL_WAIT_S), never hangs; after SIGCONT the client works again."""
+    import signal
+    import threading
+
+    from kvshm import Client
+    from kvshm.errors import KvshmError
+    from servers import ServerProcess
+    from test_localfast2 import _ask_refill, _dry
+
+    with ServerProcess(prealloc_size=1 / 16) as srv:
+        with Client(srv.address, transport="shm", write_behind=True, timeout=2) as c:
+            c.put("warm", b"w")
+            c.flush()
+            _dry(c)
+            os.killpg(srv.proc.pid, signal.SIGSTOP)
+            try:
+                _ask_refill(c)
+                out: dict = {}
+
+                def put():
+                    try:
+                        c.put("stopped", b"s" * 5000)
+                        out["ok"] = True
+                    except KvshmError as exc:
+                        out["exc"] = exc
+                    except BaseException as exc:  # noqa: BLE001
+                        out["bad"] = exc
+
+                t = threading.Thread(target=put, daemon=True)
+                t.start()
+                t.join(60)
+                assert not t.is_alive(), "put hung on a stopped server"
+            finally:
+                os.killpg(srv.proc.pid, signal.SIGCONT)
+            assert "bad" not in out, out
+            assert "exc" in out, out
+            c.put("after", b"a" * 100)
+            c.flush()
+            assert c.get("after") == b"a" * 100
