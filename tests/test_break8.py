@@ -407,3 +407,33 @@ def test_write_behind_put_waiting_for_refill_server_sigstopped():
             c.put("after", b"a" * 100)
             c.flush()
             assert c.get("after") == b"a" * 100
+
+
+@pytest.mark.parametrize("fn", ["value_views", "pack_values", "out_views"])
+def test_a_sequence_whose_len_lies_is_not_read_past_its_end(fn):
+    """values whose __len__ says 1000 but that iterate one item: the caller's length
+    check passes, list(values) holds 1 item, and the C loop read 999 past its end
+    before the per-item check (SIGSEGV or garbage)."""
+    _child(f"""
+    from kvshm import _batch
+    from kvshm._buffers import byte_view
+    from kvshm.errors import ValueTooLarge
+
+    class Liar:
+        def __len__(self): return 1000
+        def __iter__(self): return iter([bytearray(8)])
+        def __getitem__(self, i): raise IndexError(i)
+
+    keys = [b"k%d" % i for i in range(1000)]
+    fn = "{fn}"
+    try:
+        if fn == "out_views":
+            _batch.out_views(keys, Liar(), byte_view)
+        else:
+            getattr(_batch, fn)(keys, Liar(), 1 << 20, 0, byte_view, ValueTooLarge)
+    except ValueError as exc:
+        assert "changed during the call" in str(exc), exc
+    else:
+        raise AssertionError("no error")
+    print("ok")
+    """)
