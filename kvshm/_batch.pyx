@@ -263,6 +263,26 @@ def unpack(frames, counts, sizes, slow):
     return out
 
 
+cdef bint _reply_layout_ok(counts, sizes, Py_ssize_t nf, Py_ssize_t ns):
+    """A GET reply's ``counts`` and ``sizes`` are plain: one count per frame, each an int
+    in 1..ns (a hostile peer's 2**62s could wrap the total round: an over-read), sizes
+    ints in the C range, and the counts add up to the hits (sizes >= 0)."""
+    cdef Py_ssize_t total = 0, hits = 0
+    cdef object cnt, s
+    if len(counts) != nf:
+        return False
+    for cnt in counts:
+        if type(cnt) is not int or cnt < 1 or cnt > ns:
+            return False
+        total += <Py_ssize_t>cnt
+    for s in sizes:
+        if type(s) is not int or s > _SSIZE_MAX or s < -_SSIZE_MAX:
+            return False
+        if s >= 0:
+            hits += 1
+    return total == hits
+
+
 def fill(frames, counts, list sizes, list outs):
     """The values of a GET reply, ``data`` as ``_Session.got`` makes it (bytes per hit,
     None per miss; with ``outs``, copied into ``outs[i]`` and ``data[i]`` is
@@ -270,25 +290,13 @@ def fill(frames, counts, list sizes, list outs):
     a value over several frames, frames that do not add up, an output too small): the
     caller's Python path then does it, or raises as always. ``outs``: 1-D byte
     memoryviews."""
-    cdef Py_ssize_t nf = len(frames), ns = len(sizes), fi, i = 0, c, pos, n, hits = 0
-    cdef Py_ssize_t total = 0, k
+    cdef Py_ssize_t nf = len(frames), ns = len(sizes), fi, i = 0, c, pos, n, k
     cdef list data
-    cdef object buf, cnt, s, d, o
+    cdef object buf, d, o
     cdef Py_buffer *b
     cdef Py_buffer *ob
     cdef const char *src
-    if len(counts) != nf:
-        return None
-    for cnt in counts:
-        if type(cnt) is not int or cnt < 1 or cnt > ns:   # no total that wraps
-            return None
-        total += <Py_ssize_t>cnt
-    for s in sizes:
-        if type(s) is not int or s > _SSIZE_MAX or s < -_SSIZE_MAX:
-            return None
-        if s >= 0:
-            hits += 1
-    if total != hits:
+    if not _reply_layout_ok(counts, sizes, nf, ns):
         return None
     # frames add up?
     i = 0
@@ -474,23 +482,11 @@ def fill_outs(frames, counts, list sizes, outs):
     buffers, no view made): True, or False when anything is unusual (as :func:`fill`,
     or an output that is not such a buffer): the caller then does it in Python, and
     raises as always. May have copied some values when it returns False."""
-    cdef Py_ssize_t nf = len(frames), ns = len(sizes), fi, i, c, pos, n, hits = 0
-    cdef Py_ssize_t total = 0, k
-    cdef object buf, cnt, s
+    cdef Py_ssize_t nf = len(frames), ns = len(sizes), fi, i, c, pos, n, k
+    cdef object buf
     cdef Py_buffer pb
     cdef const char *src = NULL
-    if len(counts) != nf or len(outs) != ns:
-        return False
-    for cnt in counts:
-        if type(cnt) is not int or cnt < 1 or cnt > ns:   # no total that wraps
-            return False
-        total += <Py_ssize_t>cnt
-    for s in sizes:
-        if type(s) is not int or s > _SSIZE_MAX or s < -_SSIZE_MAX:
-            return False
-        if s >= 0:
-            hits += 1
-    if total != hits:
+    if len(outs) != ns or not _reply_layout_ok(counts, sizes, nf, ns):
         return False
     i = 0
     for fi in range(nf):
