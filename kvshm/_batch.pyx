@@ -263,12 +263,13 @@ def unpack(frames, counts, sizes, slow):
     return out
 
 
-cdef bint _reply_layout_ok(counts, sizes, Py_ssize_t nf, Py_ssize_t ns):
-    """A GET reply's ``counts`` and ``sizes`` are plain: one count per frame, each an int
-    in 1..ns (a hostile peer's 2**62s could wrap the total round: an over-read), sizes
-    ints in the C range, and the counts add up to the hits (sizes >= 0)."""
-    cdef Py_ssize_t total = 0, hits = 0
-    cdef object cnt, s
+cdef bint _reply_layout_ok(frames, counts, sizes, Py_ssize_t nf, Py_ssize_t ns):
+    """A GET reply's layout is plain: one count per frame, each an int in 1..ns (a
+    hostile peer's 2**62s could wrap the total round: an over-read), sizes ints in the C
+    range, the counts adding up to the hits (sizes >= 0), and each frame exactly the
+    sum of its values' sizes."""
+    cdef Py_ssize_t total = 0, hits = 0, i = 0, fi, c, n, pos
+    cdef object cnt, s, buf
     if len(counts) != nf:
         return False
     for cnt in counts:
@@ -280,7 +281,24 @@ cdef bint _reply_layout_ok(counts, sizes, Py_ssize_t nf, Py_ssize_t ns):
             return False
         if s >= 0:
             hits += 1
-    return total == hits
+    if total != hits:
+        return False
+    for fi in range(nf):
+        c = counts[fi]
+        buf = _frame_view(frames[fi])
+        pos = 0
+        while c:
+            n = sizes[i]
+            i += 1
+            if n < 0:
+                continue
+            if n > PyMemoryView_GET_BUFFER(buf).len - pos:   # no sum that wraps round
+                return False
+            pos += n
+            c -= 1
+        if pos != PyMemoryView_GET_BUFFER(buf).len:
+            return False
+    return True
 
 
 def fill(frames, counts, list sizes, list outs):
@@ -296,31 +314,18 @@ def fill(frames, counts, list sizes, list outs):
     cdef Py_buffer *b
     cdef Py_buffer *ob
     cdef const char *src
-    if not _reply_layout_ok(counts, sizes, nf, ns):
+    if not _reply_layout_ok(frames, counts, sizes, nf, ns):
         return None
-    # frames add up?
-    i = 0
-    for fi in range(nf):
-        c = counts[fi]
-        buf = _frame_view(frames[fi])
-        pos = 0
-        while c:
+    if outs is not None:
+        for i in range(ns):
             n = sizes[i]
-            i += 1
             if n < 0:
                 continue
-            if outs is not None:
-                o = outs[i - 1]
-                if type(o) is not memoryview or not _live(o) or \
-                        PyMemoryView_GET_BUFFER(o).len < n or \
-                        PyMemoryView_GET_BUFFER(o).readonly:
-                    return None
-            if n > PyMemoryView_GET_BUFFER(buf).len - pos:   # no sum that wraps round
+            o = outs[i]
+            if type(o) is not memoryview or not _live(o) or \
+                    PyMemoryView_GET_BUFFER(o).len < n or \
+                    PyMemoryView_GET_BUFFER(o).readonly:
                 return None
-            pos += n
-            c -= 1
-        if pos != (PyMemoryView_GET_BUFFER(buf)).len:
-            return None
     data = PyList_New(ns)
     i = 0
     fi = 0
@@ -486,24 +491,8 @@ def fill_outs(frames, counts, list sizes, outs):
     cdef object buf
     cdef Py_buffer pb
     cdef const char *src = NULL
-    if len(outs) != ns or not _reply_layout_ok(counts, sizes, nf, ns):
+    if len(outs) != ns or not _reply_layout_ok(frames, counts, sizes, nf, ns):
         return False
-    i = 0
-    for fi in range(nf):
-        c = counts[fi]
-        buf = _frame_view(frames[fi])
-        pos = 0
-        while c:
-            n = sizes[i]
-            i += 1
-            if n < 0:
-                continue
-            if n > PyMemoryView_GET_BUFFER(buf).len - pos:   # no sum that wraps round
-                return False
-            pos += n
-            c -= 1
-        if pos != PyMemoryView_GET_BUFFER(buf).len:
-            return False
     fi = 0
     c = 0
     for k in range(ns):
