@@ -73,8 +73,9 @@ class Agent:
                   timeout: float = 60.0) -> dict[str, Any]:
         """get_batch repeatedly until ``until_gone`` leaves the view the follower holds
         (pushed by the local server: no refresh here). Per batch: seconds and whether
-        it met a timeout (misses counted ``peer_down``, which only a ServerUnavailable
-        gives); corrupt values; the view's revision before and after; then the hits of
+        it met a timeout (a suspect mark: only a call that got no reply gives one; a
+        ``peer_down`` miss also counts a member that left the view while the batch was
+        being placed, which waits for nothing); corrupt values; the view's revision before and after; then the hits of
         one more batch."""
         assert self.cc is not None
         keys = [f"{prefix}/{i}" for i in range(n)]
@@ -86,11 +87,11 @@ class Agent:
         while any(m.id == until_gone for m in self.cc.view.members):
             if time.monotonic() - t0 > timeout:
                 raise TimeoutError(f"{until_gone} never left the view")
-            down0 = self.cc.metrics()["misses"]["peer_down"]
+            marks0 = self.cc.metrics()["suspect_marks"]
             b0 = time.perf_counter()
             got = self.cc.get_batch(keys)
             batches.append(time.perf_counter() - b0)
-            timed_out.append(self.cc.metrics()["misses"]["peer_down"] > down0)
+            timed_out.append(self.cc.metrics()["suspect_marks"] > marks0)
             corrupt += sum(1 for i, v in enumerate(got)
                            if v is not None and v != value(prefix, i, size))
         left = time.monotonic() - t0

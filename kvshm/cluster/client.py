@@ -235,8 +235,8 @@ class ClusterClient(_Base):
         if target == self._state.local_id:
             return self._local
         found = self._member_opts(target)
-        if found is None:
-            raise ServerUnavailable(f"member {target} left the cluster")
+        if found is None:      # left the view after the plan read its placement
+            raise MemberLeft(f"member {target} left the cluster")
         epoch = self._state.view.get(target).epoch     # type: ignore[union-attr]
         with self._lock:
             cur = self._clients.get(target)
@@ -478,8 +478,8 @@ class AsyncClusterClient(_Base):
             assert self._local is not None
             return self._local
         found = self._member_opts(target)
-        if found is None:
-            raise ServerUnavailable(f"member {target} left the cluster")
+        if found is None:      # left the view after the plan read its placement
+            raise MemberLeft(f"member {target} left the cluster")
         epoch = self._state.view.get(target).epoch     # type: ignore[union-attr]
         cur = self._clients.get(target)
         if cur is not None and cur[0] == epoch:
