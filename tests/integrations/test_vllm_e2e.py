@@ -94,6 +94,7 @@ def run_engine(tmp: Path, model: str, prompts: list[list[int]], kvshm_address: s
         raise AssertionError(f"engine (tp={tp}) exited {p.returncode}:\n{p.stderr[-6000:]}")
     res: dict[str, Any] = json.loads(out.read_text())
     res["wall"] = time.monotonic() - t0
+    res["stderr"] = p.stderr[-6000:]          # for the message of a failed assert
     return res
 
 
@@ -158,7 +159,8 @@ def test_tp2_never_hits_tp1_chunks(server: ServerProcess, model: str,
     equal = sum(values["tp1pp1pcp1dcp1"][h] == values["tp2pp1pcp1dcp1"][h] for h in same)
     assert equal == 0, f"{equal} of {len(same)} TP=1/TP=2 chunks hold the same bytes"
     two_b = run_engine(tmp_path, model, prompts[:1], server.address, tp=2)
-    assert two_b["loaded_tokens"][0] >= 0.8 * PROMPT_TOKENS
+    assert two_b["loaded_tokens"][0] >= 0.8 * PROMPT_TOKENS, \
+        f"the second TP=2 engine loaded {two_b['loaded_tokens']}:\n{two_b['stderr']}"
     assert two_b["outputs"] == two["outputs"]
     print(f"\nvLLM TP=2: {len(same)} chunks compared, {equal} equal; TP=1 wall "
           f"{one['wall']:.0f} s, TP=2 {two['wall']:.0f} s")
