@@ -50,6 +50,13 @@ Sockets. When :mod:`kvshm.zmq_ctrl._zmqc` is built, the loop polls, receives and
 through it (direct libzmq calls; the header frame is kept as a libzmq message for its
 metadata, zero-copy replies are tracked in C); otherwise through pyzmq, alike.
 
+One-key fast path. With ``_zmqc``, each drained message is first offered to
+:class:`kvshm.zmq_ctrl._fastpath.FastPath`: a plain one-key PUT, GET or EXISTS of an open
+session is decoded, served and answered there in C (the same store calls, the same reply
+bytes, latency recorded); anything else (another op, piggybacked settles, a tier, an odd
+or hostile header, a value it does not copy) it declines before changing anything, and
+the Python path below serves it. ``ServiceLoop.fast_counts()`` says how many it took.
+
 Nothing a client sends may raise out of the loop: every handler runs under a catch-all
 that answers INTERNAL, and the store's lease and liveness checks never raise.
 """
@@ -90,6 +97,15 @@ try:    # direct libzmq calls for the hot loop; without them pyzmq does the same
     from kvshm.zmq_ctrl import _zmqc
 except ImportError:     # pragma: no cover - the extension is not built, or no libzmq found
     _zmqc = None  # type: ignore[assignment]
+
+try:    # one-key PUT/GET/EXISTS decoded, served and answered in C (with _zmqc only)
+    from kvshm.zmq_ctrl import _fastpath
+except ImportError:     # pragma: no cover - the extension is not built
+    _fastpath = None  # type: ignore[assignment]
+
+#: KVSHM_FASTPATH=0 in the environment turns the one-key fast path off (A/B figures;
+#: the Python path serves every request then)
+_FAST_ON = os.environ.get("KVSHM_FASTPATH", "1") != "0"
 
 __all__ = ["ServiceLoop", "LATENCY_BUCKETS"]
 
@@ -450,6 +466,39 @@ class ServiceLoop:
         self._stateful = {Op.ALLOC, Op.LOOKUP, Op.COMMIT}
         self._ticks: list[Callable[[float], float | None]] = []
         self._tick_deadline: float | None = None
+        self._fast: Any = None
+        self._make_fast()
+
+    def _make_fast(self) -> None:
+        """(Re)build the one-key fast path for the ops whose handler is still the
+        loop's own (an op that add_ops replaced goes through its handler)."""
+        self._fast = None
+        if _fastpath is None or not _FAST_ON or self._zmqc is None or not _SAME_NUMBERS:
+            return
+        own = {Op.PUT: self._on_put, Op.GET: self._on_get, Op.EXISTS: self._on_exists}
+        ops = [int(op) for op, h in own.items() if self._handlers.get(op) == h]
+        if ops:
+            self._fast = _fastpath.FastPath(self, PROTOCOL_VERSION, LATENCY_BUCKETS,
+                                            PACK_BELOW, 65536, ops)
+
+    def fast_counts(self) -> dict[str, int]:
+        """Requests the one-key fast path served, per op name, and ``declined`` (handed
+        to the Python path); all 0 without it."""
+        f = self._fast
+        out = {op.name: (f.counts.get(int(op), 0) if f is not None else 0)
+               for op in (Op.PUT, Op.GET, Op.EXISTS)}
+        out["declined"] = f.declined if f is not None else 0
+        return out
+
+    def _fast_internal(self, ident: bytes, req_id: int, op: int, exc: BaseException,
+                       t0: float) -> None:
+        """The fast path's store call raised (a bug): logged, counted and answered
+        INTERNAL, as a handler's exception in :meth:`_dispatch`."""
+        log.exception("internal error handling op %s", op)
+        self._count_error("internal")
+        self._send(ident, encode_reply(Status.INTERNAL, req_id,
+                                       {"error": f"internal error: {exc!r}"}))
+        self._record_latency(op, t0)
 
     def _gc_timer(self, phase: str, info: dict[str, Any]) -> None:
         # the longest garbage collection (a pause of the loop, as a long turn)
@@ -468,6 +517,7 @@ class ServiceLoop:
         self._handlers.update(handlers)
         if tick is not None:
             self._ticks.append(tick)
+        self._make_fast()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -621,6 +671,7 @@ class ServiceLoop:
             if zc is not None:
                 recv = zc.recv_multipart
                 handle = self._handle
+                fast = self._fast
                 # the plain replies of the drained requests go out together at the end
                 # (:meth:`_send`): libzmq wakes its I/O thread once for the lot rather
                 # than once a reply
@@ -632,6 +683,14 @@ class ServiceLoop:
                         m = recv(sock, 1, 65536, 1)
                         if m is None:
                             break
+                        if fast is not None:
+                            try:
+                                if fast.handle(m, outq):
+                                    continue
+                            except Exception:   # a bug: it changes nothing before a
+                                # store call (its own errors answer INTERNAL)
+                                log.exception("internal error in the one-key fast path")
+                                self._count_error("internal")
                         handle(m)
                 finally:
                     self._outq = None

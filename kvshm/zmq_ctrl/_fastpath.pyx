@@ -1,0 +1,490 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""The server's one-key requests decoded, checked, served and answered in C.
+
+:class:`FastPath` serves the plain single-key PUT, GET and EXISTS a remote client sends
+(``kvshm.client``'s lean one-key paths, and any client's batch of one): it reads the
+request header (msgpack) itself, finds the session of the connection, calls the store and
+its index, appends the reply (byte for byte what the Python path encodes) to the loop's
+out queue and records the latency, as :meth:`ServiceLoop._dispatch` and its handlers
+would. It serves a request only when it is exactly the usual shape; for anything else it
+returns False before it changed anything, and the Python path serves the request (with
+its checks, errors and statuses). What it declines:
+
+* a header that is not a 5-element array of small ints and a map holding only the op's
+  own fields (``keys`` with one ``bin`` key; for PUT ``sizes``, ``counts`` and optionally
+  ``sums``, each a list of one int): piggybacked ``commit``/``abort``/``release``, other
+  protocol versions, trailing bytes, str keys, big or negative counts...;
+* a connection without an open session (HELLO first; a door-less loop's implicit
+  sessions), or while a large header of its peer is being decoded (its later messages
+  wait behind it);
+* an empty key, one over ``max_key_bytes``, a batch limit below one key;
+* PUT: a value that is not one copied frame (``bytes``) of exactly ``sizes[0]`` bytes,
+  ``counts != [1]``, a value over the store's ``max_value``; every PUT while a tier is
+  attached (the Python path parks what must wait for it);
+* GET: a hit of a value in several runs or of ``PACK_BELOW`` bytes or more (sent
+  zero-copy, tracked), a session with replies unsent, replies in flight (the loop's
+  ``_sending``), a tier below;
+* EXISTS with a tier below.
+
+Counts: ``counts`` holds how many requests of each op it served and ``declined`` how many
+it handed back.
+"""
+
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
+from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING, PyBytes_GET_SIZE
+from cpython.dict cimport PyDict_GetItem
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.ref cimport PyObject
+from libc.stdint cimport uint8_t, uint64_t, int64_t
+from libc.string cimport memcpy, memcmp
+
+cdef extern from "<time.h>" nogil:
+    ctypedef long time_t
+    struct timespec:
+        time_t tv_sec
+        long tv_nsec
+    int clock_gettime(int clk, timespec *ts)
+    int CLOCK_MONOTONIC
+
+from kvshm.zmq_ctrl.protocol import encode_reply
+
+__all__ = ["FastPath"]
+
+cdef extern from *:
+    """
+    #define KV_U32_END ((long long)4294967296LL)
+    #define KV_I32_MIN ((long long)-2147483648LL)
+    #define KV_U64_ALL ((unsigned long long)0xFFFFFFFFFFFFFFFFULL)
+    """
+    const long long U32_END "KV_U32_END"
+    const long long I32_MIN "KV_I32_MIN"
+    const unsigned long long U64_ALL "KV_U64_ALL"
+
+# ops and statuses (kvshm.zmq_ctrl.protocol.Op / Status; checked by FastPath.__init__)
+cdef enum:
+    OP_PUT = 6
+    OP_GET = 7
+    OP_EXISTS = 8
+
+# body fields seen
+cdef enum:
+    F_KEYS = 1
+    F_SIZES = 2
+    F_COUNTS = 4
+    F_SUMS = 8
+
+#: header frames longer than this are not a one-key request of ours (a key is at most
+#: max_key_bytes, which the check below applies)
+cdef Py_ssize_t _MAX_HEADER = 4096
+
+cdef inline double _now() noexcept nogil:
+    # time.perf_counter() on Linux: CLOCK_MONOTONIC in seconds
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return <double>ts.tv_sec + <double>ts.tv_nsec * 1e-9
+
+
+cdef struct Reader:
+    const uint8_t *p
+    const uint8_t *end
+
+
+cdef inline int _int(Reader *r, int64_t *out, bint *big) noexcept nogil:
+    """A msgpack int (any width) into ``out``; ``big``: a uint64 above int64's range
+    (``out`` holds its bits). 0, or -1 when the next item is no int or is cut short."""
+    cdef uint8_t b
+    cdef uint64_t u = 0
+    cdef int n = 0, i
+    big[0] = False
+    if r.p >= r.end:
+        return -1
+    b = r.p[0]
+    r.p += 1
+    if b <= 0x7f:
+        out[0] = b
+        return 0
+    if b >= 0xe0:
+        out[0] = <int64_t>(<signed char>b)
+        return 0
+    if b == 0xcc or b == 0xd0:
+        n = 1
+    elif b == 0xcd or b == 0xd1:
+        n = 2
+    elif b == 0xce or b == 0xd2:
+        n = 4
+    elif b == 0xcf or b == 0xd3:
+        n = 8
+    else:
+        return -1
+    if r.end - r.p < n:
+        return -1
+    for i in range(n):
+        u = (u << 8) | r.p[i]
+    r.p += n
+    if b >= 0xd0:           # signed: sign-extend from n bytes
+        if n < 8 and (u >> (8 * n - 1)) & 1:
+            u |= U64_ALL << (8 * n)
+        out[0] = <int64_t>u
+    else:
+        out[0] = <int64_t>u
+        if n == 8 and (u >> 63):
+            big[0] = True
+    return 0
+
+
+cdef inline int _one(Reader *r) noexcept nogil:
+    """A one-element array header; 0, or -1."""
+    if r.p >= r.end or r.p[0] != 0x91:
+        return -1
+    r.p += 1
+    return 0
+
+
+cdef inline int _pack_int(uint8_t *o, int64_t v, bint big) noexcept nogil:
+    """msgpack-python's encoding of an int (the smallest that holds it): bytes written."""
+    cdef uint64_t u = <uint64_t>v
+    cdef int n, i
+    cdef uint8_t tag
+    if big or v >= 0:
+        if not big and v < 128:
+            o[0] = <uint8_t>v
+            return 1
+        if not big and v < 0x100:
+            tag, n = 0xcc, 1
+        elif not big and v < 0x10000:
+            tag, n = 0xcd, 2
+        elif not big and v < U32_END:
+            tag, n = 0xce, 4
+        else:
+            tag, n = 0xcf, 8
+    else:
+        if v >= -32:
+            o[0] = <uint8_t>(v & 0xff)
+            return 1
+        if v >= -128:
+            tag, n = 0xd0, 1
+        elif v >= -32768:
+            tag, n = 0xd1, 2
+        elif v >= I32_MIN:
+            tag, n = 0xd2, 4
+        else:
+            tag, n = 0xd3, 8
+    o[0] = tag
+    for i in range(n):
+        o[1 + i] = <uint8_t>((u >> (8 * (n - 1 - i))) & 0xff)
+    return 1 + n
+
+
+cdef class FastPath:
+    """The one-key fast path of one :class:`~kvshm.zmq_ctrl.router.ServiceLoop`.
+
+    Parameters
+    ----------
+    loop : ServiceLoop
+        Its store, sessions (``_by_ident``), held messages (``_held``), replies in flight
+        (``_sending``) and latency histograms are read and updated in place.
+    version : int
+        ``PROTOCOL_VERSION``.
+    buckets : sequence of float
+        ``LATENCY_BUCKETS`` (seconds, ascending, the last one infinite).
+    pack_below : int
+        ``frames.PACK_BELOW``: GET hits below it go out as one copy.
+    copy_below : int
+        Parts from this size on are sent zero-copy (and tracked) by the loop's sends.
+    ops : iterable of int
+        The ops to serve (those whose handler is still the loop's own).
+    """
+
+    cdef object loop, store, index, pool, by_ident, held, latency, latency_sum, d
+    cdef int version
+    cdef long long bs, copy_below
+    cdef bint put_on, get_on, exists_on
+    cdef double bounds[32]
+    cdef int nbounds
+    cdef public dict counts
+    cdef public long long declined
+
+    def __init__(self, loop, int version, buckets, long long pack_below,
+                 long long copy_below, ops):
+        store = loop.store
+        self.loop = loop
+        self.store = store
+        self.index = store.index
+        self.d = store.index.mapping
+        self.pool = store.pool
+        self.by_ident = loop._by_ident
+        self.held = loop._held
+        self.latency = loop.latency
+        self.latency_sum = loop.latency_sum
+        self.version = version
+        self.bs = store.block_size
+        # GET hits the Python path sends as one copy, not tracked: below PACK_BELOW, and
+        # below the size libzmq is given zero-copy (kvshm.zmq_ctrl._zmqc's threshold)
+        self.copy_below = min(pack_below, copy_below)
+        ops = set(ops)
+        self.put_on = OP_PUT in ops
+        self.get_on = OP_GET in ops
+        self.exists_on = OP_EXISTS in ops
+        b = list(buckets)
+        if not 0 < len(b) <= 32:
+            raise ValueError("1 to 32 latency buckets")
+        self.nbounds = len(b)
+        for i, x in enumerate(b):
+            self.bounds[i] = x
+        self.counts = {OP_PUT: 0, OP_GET: 0, OP_EXISTS: 0}
+        self.declined = 0
+
+    cdef inline void _record(self, int op, double t0):
+        # ServiceLoop._record_latency: bisect_left over the bucket bounds
+        cdef double dt = _now() - t0
+        cdef int i = 0
+        while i < self.nbounds - 1 and self.bounds[i] < dt:
+            i += 1
+        hist = self.latency.get(op)
+        if hist is None:
+            return
+        hist[i] += 1
+        self.latency_sum[op] += dt
+
+    def handle(self, list msg, list outq):
+        """Serve ``msg`` (``[ident, header, *frames]`` as the loop drained it) and append
+        its reply to ``outq``: True. False: not served, nothing changed (the Python
+        path serves it)."""
+        cdef Py_buffer hb
+        cdef Reader r
+        cdef int64_t version = -1, op = -1, req_id = 0, epoch = 0
+        cdef bint big = False, rbig = False
+        cdef int nfields, i, seen = 0, klen, keylen = 0
+        cdef int64_t size = -1, count = -1, csum = 0
+        cdef bint has_sum = False, csum_big = False
+        cdef const uint8_t *key = NULL
+        cdef const uint8_t *q
+        cdef double t0
+        cdef Py_ssize_t n = PyList_GET_SIZE(msg)
+        cdef long long max_key
+        if n < 2 or n > 3 or self.held:
+            return self._decline()
+        store = self.store
+        limits = store.config.limits
+        max_key = limits.max_key_bytes
+        if limits.max_batch < 1 or store.tier is not None:
+            return self._decline()
+        t0 = _now()
+        ident = <object>PyList_GET_ITEM(msg, 0)
+        if type(ident) is not bytes:
+            return False
+        frame = <object>PyList_GET_ITEM(msg, 1)
+        PyObject_GetBuffer(frame, &hb, PyBUF_SIMPLE)
+        try:
+            if hb.len > _MAX_HEADER or hb.len < 7:
+                return self._decline()
+            r.p = <const uint8_t *>hb.buf
+            r.end = r.p + hb.len
+            if r.p[0] != 0x95:
+                return self._decline()
+            r.p += 1
+            if _int(&r, &version, &big) or big or version != self.version:
+                return self._decline()
+            if _int(&r, &op, &big) or big:
+                return self._decline()
+            if _int(&r, &req_id, &rbig):
+                return self._decline()
+            if _int(&r, &epoch, &big):
+                return self._decline()
+            if r.p >= r.end or (r.p[0] & 0xf0) != 0x80:
+                return self._decline()
+            nfields = r.p[0] & 0x0f
+            r.p += 1
+            for i in range(nfields):
+                if r.p >= r.end:
+                    return self._decline()
+                klen = r.p[0] - 0xa0
+                if klen < 0 or klen > 31 or r.end - r.p < 1 + klen:
+                    return self._decline()
+                q = r.p + 1
+                r.p += 1 + klen
+                if klen == 4 and memcmp(q, b"keys", 4) == 0:
+                    if seen & F_KEYS or _one(&r) or r.p >= r.end:
+                        return self._decline()
+                    seen |= F_KEYS
+                    if r.p[0] == 0xc4 and r.end - r.p >= 2:
+                        keylen = r.p[1]
+                        r.p += 2
+                    elif r.p[0] == 0xc5 and r.end - r.p >= 3:
+                        keylen = (r.p[1] << 8) | r.p[2]
+                        r.p += 3
+                    else:
+                        return self._decline()      # str key, bin32, nil...: Python
+                    if keylen == 0 or keylen > max_key or r.end - r.p < keylen:
+                        return self._decline()
+                    key = r.p
+                    r.p += keylen
+                elif klen == 5 and memcmp(q, b"sizes", 5) == 0:
+                    if seen & F_SIZES or _one(&r) or _int(&r, &size, &big) or big or size < 0:
+                        return self._decline()
+                    seen |= F_SIZES
+                elif klen == 6 and memcmp(q, b"counts", 6) == 0:
+                    if seen & F_COUNTS or _one(&r) or _int(&r, &count, &big) or big:
+                        return self._decline()
+                    seen |= F_COUNTS
+                elif klen == 4 and memcmp(q, b"sums", 4) == 0:
+                    if seen & F_SUMS or _one(&r) or _int(&r, &csum, &csum_big):
+                        return self._decline()
+                    seen |= F_SUMS
+                    has_sum = True
+                else:
+                    return self._decline()
+            if r.p != r.end or not (seen & F_KEYS):
+                return self._decline()
+            if op == OP_PUT:
+                if (not self.put_on or seen != (seen | F_SIZES | F_COUNTS) or count != 1
+                        or n != 3):
+                    return self._decline()
+            elif op == OP_GET or op == OP_EXISTS:
+                if seen != F_KEYS or n != 2 or not (self.get_on if op == OP_GET
+                                                    else self.exists_on):
+                    return self._decline()
+            else:
+                return self._decline()
+            bkey = PyBytes_FromStringAndSize(<const char *>key, keylen)
+        finally:
+            PyBuffer_Release(&hb)
+        # the session of this connection, as ServiceLoop._session_of finds it
+        p = PyDict_GetItem(self.by_ident, ident)
+        if p is NULL:
+            return self._decline()
+        sess = <object>p
+        if sess.closed:
+            return self._decline()
+        if op == OP_PUT:
+            value = <object>PyList_GET_ITEM(msg, 2)
+            if type(value) is not bytes or PyBytes_GET_SIZE(value) != size \
+                    or size > store.max_value:
+                return self._decline()
+            sess.seen = t0
+            sums = None
+            if has_sum:
+                sums = [int(<uint64_t>csum) if csum_big else int(csum)]
+            try:
+                st = store.put([bkey], [value], sums)
+            except Exception as exc:
+                self._internal(ident, req_id, rbig, op, exc, t0)
+                return True
+            if (type(st) is list and len(st) == 1 and isinstance(st[0], int)
+                    and 0 <= st[0] < 128):
+                outq.append((ident, self._reply_st(req_id, rbig, <int>st[0])))
+            else:                                   # pragma: no cover - one status
+                outq.append((ident, encode_reply(0, int(<uint64_t>req_id) if rbig
+                                                 else req_id, {"st": st})))
+        elif op == OP_EXISTS:
+            sess.seen = t0
+            found = bkey in self.d
+            outq.append((ident, self._reply_found(req_id, rbig, found)))
+        else:
+            if self.loop._sending or sess.sending:
+                return self._decline()
+            e = self.d.get(bkey)
+            if e is not None:
+                if e.nruns != 1 or e.size >= self.copy_below:
+                    return self._decline()
+                c = e.checksum
+                if c is not None and not (type(c) is int and
+                                          -0x8000000000000000 <= c <= 0xFFFFFFFFFFFFFFFF):
+                    return self._decline()
+            sess.seen = t0
+            try:
+                entries, sums = store.pin_for_send([bkey], None)
+                e = entries[0]
+                if e is None:
+                    outq.append((ident, self._reply_get(req_id, rbig, -1, None)))
+                else:
+                    try:
+                        data = self.pool.read_bytes(e.start * self.bs, e.size)
+                    finally:
+                        store.unpin(entries)
+                    outq.append((ident, self._reply_get(req_id, rbig, e.size, sums[0]),
+                                 data))
+            except Exception as exc:
+                self._internal(ident, req_id, rbig, op, exc, t0)
+                return True
+        self.counts[op] += 1
+        self._record(<int>op, t0)
+        return True
+
+    cdef bint _decline(self):
+        self.declined += 1
+        return False
+
+    cdef _internal(self, ident, int64_t req_id, bint rbig, int64_t op, exc, double t0):
+        # a store bug: logged, counted and answered INTERNAL, as ServiceLoop._dispatch does
+        self.loop._fast_internal(ident, int(<uint64_t>req_id) if rbig else req_id,
+                                 int(op), exc, t0)
+
+    cdef bytes _head(self, int status, int64_t req_id, bint rbig, const char *tail,
+                     Py_ssize_t ntail):
+        # [version, status, req_id, {...}] with the map's bytes ``tail``
+        cdef uint8_t buf[64]
+        cdef int k = 0
+        buf[0] = 0x94
+        buf[1] = <uint8_t>self.version
+        buf[2] = <uint8_t>status
+        k = 3 + _pack_int(buf + 3, req_id, rbig)
+        memcpy(buf + k, tail, ntail)
+        return PyBytes_FromStringAndSize(<char *>buf, k + ntail)
+
+    cdef bytes _reply_st(self, int64_t req_id, bint rbig, int st):
+        # {"st": [st]}
+        cdef uint8_t t[6]
+        t[0] = 0x81
+        t[1] = 0xa2
+        t[2] = 0x73     # s
+        t[3] = 0x74     # t
+        t[4] = 0x91
+        t[5] = <uint8_t>st
+        return self._head(0, req_id, rbig, <char *>t, 6)
+
+    cdef bytes _reply_found(self, int64_t req_id, bint rbig, bint found):
+        # {"found": [found]}
+        cdef uint8_t t[9]
+        t[0] = 0x81
+        t[1] = 0xa5
+        memcpy(t + 2, b"found", 5)
+        t[7] = 0x91
+        t[8] = 0xc3 if found else 0xc2
+        return self._head(0, req_id, rbig, <char *>t, 9)
+
+    cdef bytes _reply_get(self, int64_t req_id, bint rbig, int64_t size, csum):
+        # a miss: {"sizes": [-1], "counts": []}; a hit: {"sizes": [n], "counts": [1]}
+        # and "sums": [c] when the entry has a checksum
+        cdef uint8_t t[48]
+        cdef int k = 0
+        cdef int64_t c
+        cdef bint cbig = False
+        t[0] = 0x82 if (size < 0 or csum is None) else 0x83
+        t[1] = 0xa5
+        memcpy(t + 2, b"sizes", 5)
+        t[7] = 0x91
+        k = 8 + _pack_int(t + 8, size, False)
+        t[k] = 0xa6
+        memcpy(t + k + 1, b"counts", 6)
+        k += 7
+        if size < 0:
+            t[k] = 0x90
+            return self._head(0, req_id, rbig, <char *>t, k + 1)
+        t[k] = 0x91
+        t[k + 1] = 1
+        k += 2
+        if csum is not None:
+            t[k] = 0xa4
+            memcpy(t + k + 1, b"sums", 4)
+            t[k + 5] = 0x91
+            k += 6
+            if csum < 0:
+                c = csum
+            elif csum > 0x7FFFFFFFFFFFFFFF:
+                c = <int64_t>(<uint64_t>csum)
+                cbig = True
+            else:
+                c = csum
+            k += _pack_int(t + k, c, cbig)
+        return self._head(0, req_id, rbig, <char *>t, k)
