@@ -160,6 +160,7 @@ def test_replies_are_the_python_paths_byte_for_byte(shm_name: str) -> None:
     val = os.urandom(4096)
     script = _script(val)
     got = {}
+    counters = {}
     for fast in (True, False):
         b = Bed(shm_name + ("-f" if fast else "-p"))
         try:
@@ -175,10 +176,13 @@ def test_replies_are_the_python_paths_byte_for_byte(shm_name: str) -> None:
                 assert c1["declined"] - c0["declined"] == sum(1 for _, w in script if not w)
             assert b.store.stats(verify=True)
             assert b.store._pins == 0           # every GET's pin went
+            counters[fast] = (dict(b.store.counters), b.store.alloc.num_used,
+                              sorted(b.store.index.keys()))
             assert b.loop.errors.get("internal", 0) == 0
         finally:
             b.close()
     assert got[True] == got[False]
+    assert counters[True] == counters[False]
     # and what the Python path said to the odd ones (a sample)
     st = [decode_reply(r[0])[0] for r in got[True]]
     names = [s[0][:1] for s in script]
@@ -261,7 +265,7 @@ def test_a_store_error_is_answered_internal(bed: Bed, monkeypatch: pytest.Monkey
     def broken(*a: Any, **k: Any) -> Any:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(bed.store, "put", broken)
+    monkeypatch.setattr(router_mod._fastpath, "_install_entries", broken)
     st, rid, body, _ = bed.req(Op.PUT, 7, {"keys": [b"k"], "sizes": [1], "counts": [1]},
                                [b"x"])
     assert st == Status.INTERNAL and rid == 7 and "boom" in body["error"]
@@ -309,3 +313,29 @@ def test_messages_behind_a_large_header_keep_their_order(bed: Bed) -> None:
             break
     assert [r[1] for r in out] == [2, 3, 4]
     assert out[0][2] == {"n": 1} and out[2][2] == {"found": [True]}
+
+
+def test_puts_past_a_full_pool_evict_as_the_python_path(shm_name: str) -> None:
+    _needs_fast()
+    vals = [os.urandom(4096) for _ in range(8)]
+    seen = {}
+    for fast in (True, False):
+        b = Bed(shm_name + ("-f" if fast else "-p"))
+        try:
+            b.req(Op.EXISTS, 1, {"keys": [b"w"]})
+            if not fast:
+                b.loop._fast = None
+            for i in range(700):                # 512 blocks: the later ones evict
+                st, _, body, _ = b.req(Op.PUT, 10 + i, {"keys": [b"k%d" % i],
+                                                        "sizes": [4096], "counts": [1]},
+                                       [vals[i % 8]])
+                assert st == Status.OK and body == {"st": [0]}
+            assert b.store.counters["evictions"] > 0
+            assert b.req(Op.GET, 5000, {"keys": [b"k699"]})[3] == [vals[699 % 8]]
+            assert b.store.stats(verify=True)
+            if fast:
+                assert _counts(b)["PUT"] == 700
+            seen[fast] = (dict(b.store.counters), sorted(b.store.index.keys()))
+        finally:
+            b.close()
+    assert seen[True] == seen[False]
