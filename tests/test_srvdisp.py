@@ -339,3 +339,16 @@ def test_puts_past_a_full_pool_evict_as_the_python_path(shm_name: str) -> None:
         finally:
             b.close()
     assert seen[True] == seen[False]
+
+
+def test_a_fast_path_bug_is_logged_and_the_python_path_serves(bed: Bed) -> None:
+    msgs: list[list[Any]] = [[b"peer", 12345]]      # a header that is no buffer
+    handled: list[Any] = []
+
+    def recv(*args: Any) -> Any:
+        return msgs.pop() if msgs else None
+
+    fast = bed.loop._fast
+    assert fast.drain(recv, None, [], handled.append, 10) == 1
+    assert handled == [[b"peer", 12345]]
+    assert bed.loop.errors["internal"] == 1

@@ -1,6 +1,6 @@
 """Type stubs of the server's one-key fast path (kvshm/zmq_ctrl/_fastpath.pyx)."""
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, final
 
 @final
@@ -13,3 +13,5 @@ class FastPath:
     def __init__(self, loop: Any, version: int, buckets: Sequence[float], pack_below: int,
                  copy_below: int, ops: Iterable[int]) -> None: ...
     def handle(self, msg: list[Any], outq: list[Any]) -> bool: ...
+    def drain(self, recv: Callable[..., list[Any] | None], sock: Any, outq: list[Any],
+              handle: Callable[[list[Any]], None], most: int) -> int: ...

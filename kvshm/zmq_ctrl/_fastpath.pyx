@@ -52,6 +52,8 @@ from kvshm.zmq_ctrl.protocol import encode_reply
 
 _make_entries = _index.make_entries
 _install_entries = _index.install_entries
+_pin_for_send = _index.pin_for_send
+_unpin_entries = _index.unpin_entries
 _OK = Outcome.OK
 _POOL_FULL = Outcome.POOL_FULL
 
@@ -257,6 +259,30 @@ cdef class FastPath:
         """Serve ``msg`` (``[ident, header, *frames]`` as the loop drained it) and append
         its reply to ``outq``: True. False: not served, nothing changed (the Python
         path serves it)."""
+        return self._handle(msg, outq)
+
+    def drain(self, recv, sock, list outq, handle, int most):
+        """Receive and serve up to ``most`` messages: ``recv(sock, DONTWAIT, 65536, 1)``
+        gives each (None: nothing queued), served here or by ``handle(msg)`` (the Python
+        path). Returns how many came. An exception of the fast path itself (a bug) is
+        logged and counted (``internal``) and the Python path serves that message;
+        ``recv``'s errors propagate."""
+        cdef int i
+        cdef bint done
+        for i in range(most):
+            m = recv(sock, 1, 65536, 1)
+            if m is None:
+                return i
+            try:
+                done = self._handle(m, outq)
+            except Exception:
+                self.loop._fast_bug()
+                done = False
+            if not done:
+                handle(m)
+        return most
+
+    cdef bint _handle(self, list msg, list outq) except -1:
         cdef Py_buffer hb
         cdef Reader r
         cdef int64_t version = -1, op = -1, req_id = 0, epoch = 0
@@ -400,7 +426,15 @@ cdef class FastPath:
                     return self._decline()
             sess.seen = t0
             try:
-                entries, sums = store.pin_for_send([bkey], None)
+                # Store.pin_for_send([bkey]) (its steps: reads recorded first, the pin
+                # loop, the counters), the copy, Store.unpin
+                self.index.sync()
+                entries, sums, hits, nbytes = _pin_for_send(store, [bkey], None)
+                c = store.counters
+                c["hits"] += hits
+                c["misses"] += 1 - hits
+                c["gets"] += hits
+                c["bytes_out"] += nbytes
                 e = entries[0]
                 if e is None:
                     outq.append((ident, self._reply_get(req_id, rbig, -1, None)))
@@ -408,7 +442,7 @@ cdef class FastPath:
                     try:
                         data = self.pool.read_bytes(e.start * self.bs, e.size)
                     finally:
-                        store.unpin(entries)
+                        _unpin_entries(store, entries)
                     outq.append((ident, self._reply_get(req_id, rbig, e.size, sums[0]),
                                  data))
             except Exception as exc:

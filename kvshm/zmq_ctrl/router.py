@@ -490,6 +490,12 @@ class ServiceLoop:
         out["declined"] = f.declined if f is not None else 0
         return out
 
+    def _fast_bug(self) -> None:
+        """The fast path raised outside its store calls (a bug; it changed nothing
+        before them): logged and counted; the Python path then serves the message."""
+        log.exception("internal error in the one-key fast path")
+        self._count_error("internal")
+
     def _fast_internal(self, ident: bytes, req_id: int, op: int, exc: BaseException,
                        t0: float) -> None:
         """The fast path's store call raised (a bug): logged, counted and answered
@@ -677,21 +683,17 @@ class ServiceLoop:
                 # than once a reply
                 self._outq = outq = []
                 try:
-                    for _ in range(256):
-                        # header frame kept as a libzmq message: its metadata (peer, fd,
-                        # User-Id) for HELLO and _cut; parts >= 64 KiB zero-copy
-                        m = recv(sock, 1, 65536, 1)
-                        if m is None:
-                            break
-                        if fast is not None:
-                            try:
-                                if fast.handle(m, outq):
-                                    continue
-                            except Exception:   # a bug: it changes nothing before a
-                                # store call (its own errors answer INTERNAL)
-                                log.exception("internal error in the one-key fast path")
-                                self._count_error("internal")
-                        handle(m)
+                    if fast is not None:
+                        # the same loop in C, one-key requests served there
+                        fast.drain(recv, sock, outq, handle, 256)
+                    else:
+                        for _ in range(256):
+                            # header frame kept as a libzmq message: its metadata (peer,
+                            # fd, User-Id) for HELLO and _cut; parts >= 64 KiB zero-copy
+                            m = recv(sock, 1, 65536, 1)
+                            if m is None:
+                                break
+                            handle(m)
                 finally:
                     self._outq = None
                     if outq:
