@@ -352,3 +352,31 @@ def test_a_fast_path_bug_is_logged_and_the_python_path_serves(bed: Bed) -> None:
     assert fast.drain(recv, None, [], handled.append, 10) == 1
     assert handled == [[b"peer", 12345]]
     assert bed.loop.errors["internal"] == 1
+
+
+def test_a_remote_clients_one_key_calls_take_it() -> None:
+    _needs_fast()
+    import numpy as np
+
+    from kvshm import Client
+    from servers import ServerProcess
+
+    with ServerProcess(prealloc_size=1 / 16) as srv:
+        with Client(srv.address, transport="tcp", timeout=10) as c:
+            before = c.stats()["fast_path"]
+            val = np.frombuffer(os.urandom(4096), np.uint8)
+            for i in range(20):
+                c.put(b"k%d" % i, val)
+            out = np.empty(4096, np.uint8)
+            for i in range(20):
+                c.get_into(b"k%d" % i, out)
+                assert np.array_equal(out, val)
+                assert c.get(b"k%d" % i) == val.tobytes()
+                assert c.exists(b"k%d" % i)
+            with pytest.raises(KeyError):
+                c.get(b"nope")
+            assert not c.exists(b"nope")
+            after = c.stats()["fast_path"]
+    assert after["PUT"] - before["PUT"] == 20
+    assert after["GET"] - before["GET"] == 41
+    assert after["EXISTS"] - before["EXISTS"] == 21

@@ -55,7 +55,8 @@ One-key fast path. With ``_zmqc``, each drained message is first offered to
 session is decoded, served and answered there in C (the same store calls, the same reply
 bytes, latency recorded); anything else (another op, piggybacked settles, a tier, an odd
 or hostile header, a value it does not copy) it declines before changing anything, and
-the Python path below serves it. ``ServiceLoop.fast_counts()`` says how many it took.
+the Python path below serves it. ``ServiceLoop.fast_counts()`` (STATS: ``fast_path``)
+says how many it took.
 
 Nothing a client sends may raise out of the loop: every handler runs under a catch-all
 that answers INTERNAL, and the store's lease and liveness checks never raise.
@@ -1900,6 +1901,7 @@ class ServiceLoop:
         s["slices"] = dict(self.slice_counters, in_progress=self.in_progress,
                            slice_keys=self.slice_keys)
         s["loop_max_turn"] = dict(self.max_turn)
+        s["fast_path"] = self.fast_counts()
         if body.get("latency"):
             s["latency"] = {(Op(op).name if op in Op._value2member_map_ else str(op)): {
                                 "buckets": list(LATENCY_BUCKETS[:-1]),
