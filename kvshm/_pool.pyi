@@ -97,6 +97,8 @@ class Pool:
     def num_views(self) -> int: ...
     def write(self, offset: int, src: _Source) -> int:
         """Copy all of ``src`` to ``offset``; returns the bytes copied."""
+    def stream_write(self, offset: int, src: _Source) -> int:
+        """:meth:`write` with non-temporal stores (bypassing this CPU's caches)."""
     def read_into(self, offset: int, dst: _Dest, size: int = -1) -> int:
         """Copy ``size`` bytes (-1: all of ``dst``) from ``offset`` into ``dst``."""
     def view(self, offset: int, size: int, *, readonly: bool = False) -> memoryview:

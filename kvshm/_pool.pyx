@@ -48,6 +48,68 @@ cdef extern from *:
 cdef extern from "<fcntl.h>" nogil:
     int posix_fallocate(int fd, long offset, long length)
 
+cdef extern from *:
+    """
+    /* kv_stream_copy: memcpy with non-temporal stores, for a write into the pool that
+       another process reads later (a write-behind put): the destination lines are not
+       read for ownership nor kept in this CPU's caches, ~1.2-1.5x a memcpy of a value
+       larger than the caches on x86-64. The stores are fenced (sfence) before it
+       returns, so a message sent after it is ordered after the bytes. Elsewhere (or
+       below KV_STREAM_MIN bytes) it is memcpy. */
+    #include <string.h>
+    #include <stdint.h>
+    #define KV_STREAM_MIN 4096
+    #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    #include <emmintrin.h>
+    #include <immintrin.h>
+    static void kv_stream_sse2(char *d, const char *s, size_t n) {
+        size_t i = 0;
+        for (; i + 64 <= n; i += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)(s + i));
+            __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32));
+            __m128i e = _mm_loadu_si128((const __m128i *)(s + i + 48));
+            _mm_stream_si128((__m128i *)(d + i), a);
+            _mm_stream_si128((__m128i *)(d + i + 16), b);
+            _mm_stream_si128((__m128i *)(d + i + 32), c);
+            _mm_stream_si128((__m128i *)(d + i + 48), e);
+        }
+        memcpy(d + i, s + i, n - i);
+    }
+    __attribute__((target("avx2")))
+    static void kv_stream_avx2(char *d, const char *s, size_t n) {
+        size_t i = 0;
+        for (; i + 128 <= n; i += 128) {
+            __m256i a = _mm256_loadu_si256((const __m256i *)(s + i));
+            __m256i b = _mm256_loadu_si256((const __m256i *)(s + i + 32));
+            __m256i c = _mm256_loadu_si256((const __m256i *)(s + i + 64));
+            __m256i e = _mm256_loadu_si256((const __m256i *)(s + i + 96));
+            _mm256_stream_si256((__m256i *)(d + i), a);
+            _mm256_stream_si256((__m256i *)(d + i + 32), b);
+            _mm256_stream_si256((__m256i *)(d + i + 64), c);
+            _mm256_stream_si256((__m256i *)(d + i + 96), e);
+        }
+        memcpy(d + i, s + i, n - i);
+    }
+    static int kv_have_avx2 = -1;
+    static void kv_stream_copy(char *d, const char *s, size_t n) {
+        if (n < KV_STREAM_MIN) { memcpy(d, s, n); return; }
+        size_t head = (size_t)(-(uintptr_t)d & 63);   /* to a cache line of d */
+        memcpy(d, s, head);
+        d += head; s += head; n -= head;
+        if (kv_have_avx2 < 0) {
+            __builtin_cpu_init();
+            kv_have_avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
+        }
+        if (kv_have_avx2) kv_stream_avx2(d, s, n); else kv_stream_sse2(d, s, n);
+        _mm_sfence();
+    }
+    #else
+    static void kv_stream_copy(char *d, const char *s, size_t n) { memcpy(d, s, n); }
+    #endif
+    """
+    void kv_stream_copy(char* d, const char* s, size_t n) nogil
+
 HEADER_SIZE = 4096
 cdef Py_ssize_t _HEADER = 4096
 #: Bytes reserved (fallocate) and pre-faulted per step of :meth:`Pool.create`, with the
@@ -572,6 +634,23 @@ cdef class Pool:
             self._check_range(offset, s.size)
             with nogil:
                 memcpy(self._base + offset, s.ptr, s.size)
+        finally:
+            self._end()
+        return s.size
+
+    def stream_write(self, int64_t offset, src):
+        """:meth:`write` with non-temporal stores: the copy bypasses this CPU's caches
+        (faster for a value another process reads later, larger than a few KiB; the
+        write-behind put). Ordered before anything this thread does after it returns.
+        Returns the bytes copied; raises as :meth:`write`.
+        """
+        cdef Span s
+        self._begin()
+        try:
+            h = _span_of(src, False, &s, "src")
+            self._check_range(offset, s.size)
+            with nogil:
+                kv_stream_copy(self._base + offset, s.ptr, s.size)
         finally:
             self._end()
         return s.size
