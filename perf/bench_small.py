@@ -206,8 +206,10 @@ def bench_put_behind(c: Any, size: int, ws_bytes: int, reps: int,
     """Single write-behind ``put`` (``Client(write_behind=True)``) of ``size`` over a
     working set of distinct values, beside numpy.copyto over an equally large working
     set and the plain ``put`` in the same pass; ``put_flush_MBps`` also counts the
-    ``flush()`` that waits for every PLACE reply (the bytes the server holds by then).
-    Every value is read back through the server's index after the flush."""
+    ``flush()`` that waits for every PLACE reply (the bytes the server holds by then);
+    ``keys_per_place``: keys the server installed per PLACE message in those passes
+    (puts that come quickly share one, kvshm.client.PLACE_WINDOW). Every value is read
+    back through the server's index after the flush."""
     import kvshm
 
     n = max(4, ws_bytes // size)
@@ -218,6 +220,7 @@ def bench_put_behind(c: Any, size: int, ws_bytes: int, reps: int,
     plain_t: list[float] = []
     cpy_t: list[float] = []
     totals: list[float] = []
+    places = keys_placed = 0
     with kvshm.Client(c.address, transport="shm", timeout=60,
                       token=token) as plain:
         plain.put_batch(keys, srcs)              # warm the pool pages and the keys
@@ -232,6 +235,7 @@ def bench_put_behind(c: Any, size: int, ws_bytes: int, reps: int,
                 t = _now()
                 plain.put(keys[i], srcs[i])
                 plain_t.append(_now() - t)
+            r0 = plain.stats()["reservations"]
             t0 = _now()
             for i in range(n):
                 t = _now()
@@ -239,6 +243,9 @@ def bench_put_behind(c: Any, size: int, ws_bytes: int, reps: int,
                 put_t.append(_now() - t)
             c.flush()
             totals.append(_now() - t0)
+            r1 = plain.stats()["reservations"]
+            places += r1["places"] - r0["places"]
+            keys_placed += r1["placed_keys"] - r0["placed_keys"]
             for o in outs:
                 o[:] = 0
             for i in range(n):
@@ -257,7 +264,8 @@ def bench_put_behind(c: Any, size: int, ws_bytes: int, reps: int,
             "plain_put_MBps": mbps(plain_t), "copy_MBps": mbps(cpy_t),
             "put_flush_MBps": flush, "put_vs_copy": mbps(put_t) / mbps(cpy_t),
             "plain_put_vs_copy": mbps(plain_t) / mbps(cpy_t),
-            "put_flush_vs_copy": flush / mbps(cpy_t)}
+            "put_flush_vs_copy": flush / mbps(cpy_t),
+            "keys_per_place": keys_placed / places if places else 0.0}
 
 
 def bench_local_queries(c: Any, n: int) -> dict[str, Any]:
@@ -359,7 +367,8 @@ def report(res: dict[str, Any]) -> None:
             print(f"    {s['bytes'] // 1024:5d} KiB x {s['values']:5d}: put {s['put_MBps']:8.0f}"
                   f"  plain put {s['plain_put_MBps']:8.0f}  numpy copy {s['copy_MBps']:8.0f}"
                   f"   put/copy {s['put_vs_copy']:.2f} (target {tgt})  plain/copy "
-                  f"{s['plain_put_vs_copy']:.2f}  puts+flush/copy {s['put_flush_vs_copy']:.2f}")
+                  f"{s['plain_put_vs_copy']:.2f}  puts+flush/copy {s['put_flush_vs_copy']:.2f}"
+                  f"  keys/PLACE {s.get('keys_per_place', 0):.1f}")
         q = loc["queries"]
         print(f"  kvshm exists, 1 key                   {fmt_lat(q['exists'])}")
         print(f"  kvshm match_prefix, 64 keys           {fmt_lat(q['match_prefix_64'])}")
