@@ -72,8 +72,8 @@ IDLE_FLUSH_S = 0.1
 REFILL_WAIT_S = 0.05
 #: A write-behind put's PLACE is sent at once unless this many PLACEs are unanswered
 #: (as last read: the server is behind) or this client streams puts (more than this
-#: many in a row, each within PLACE_HOLD_S of the one before, and a PLACE went out less
-#: than PLACE_HOLD_S ago). Then puts are held and sent together as one PLACE of many
+#: many in a row, each within PLACE_STREAM_GAP_S of the one before, and a PLACE went
+#: out less than PLACE_HOLD_S ago). Then puts are held and sent together as one PLACE of many
 #: keys (the message carries lists), one message for the lot on both sides: a message
 #: costs the server ~60 us and the client ~20 us, more than the copy of 64 KiB. A held
 #: put waits at most until the PLACE has:
@@ -83,6 +83,8 @@ PLACE_WINDOW = 8
 #: past the client's next request of another kind.
 PLACE_BATCH_KEYS = 32
 PLACE_HOLD_S = 0.001
+#: Puts this close together count as one stream (a preempted client's puts too).
+PLACE_STREAM_GAP_S = 0.01
 #: Bytes a write-behind client keeps reserved (``write_behind=True``): 32 MiB, and at
 #: most 1/16 of the pool (the server's per-session cap, kvshm.store.reserve).
 WRITE_BEHIND_BYTES = 32 << 20
@@ -215,7 +217,7 @@ class _WriteBehind:
         self.puts = 0                       # puts made by Client._put_behind
         self.sent_at = 0.0                  # time.monotonic() of the last PLACE sent
         self.last_put = 0.0                 # ... of the last put, and how many in a row
-        self.burst = 0                      # came within PLACE_HOLD_S of the one before
+        self.burst = 0                      # came within PLACE_STREAM_GAP_S of the last
         self.unhold()
 
     def unhold(self) -> None:
@@ -1900,7 +1902,7 @@ class Client:
             if wb.held_rid and wb.held_gen != gen:
                 self._send_held_locked()        # another reservation's: not mixed
             wb.puts += 1
-            wb.burst = wb.burst + 1 if now - wb.last_put < PLACE_HOLD_S else 1
+            wb.burst = wb.burst + 1 if now - wb.last_put < PLACE_STREAM_GAP_S else 1
             wb.last_put = now
             hold = wb.held_rid != 0
             if not hold:
