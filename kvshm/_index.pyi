@@ -61,6 +61,16 @@ def lookup_pins(store: Any, keys: Sequence[Any], hold: Any, limited: bool, budge
 def value_sizes(values: Sequence[Any]) -> list[int]: ...
 def write_layout(entries: Sequence[Entry | None], values: Sequence[Any], bs: int
                  ) -> tuple[list[int], list[Any]]: ...
+def value_offsets(entries: Sequence[Entry | None], bs: int) -> Any | None:
+    """int64 array of each entry's pool offset (-1 for None), or None when an entry has
+    several runs."""
+def small_frames(entries: Sequence[Entry | None], bs: int, pack_below: int,
+                 frame_bytes: int
+                 ) -> tuple[list[int], list[Entry], Any, Any, list[int], int] | None:
+    """A GET reply of small one-run hits: (sizes, hits, offsets, lengths, counts,
+    queued blocks), or None."""
+def contains_keys(index: Index, keys: Sequence[Any]) -> list[bool]: ...
+def placed(entries: Sequence[Entry | None]) -> tuple[list[Entry], int]: ...
 def check_new(store: Any, keys: Sequence[Any], sizes: Sequence[Any],
               pending_budget: int | None, ok: Any, invalid_key: Any, invalid_request: Any,
               too_large_st: Any, quota_st: Any

@@ -12,10 +12,15 @@ methods for what a tier adds (``_touch``, ``_tier_leave``, ``discard_key``).
 """
 
 cimport cython
-from cpython.dict cimport PyDict_GetItem
+from cpython.dict cimport PyDict_Contains, PyDict_GetItem
 from cpython.ref cimport PyObject
+from cpython cimport array
+
+import array as _array
 
 from types import MappingProxyType
+
+cdef array.array _Q = _array.array("q")
 
 __all__ = ["Entry", "Index", "PENDING", "LIVE", "DEAD", "MAX_EXTENTS"]
 
@@ -714,6 +719,86 @@ def write_layout(entries, values, long long bs):
     return offs, srcs
 
 
+def value_offsets(entries, long long bs):
+    """Where PUT copies each value when every entry is one run: an int64 array of the
+    pool offset of each (-1 for None), or None when an entry has several runs (then
+    :func:`write_layout`)."""
+    cdef Py_ssize_t n = len(entries), i
+    cdef Entry e
+    cdef array.array out = array.clone(_Q, n, False)
+    cdef long long* o = out.data.as_longlongs
+    for i in range(n):
+        x = entries[i]
+        if x is None:
+            o[i] = -1
+            continue
+        e = _entry(x)
+        if _nruns(e) != 1:
+            return None
+        o[i] = e.start * bs
+    return out
+
+
+def small_frames(entries, long long bs, long long pack_below, long long frame_bytes):
+    """A GET reply's frames when every hit (entry not None) is one run of fewer than
+    ``pack_below`` bytes: the hits packed back to back, a frame closed before it would
+    pass ``frame_bytes`` (:func:`kvshm.zmq_ctrl.frames.plan`); None otherwise.
+
+    Returns (sizes, hits, offsets, lengths, counts, queued): per key its size (-1: a
+    miss), the hits in order, the pool range of each hit (int64 arrays), values per frame
+    and the blocks the frames' bytes count as (``ceil(frame bytes / bs)`` each).
+    """
+    cdef Py_ssize_t n = len(entries), i, m = 0, cnt = 0
+    cdef long long acc = 0, queued = 0, size
+    cdef Entry e
+    cdef array.array offs = array.clone(_Q, n, False)
+    cdef array.array lens = array.clone(_Q, n, False)
+    cdef long long* po = offs.data.as_longlongs
+    cdef long long* pl = lens.data.as_longlongs
+    sizes = [-1] * n
+    hits = []
+    counts = []
+    for i in range(n):
+        x = entries[i]
+        if x is None:
+            continue
+        e = _entry(x)
+        size = e.size
+        if _nruns(e) != 1 or size >= pack_below:
+            return None
+        if cnt and acc + size > frame_bytes:
+            counts.append(cnt)
+            queued += (acc + bs - 1) // bs
+            cnt = 0
+            acc = 0
+        sizes[i] = size
+        hits.append(e)
+        po[m] = e.start * bs
+        pl[m] = size
+        m += 1
+        acc += size
+        cnt += 1
+    if cnt:
+        counts.append(cnt)
+        queued += (acc + bs - 1) // bs
+    array.resize(offs, m)
+    array.resize(lens, m)
+    return sizes, hits, offs, lens, counts, queued
+
+
+def contains_keys(Index index, keys):
+    """``[type(k) is bytes and k in index for k in keys]`` (the store's keys are all
+    bytes: anything else is absent)."""
+    cdef dict d = index._d
+    cdef Py_ssize_t n = len(keys), i
+    out = [False] * n
+    for i in range(n):
+        k = keys[i]
+        if type(k) is bytes and PyDict_Contains(d, k):
+            out[i] = True
+    return out
+
+
 def check_new(store, keys, sizes, pending_budget, ok, invalid_key, invalid_request,
               too_large_st, quota_st):
     """The validation loop of :meth:`Store._new_entries`: (statuses, want, want_idx,
@@ -825,6 +910,17 @@ def places(entries, long long bs):
         granted.append(e)
         nbytes += e.size
     return offsets, granted, nbytes
+
+
+def placed(entries):
+    """The entries that are not None, and their bytes: (list, nbytes)."""
+    cdef long long nbytes = 0
+    ok = []
+    for x in entries:
+        if x is not None:
+            nbytes += _entry(x).size
+            ok.append(x)
+    return ok, nbytes
 
 
 def sum_blocks(entries):

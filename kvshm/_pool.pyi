@@ -3,8 +3,8 @@
 Every offset is in bytes from the start of the pool's data area; sizes are in bytes.
 """
 
-from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol, overload
 
 import numpy as np
 from typing_extensions import Buffer, Self, TypeAlias, final
@@ -117,8 +117,34 @@ class Pool:
         """``[read_bytes(o, s) for o, s in zip(offsets, sizes)]`` in one call."""
     def write_many(self, offsets: _Ints, srcs: Iterable[_Source]) -> int:
         """Copy each ``srcs[i]`` whole to ``offsets[i]``; returns the total bytes copied."""
+    def write_values(self, offsets: _Ints, values: PackedValues) -> int:
+        """Copy value ``i`` of ``values`` to ``offsets[i]`` (int64; -1: not written) in one
+        C loop; returns the bytes copied. IndexError (checked before any byte moves),
+        ValueError (lengths differ, pool closed)."""
+    def read_groups(self, offsets: _Ints, sizes: _Ints, counts: Sequence[int]) -> list[bytes]:
+        """Pool ranges gathered into new bytes objects, ``counts[j]`` consecutive ranges
+        into the j-th. IndexError (a range outside the pool), ValueError (counts that do
+        not add up to the ranges)."""
     def read_many_into(
         self, offsets: _Ints, dsts: Iterable[_Dest], sizes: _Ints | None = None
     ) -> int:
         """Copy pool ``offsets[i]`` into each ``dsts[i]`` (``sizes[i]`` bytes, default all
         of it); returns the total bytes copied."""
+
+@final
+class PackedValues:
+    """A PUT's values packed back to back in its payload frames, read in place: a
+    sequence whose items are 1-d ``B`` memoryviews (zero-copy) and whose slices (step 1)
+    are PackedValues sharing the frames. ``PackedValues()`` raises TypeError."""
+
+    @staticmethod
+    def of(frames: list[Any], counts: list[Any], sizes: list[Any]) -> PackedValues | None:
+        """The values of ``frames`` (``counts`` values per frame, ``sizes`` bytes per
+        value), or None unless the layout is plain (see kvshm/_pool.pyx)."""
+    def __len__(self) -> int: ...
+    @overload
+    def __getitem__(self, item: int) -> memoryview: ...
+    @overload
+    def __getitem__(self, item: slice) -> PackedValues: ...
+    def sizes(self) -> list[int]:
+        """Bytes of each value."""

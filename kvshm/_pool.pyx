@@ -14,6 +14,9 @@ Copies take any buffer-protocol object (bytes, bytearray, memoryview, numpy arra
 torch CPU tensors (through ``data_ptr()``), and run with the GIL released.
 """
 
+cimport cython
+from cpython.pyport cimport PY_SSIZE_T_MAX
+
 import fcntl
 import os
 import struct
@@ -848,6 +851,86 @@ cdef class Pool:
         finally:
             self._end()
 
+    def write_values(self, offsets, PackedValues values not None):
+        """Copy value ``i`` of ``values`` to pool ``offsets[i]`` for every ``offsets[i]
+        >= 0`` (-1: value ``i`` is not written), in one call with the GIL released.
+
+        ``offsets``: int64, as many as ``values``. Returns the bytes copied. Every range
+        is checked before any byte moves (IndexError); ValueError when the lengths
+        differ or the pool is closed.
+        """
+        cdef const int64_t[:] off = _as_int64(offsets)
+        cdef Py_ssize_t i, n = off.shape[0], lo = values._lo
+        cdef _Frames f = values._f
+        cdef Py_ssize_t* sz
+        cdef int64_t total = 0
+        cdef list sizes = f.sizes
+        if n != values._hi - lo:
+            raise ValueError(f"{n} offsets but {values._hi - lo} values")
+        self._begin()
+        sz = <Py_ssize_t*>malloc(max(n, 1) * sizeof(Py_ssize_t))
+        try:
+            if sz == NULL:
+                raise MemoryError()
+            for i in range(n):
+                sz[i] = <Py_ssize_t>sizes[lo + i]
+                if off[i] >= 0:
+                    self._check_range(off[i], sz[i])
+                    total += sz[i]
+            with nogil:
+                for i in range(n):
+                    if off[i] >= 0:
+                        memcpy(self._base + off[i], f.ptrs[lo + i], sz[i])
+        finally:
+            c_free(sz)
+            self._end()
+        return total
+
+    def read_groups(self, offsets, sizes, counts):
+        """Pool ranges (``offsets[i]``, ``sizes[i]`` bytes) gathered into new bytes
+        objects, ``counts[j]`` consecutive ranges into the j-th (a GET reply's packed
+        frames), in one call with the GIL released for the copies.
+
+        ``offsets``, ``sizes``: int64; ``counts``: ints >= 0 adding up to ``len(offsets)``.
+        Every range is checked before any byte moves (IndexError); ValueError for
+        lengths or counts that do not match.
+        """
+        cdef const int64_t[:] off = _as_int64(offsets)
+        cdef const int64_t[:] sz = _as_int64(sizes)
+        cdef Py_ssize_t i, j, k, n = off.shape[0], ng = len(counts), c
+        cdef int64_t acc
+        cdef char* dst
+        cdef list out = []
+        if sz.shape[0] != n:
+            raise ValueError(f"{n} offsets but {sz.shape[0]} sizes")
+        self._begin()
+        try:
+            i = 0
+            for j in range(ng):
+                c = counts[j]
+                if c < 0 or c > n - i:
+                    raise ValueError(f"counts add up to more than the {n} ranges")
+                acc = 0
+                for k in range(i, i + c):
+                    self._check_range(off[k], sz[k])
+                    acc += sz[k]
+                out.append(PyBytes_FromStringAndSize(NULL, acc))
+                i += c
+            if i != n:
+                raise ValueError(f"counts add up to {i}, not the {n} ranges")
+            i = 0
+            for j in range(ng):
+                c = counts[j]
+                dst = PyBytes_AS_STRING(out[j])
+                with nogil:
+                    for k in range(i, i + c):
+                        memcpy(dst, self._base + off[k], sz[k])
+                        dst += sz[k]
+                i += c
+        finally:
+            self._end()
+        return out
+
     def read_many_into(self, offsets, dsts, sizes=None):
         """Copy pool ``offsets[i]`` into each ``dsts[i]``, in one call.
 
@@ -921,3 +1004,151 @@ def _check_shm_space(long total, path="/dev/shm"):
     if total > free:
         raise OSError(28, f"a pool of {total} bytes does not fit in {path} "
                           f"({free} bytes free); free space there or ask for a smaller pool")
+
+
+# ---------------------------------------------------------------- packed values
+
+
+cdef class _Frames:
+    """The frames of a :class:`PackedValues`, their buffers held, and where each value
+    starts (shared by every slice of it)."""
+    cdef Py_buffer* bufs
+    cdef Py_ssize_t nbufs
+    cdef char** ptrs            # per value: its first byte
+    cdef Py_ssize_t nvals
+    cdef list sizes             # per value: its length (the request's own list of ints)
+    cdef list frames            # the frame objects (memoryview slices are made of them)
+    cdef list first             # per frame: the index of its first value
+
+    def __dealloc__(self):
+        cdef Py_ssize_t i
+        if self.bufs != NULL:
+            for i in range(self.nbufs):
+                PyBuffer_Release(&self.bufs[i])
+            c_free(self.bufs)
+        c_free(self.ptrs)
+
+
+@cython.final
+cdef class PackedValues:
+    """The values of a PUT packed back to back in its payload frames (the layout of
+    :mod:`kvshm.zmq_ctrl.frames`), read in place: no view or bytes object per value.
+
+    A sequence of the values: ``len()``, ``v[i]`` (a 1-d ``B`` memoryview of value ``i``,
+    zero-copy) and ``v[a:b]`` (a PackedValues of values ``a:b``, sharing the frames; step
+    1 only). :meth:`Pool.write_values` copies them into the pool in one C loop. The
+    frames' buffers are held (exported) while any slice lives.
+    """
+
+    cdef _Frames _f
+    cdef Py_ssize_t _lo
+    cdef Py_ssize_t _hi
+
+    @staticmethod
+    def of(frames, counts, sizes):
+        """The values of ``frames`` laid as ``counts`` (values per frame) and ``sizes``
+        (bytes per value) say, or None unless the layout is plain: lists, as many
+        counts as frames, each count an int >= 1, the counts adding up to ``len(sizes)``,
+        sizes ints >= 0, each frame a contiguous buffer exactly the sum of its values'
+        sizes (anything else: None, and the caller's general path answers it, errors
+        included)."""
+        cdef Py_ssize_t nf, ns, i, fi, c, k, pos, n, total = 0
+        cdef _Frames f
+        cdef PackedValues out
+        cdef object cnt, s
+        cdef Py_buffer* b
+        if type(frames) is not list or type(counts) is not list or type(sizes) is not list:
+            return None
+        nf = len(frames)
+        ns = len(sizes)
+        if len(counts) != nf or nf == 0:
+            return None
+        for cnt in counts:
+            # a count over ns (a hostile peer's 2**62s) could wrap total round: over-read
+            if type(cnt) is not int or cnt < 1 or cnt > ns:
+                return None
+            total += <Py_ssize_t>cnt
+        if total != ns:
+            return None
+        for s in sizes:
+            if type(s) is not int or s < 0 or s > PY_SSIZE_T_MAX:
+                return None
+        f = _Frames.__new__(_Frames)
+        f.bufs = <Py_buffer*>malloc(nf * sizeof(Py_buffer))
+        f.ptrs = <char**>malloc(max(ns, 1) * sizeof(char*))
+        if f.bufs == NULL or f.ptrs == NULL:
+            raise MemoryError()
+        f.sizes = sizes
+        f.frames = frames
+        f.first = []
+        i = 0
+        for fi in range(nf):
+            try:
+                PyObject_GetBuffer(frames[fi], &f.bufs[fi], PyBUF_ANY_CONTIGUOUS)
+            except (TypeError, BufferError, ValueError):
+                return None
+            f.nbufs = fi + 1
+            b = &f.bufs[fi]
+            c = counts[fi]
+            f.first.append(i)
+            pos = 0
+            for k in range(i, i + c):
+                n = <Py_ssize_t>sizes[k]
+                if n > b.len - pos:         # no sum that wraps round to the frame's length
+                    return None
+                f.ptrs[k] = <char*>b.buf + pos
+                pos += n
+            if pos != b.len:
+                return None
+            i += c
+        f.nvals = ns
+        out = PackedValues.__new__(PackedValues)
+        out._f = f
+        out._lo = 0
+        out._hi = ns
+        return out
+
+    def __len__(self):
+        return self._hi - self._lo
+
+    def sizes(self):
+        """Bytes of each value (a list of int)."""
+        return self._f.sizes[self._lo:self._hi]
+
+    def __getitem__(self, item):
+        cdef Py_ssize_t i, a, b, step, fi
+        cdef PackedValues out
+        cdef _Frames f = self._f
+        if isinstance(item, slice):
+            a, b, step = item.indices(self._hi - self._lo)
+            if step != 1:
+                raise ValueError("PackedValues slices take a step of 1")
+            out = PackedValues.__new__(PackedValues)
+            out._f = f
+            out._lo = self._lo + a
+            out._hi = self._lo + max(a, b)
+            return out
+        i = item
+        if i < 0:
+            i += self._hi - self._lo
+        if i < 0 or i >= self._hi - self._lo:
+            raise IndexError("PackedValues index out of range")
+        i += self._lo
+        # the frame holding value i: the last whose first value is <= i
+        fi = _bisect_right(f.first, i) - 1
+        m = memoryview(f.frames[fi])
+        if m.ndim != 1 or m.itemsize != 1:
+            m = m.cast("B")
+        a = f.ptrs[i] - <char*>f.bufs[fi].buf
+        return m[a:a + <Py_ssize_t>f.sizes[i]]
+
+
+cdef Py_ssize_t _bisect_right(list xs, Py_ssize_t x):
+    cdef Py_ssize_t lo = 0, hi = len(xs), mid
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if x < <Py_ssize_t>xs[mid]:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo

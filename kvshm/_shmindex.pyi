@@ -83,6 +83,8 @@ class IndexWriter:
         published."""
     def unpublish(self, key: bytes | str) -> bool:
         """The slot's version has changed when this returns."""
+    def contains_many(self, keys: Sequence[Any]) -> list[bool]:
+        """Whether each key is in the table (not bytes: False), probes prefetched."""
     def clear(self) -> None: ...
     def set_misses_final(self, final: bool) -> None: ...
     def drain(self, stuck_after: float = 0.05) -> list[bytes]:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 from kvshm import _index
 from kvshm._bitmap import BitmapAllocator
-from kvshm._pool import Pool
+from kvshm._pool import PackedValues, Pool
 from kvshm.index import MAX_EXTENTS, Entry, Index
 from kvshm.store.accounting import _Accounting
 from kvshm.store.config import StoreConfig
@@ -178,24 +178,31 @@ class Store(_Sessions, _Space, _Tiered, _Accounting, _Reserving):
     def put(self, keys: Sequence[Any], values: Sequence[Any],
             sums: Sequence[Any] | None = None, *, defer: bool = False,
             drop: bool = False) -> list[int] | None:
-        """PUT (TCP mover): allocate, copy ``values`` (buffers) into the pool, commit.
+        """PUT (TCP mover): allocate, copy ``values`` (buffers, or a
+        :class:`~kvshm._pool.PackedValues` of a request's payload) into the pool, commit.
 
         Returns a Status per key (None: deferred, as :meth:`alloc_entries`).
         """
-        sizes = _index.value_sizes(values)
+        packed = type(values) is PackedValues
+        sizes = values.sizes() if packed else _index.value_sizes(values)
         r = self._new_entries(keys, sizes, sums, None, defer, drop)
         if r is None:
             return None
         entries, statuses = r
-        ok = [e for e in entries if e is not None]
+        ok, nbytes = _index.placed(entries)
         if ok:
-            # the bytes of each value into its run(s)
-            offs, srcs = _index.write_layout(entries, values, self.block_size)
-            self.pool.write_many(offs, srcs)
+            # the bytes of each value into its run(s): packed values in one C loop
+            # (values of several runs go the general way)
+            offs = _index.value_offsets(entries, self.block_size) if packed else None
+            if offs is not None:
+                self.pool.write_values(offs, values)
+            else:
+                offs, srcs = _index.write_layout(entries, values, self.block_size)
+                self.pool.write_many(offs, srcs)
             self.index.sync()       # lock-free reads recorded before this write go first
             _index.install_entries(self, ok)
             self.counters["puts"] += len(ok)
-            self.counters["bytes_in"] += sum([e.size for e in ok])
+            self.counters["bytes_in"] += nbytes
         return statuses
 
     def lookup(self, session: Session | bytes, req_id: int, keys: Sequence[Any],
@@ -287,10 +294,12 @@ class Store(_Sessions, _Space, _Tiered, _Accounting, _Reserving):
         tier = self.tier
         if tier is not None:
             return [type(k) is bytes and (k in d or tier.has(k)) for k in keys]
-        try:
-            return [k in d for k in keys]
-        except TypeError:   # an unhashable key from a malformed request: a miss
-            return [type(k) is bytes and k in d for k in keys]
+        # (an unhashable key from a malformed request: a miss, as any key not bytes)
+        shared = self.index.shared
+        if shared is not None and len(keys) > 1 and shared.unpublished == 0:
+            # the shared table holds every live key: its probes are prefetched ahead
+            return shared.contains_many(keys)
+        return _index.contains_keys(self.index, keys)
 
     def list_keys(self, prefix: bytes = b"", start: int = 0, limit: int = 1000
                   ) -> tuple[list[bytes], bool]:

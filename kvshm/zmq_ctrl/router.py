@@ -78,9 +78,11 @@ from typing import Any, Callable, Sequence
 
 import zmq
 
+from kvshm import _index
+from kvshm._pool import PackedValues
 from kvshm.segments import Liveness
 from kvshm.store import QUOTA_REFUSED, Outcome, Session, Store
-from kvshm.zmq_ctrl.frames import PACK_BELOW, FrameLayoutError
+from kvshm.zmq_ctrl.frames import PACK_BELOW, PACK_FRAME_BYTES, FrameLayoutError
 from kvshm.zmq_ctrl.frames import plan as plan_frames
 from kvshm.zmq_ctrl.frames import unpack as unpack_frames
 from kvshm.zmq_ctrl.protocol import (
@@ -1607,8 +1609,12 @@ class ServiceLoop:
                     and sizes[0] == len(frames[0])):
                 pass        # one value in one frame: what unpack_frames would give
             else:
+                # a plain layout is read in place (no view per value); anything else
+                # (and every error) goes the general way
+                packed = PackedValues.of(frames, counts, sizes) if len(sizes) > 1 else None
                 try:
-                    frames = unpack_frames(frames, counts, sizes)
+                    frames = packed if packed is not None else unpack_frames(
+                        frames, counts, sizes)
                 except FrameLayoutError as exc:
                     return Status.INVALID_REQUEST, {"error": str(exc)}, []
         elif len(keys) != len(frames):
@@ -1736,6 +1742,19 @@ class ServiceLoop:
                     store.sending(session, queued)
                     on_sent.append(queued)
                 return [e.size], [1], sums, [data]
+        if copy_over:
+            # every hit small and in one run (a batch of small values): the general
+            # path's frames and counts, planned and copied in C
+            fast = _index.small_frames(entries, store.block_size, PACK_BELOW,
+                                       PACK_FRAME_BYTES)
+            if fast is not None:
+                sizes, hits, offs, lens, counts, queued = fast
+                out = store.pool.read_groups(offs, lens, counts) if hits else []
+                store.unpin(hits)
+                if queued:
+                    store.sending(session, queued)
+                    on_sent.append(queued)
+                return sizes, counts, sums, out
         sizes = [e.size if e is not None else -1 for e in entries]
         budget = store.send_budget(session)
         cap = self.send_cap_blocks - session.quota.sending
