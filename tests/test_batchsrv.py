@@ -286,6 +286,10 @@ def test_tcp_batches_of_small_values_over_slices():
             got = c.get_batch(ask)
             assert got == [want.get(k) for k in ask]
             assert c.exists_batch(ask) == [k in want for k in ask]
+            # checksums travel with the packed values and back with the small frames
+            c.put_batch(keys[:3000], vals[:3000], checksum=True)
+            assert c.get_batch(keys[:3000] + [b"absent"], verify=True) == \
+                vals[:3000] + [None]
             # a batch with a large value among the small ones: the general path
             big = bytes(range(256)) * 1100
             c.put_batch([b"big", b"s1", b"s2"], [big, b"a", b""])

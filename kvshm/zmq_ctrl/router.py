@@ -1672,7 +1672,7 @@ class ServiceLoop:
 
             def reply() -> tuple[int, dict[str, Any], list[Any]]:
                 rbody: dict[str, Any] = {"sizes": sizes, "counts": counts}
-                if any(x is not None for x in sums):
+                if sums.count(None) != len(sums):       # some key has a checksum
                     rbody["sums"] = sums
                 return Status.OK, rbody, out
 
@@ -1718,7 +1718,7 @@ class ServiceLoop:
         sizes, counts, sums, out = self._get_part(keys, on_sent, hold, session,
                                                   not session.sending)
         rbody: dict[str, Any] = {"sizes": sizes, "counts": counts}
-        if any(s is not None for s in sums):
+        if sums.count(None) != len(sums):       # some key has a checksum
             rbody["sums"] = sums
         return Status.OK, rbody, out
 
