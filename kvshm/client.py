@@ -51,6 +51,7 @@ from kvshm.errors import (
     WritesLost,
 )
 from kvshm.movers import Layout, OneSidedMover, ShmMover, placed
+from kvshm.zmq_ctrl.channel import CALL1 as _CALL1, NOT_SENT as _NOT_SENT, _pid
 from kvshm.zmq_ctrl.channel import Channel, check_resolvable, endpoint_of
 from kvshm.zmq_ctrl import serverwatch
 from kvshm.zmq_ctrl.frames import FrameLayoutError
@@ -151,6 +152,10 @@ def _check(r: _Reply, what: str) -> None:
 
 
 _STALE = int(Status.STALE_EPOCH)
+_OP_PUT, _OP_GET, _OP_EXISTS = int(Op.PUT), int(Op.GET), int(Op.EXISTS)
+if _CALL1:      # the one-key request path in C (Client._fast1)
+    from kvshm.zmq_ctrl._zmqc import EXISTS1 as _EXISTS1, GET1 as _GET1
+    from kvshm.zmq_ctrl._zmqc import GET1_INTO as _GET1_INTO, PUT1 as _PUT1
 _ONE_OK = [int(Status.OK)]
 _ONE_FRAME = [1]
 _OK = int(Status.OK)
@@ -1613,7 +1618,7 @@ class Client:
         s = self._session
         if (s.mover is None and s.wb is None and s.local is None and not s.need_hello
                 and not self._closed and not s.lost_commits and not s.wb_lost
-                and not s.wb_refused and s.pid == os.getpid()):
+                and not s.wb_refused and s.pid == _pid[0]):
             return s
         return None
 
@@ -1655,6 +1660,40 @@ class Client:
         finally:
             self._arm_idle_flush()
 
+    def _fast1(self, s: "_Session", kind: int, op: int, bkey: bytes, value: Any,
+               checksum: int | None, out: Any, max_size: int = 65535) -> Any:
+        """One single-key request through :meth:`Channel.call1` (packed and read in C),
+        when nothing rides on it (no RELEASE/ABORT/COMMIT due) and no HELLO is due.
+
+        Returns NOT_SENT when it was not sent (then ``_call1``, the general one-key path,
+        runs: it says HELLO first where this found one due); ``(status, body, frames)``
+        for a reply other than the usual one (never STALE_EPOCH: that is NOT_SENT after
+        the HELLO is marked due); else the usual reply as Channel.call1 returns it.
+        Raises what Channel.request raises (a sent request that failed makes the next
+        call say HELLO first, as _call1)."""
+        if s.commits or s.aborts or s.releases:
+            return _NOT_SENT
+        chan = self._chan
+        with chan.lock:
+            if s.need_hello:
+                return _NOT_SENT
+            try:
+                r = chan.call1(kind, op, bkey, value, checksum, out, s.new_id(), s.epoch,
+                               max_size)
+            except BaseException as exc:
+                # sent and failed (timeout, send error, interrupt): HELLO before the next
+                # call, as _call1; proven gone before the send: HELLO, then _call1 again
+                s.need_hello = True
+                if _gone_unsent(exc):
+                    return _NOT_SENT
+                raise
+        if type(r) is tuple:
+            if r[0] == _STALE:
+                s.need_hello = True     # nothing was done: _call1 says HELLO, sends again
+                return _NOT_SENT
+            s.note_reply(r[1])
+        return r
+
     def _put1(self, key: Key, value: Any, checksum: bool) -> bool:
         """put() of one value by a remote client (one PUT). False: not taken (nothing
         done); the general path then runs."""
@@ -1664,6 +1703,14 @@ class Client:
         bkey = _key1(s, key)
         if bkey is None:
             return False
+        if _CALL1 and not checksum:
+            cap, mv = s.capacity, s.limits.max_value_bytes
+            r = self._fast1(s, _PUT1, _OP_PUT, bkey, value, None, None,
+                            mv if mv and mv < cap else cap)
+            if r is not _NOT_SENT:
+                if type(r) is tuple:
+                    self._put_reply(s, bkey, r[0], r[1])
+                return True
         try:
             view = memoryview(value)
         except TypeError:
@@ -1682,12 +1729,16 @@ class Client:
         else:
             body = {"keys": [bkey], "sizes": [size], "counts": [1]}
         st, rbody, _ = self._call1(Op.PUT, body, (view,))
+        self._put_reply(s, bkey, st, rbody)
+        return True
+
+    @staticmethod
+    def _put_reply(s: "_Session", bkey: bytes, st: int, rbody: dict[str, Any]) -> None:
         if st:
             _check(_Reply(0, st, rbody, []), "put")
         per_key = rbody["st"]
         if per_key != _ONE_OK:
             s.raise_failures([bkey], per_key, "put")
-        return True
 
     def _get1(self, key: Key, out: Any, verify: bool) -> tuple[list[int], list[Any]] | None:
         """op_lookup_copy of one key by a remote client (one GET): ``(sizes, data)``;
@@ -1710,7 +1761,20 @@ class Client:
                 view = view.cast("B")
             views = (view,)
         keys = [bkey]
-        st, rbody, frames = self._call1(Op.GET, {"keys": keys})
+        r = _NOT_SENT
+        if _CALL1 and not verify:
+            r = self._fast1(s, _GET1 if views is None else _GET1_INTO, _OP_GET, bkey, None,
+                            None, None if views is None else views[0])
+            if type(r) is int:
+                if r < 0:
+                    return [-1], [None]
+                return [r], [None]          # (get_into reads the size only)
+            if type(r) is bytes:
+                return [len(r)], [r]
+        if r is _NOT_SENT:
+            st, rbody, frames = self._call1(Op.GET, {"keys": keys})
+        else:
+            st, rbody, frames = r
         sizes = rbody.get("sizes")
         if not st and not verify and type(sizes) is list and len(sizes) == 1:
             # the usual replies, as got() reads them: a hit in one frame, or a miss
@@ -1739,7 +1803,14 @@ class Client:
         bkey = _key1(s, key)
         if bkey is None:
             return None
-        st, rbody, _ = self._call1(Op.EXISTS, {"keys": [bkey]})
+        r = self._fast1(s, _EXISTS1, _OP_EXISTS, bkey, None, None, None) if _CALL1 \
+            else _NOT_SENT
+        if type(r) is bool:
+            return r
+        if r is _NOT_SENT:
+            st, rbody, _ = self._call1(Op.EXISTS, {"keys": [bkey]})
+        else:
+            st, rbody, _ = r
         if st:
             _check(_Reply(0, st, rbody, []), "exists")
         return rbody["found"][0]  # type: ignore[no-any-return]

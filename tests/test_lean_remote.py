@@ -69,6 +69,15 @@ def _counting(c: Client) -> list[int]:
         return real(op, *a, **kw)
 
     c._chan.request = request  # type: ignore[method-assign]
+    real1 = c._chan.call1
+
+    def call1(kind: int, op: int, *a: Any) -> Any:   # the one-key path in C
+        r = real1(kind, op, *a)
+        if r is not chmod.NOT_SENT:
+            ops.append(int(op))
+        return r
+
+    c._chan.call1 = call1  # type: ignore[method-assign]
     return ops
 
 
@@ -182,6 +191,9 @@ def _fake(c: Client, replies: list[tuple[int, dict[str, Any], list[Any]]]) -> li
         return req_id, st, rbody, list(rframes)
 
     c._chan.request = request  # type: ignore[method-assign]
+    # the one-key path in C sends nothing: the stub answers (tests/test_clidisp.py
+    # crafts these replies on the wire for that path)
+    c._chan.call1 = lambda *a: chmod.NOT_SENT  # type: ignore[method-assign]
     return sent
 
 
@@ -223,6 +235,7 @@ def test_crafted_replies_equal_the_general_path(client, case):
     slow = _outcome(lambda: fn(client))
     del client._lean
     del client._chan.request
+    vars(client._chan).pop("call1", None)
     assert lean == slow
     assert sent_lean == sent_slow           # the same request went
     assert client.exists(b"k") in (True, False)
@@ -248,6 +261,7 @@ def test_stale_epoch_says_hello_and_sends_again(client):
             client.exists(b"k")
         assert len(sent) == 3 and hellos == [1, 1, 1, 1]
     del client._lean, client._hello_locked, client._chan.request
+    vars(client._chan).pop("call1", None)
 
 
 def test_piggybacked_ids_ride_and_are_requeued_on_failure(client):
@@ -267,6 +281,7 @@ def test_piggybacked_ids_ride_and_are_requeued_on_failure(client):
         client.put(b"k", b"v")
     assert s.releases == [777] and s.need_hello
     del client._chan.request
+    vars(client._chan).pop("call1", None)
     s.releases.clear()
     client.put(b"k", b"again")              # HELLO first, then the put
     assert client.get(b"k") == b"again"

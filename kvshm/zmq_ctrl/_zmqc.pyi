@@ -38,3 +38,26 @@ def _probe(path: str) -> None: ...
 def sweep(timeout: float = 0.0) -> int: ...
 def poll_in(sock: zmq.Socket[Any] | int, fd: int = -1, mon: zmq.Socket[Any] | int | None = None,
             timeout_ms: int = -1) -> int: ...
+
+# the one-key request path (Channel.call1)
+AGAIN: object
+PUT1: int
+GET1: int
+GET1_INTO: int
+EXISTS1: int
+MAX_KEY1: int
+MAX_VALUE1: int
+
+class SendFailed(zmq.ZMQError):
+    """libzmq refused a part of a one-key request."""
+
+def encode1(op: int, req_id: int, epoch: int, key: builtins.bytes, size: int | None = None,
+            checksum: int | None = None) -> builtins.bytes: ...
+def send1(sock: zmq.Socket[Any] | int, op: int, req_id: int, epoch: int, key: builtins.bytes,
+          value: Buffer | None = None, checksum: int | None = None,
+          max_size: int = 65535) -> bool: ...
+def recv1(sock: zmq.Socket[Any] | int, kind: int, req_id: int, out: Buffer | None = None,
+          copy_threshold: int = 65536) -> Any: ...
+def call1(sock: zmq.Socket[Any] | int, kind: int, op: int, req_id: int, epoch: int,
+          key: builtins.bytes, value: Buffer | None, checksum: int | None, max_size: int,
+          out: Buffer | None, copy_threshold: int = 65536) -> Any: ...

@@ -36,10 +36,15 @@ API
     mask (1, 2, 4) of what is readable; -1 if a signal interrupted it.
 ``sweep(timeout=0.0)``
     Let go of dropped trackers' buffers that libzmq is done with (see above).
+``send1``, ``recv1``, ``call1`` (send1 + recv1's first slice), ``encode1``
+    A remote client's single-key PUT/GET/EXISTS (kvshm.zmq_ctrl.channel.Channel.call1):
+    the header packed in C as msgpack packs it, the usual reply read in C (a GET's value
+    copied straight from the libzmq message into the caller's buffer); any other reply
+    is returned as its parts for the Python path to read.
 """
 
 from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE,
-                             PyBUF_ANY_CONTIGUOUS, PyBUF_WRITABLE)
+                             PyBUF_ANY_CONTIGUOUS, PyBUF_C_CONTIGUOUS, PyBUF_WRITABLE)
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.exc cimport PyErr_CheckSignals
 from libc.stdlib cimport malloc, free
@@ -513,3 +518,364 @@ def poll_in(sock, int fd=-1, mon=None, long timeout_ms=-1):
     if imon > 0 and items[imon].revents & 1:
         out |= 4
     return out
+
+
+# --------------------------------------------------------------------------- one-key calls
+#
+# A remote client's single-key PUT / GET / EXISTS (kvshm.client, through Channel.call1):
+# the request header is packed here (the bytes msgpack packs for the same request, see
+# kvshm.zmq_ctrl.protocol.encode_request) and the usual reply is read here, with no
+# Python object made for either; any other reply comes back as the parts of the message
+# for the Python path to read (it is never guessed at).
+
+cdef extern from *:
+    """
+    typedef unsigned long long kv_u64;
+    static unsigned char *kv_mp_uint(unsigned char *p, kv_u64 v) {
+        if (v < 0x80) { *p++ = (unsigned char)v; }
+        else if (v <= 0xff) { *p++ = 0xcc; *p++ = (unsigned char)v; }
+        else if (v <= 0xffff) { *p++ = 0xcd; *p++ = v >> 8; *p++ = v; }
+        else if (v <= 0xffffffffULL) { *p++ = 0xce; *p++ = v >> 24; *p++ = v >> 16;
+                                       *p++ = v >> 8; *p++ = v; }
+        else { int i; *p++ = 0xcf; for (i = 7; i >= 0; i--) *p++ = v >> (8 * i); }
+        return p;
+    }
+    /* [2, op, rid, epoch, {"keys": [key], ("sums": [sum],) "sizes": [size], "counts": [1]}]
+       (put) or [2, op, rid, epoch, {"keys": [key]}]: as msgpack-python packs them
+       (use_bin_type). buf holds klen + 80 bytes. Returns the length. */
+    static size_t kv_encode1(unsigned char *buf, int op, kv_u64 rid, kv_u64 epoch,
+                             const char *key, size_t klen, int put, kv_u64 size,
+                             int has_sum, kv_u64 sum) {
+        unsigned char *p = buf;
+        *p++ = 0x95; *p++ = 0x02; *p++ = (unsigned char)op;
+        p = kv_mp_uint(p, rid);
+        p = kv_mp_uint(p, epoch);
+        *p++ = put ? (has_sum ? 0x84 : 0x83) : 0x81;
+        *p++ = 0xa4; memcpy(p, "keys", 4); p += 4; *p++ = 0x91;
+        if (klen <= 0xff) { *p++ = 0xc4; *p++ = klen; }
+        else if (klen <= 0xffff) { *p++ = 0xc5; *p++ = klen >> 8; *p++ = klen; }
+        else { *p++ = 0xc6; *p++ = klen >> 24; *p++ = klen >> 16; *p++ = klen >> 8;
+               *p++ = klen; }
+        memcpy(p, key, klen); p += klen;
+        if (put) {
+            if (has_sum) { *p++ = 0xa4; memcpy(p, "sums", 4); p += 4; *p++ = 0x91;
+                           p = kv_mp_uint(p, sum); }
+            *p++ = 0xa5; memcpy(p, "sizes", 5); p += 5; *p++ = 0x91;
+            p = kv_mp_uint(p, size);
+            *p++ = 0xa6; memcpy(p, "counts", 6); p += 6; *p++ = 0x91; *p++ = 0x01;
+        }
+        return (size_t)(p - buf);
+    }
+    /* msgpack reading, only the forms the usual replies use; 0: not that form */
+    typedef struct { const unsigned char *p, *end; } kv_rd;
+    static int kv_rd_int(kv_rd *r, long long *out) {
+        const unsigned char *p = r->p;
+        kv_u64 v = 0; int n = 0, i;
+        if (p >= r->end) return 0;
+        unsigned char c = *p++;
+        if (c < 0x80) { *out = c; r->p = p; return 1; }
+        if (c >= 0xe0) { *out = (signed char)c; r->p = p; return 1; }
+        if (c == 0xd0) { if (p + 1 > r->end) return 0; *out = (signed char)p[0]; r->p = p + 1; return 1; }
+        switch (c) { case 0xcc: n = 1; break; case 0xcd: n = 2; break;
+                     case 0xce: n = 4; break; case 0xcf: n = 8; break; default: return 0; }
+        if (p + n > r->end) return 0;
+        for (i = 0; i < n; i++) v = (v << 8) | p[i];
+        if (v > 0x7fffffffffffffffULL) return 0;
+        *out = (long long)v; r->p = p + n; return 1;
+    }
+    static int kv_rd_uint(kv_rd *r) {          /* skip one unsigned int (a checksum) */
+        const unsigned char *p = r->p;
+        if (p >= r->end) return 0;
+        unsigned char c = *p++; int n;
+        if (c < 0x80) { r->p = p; return 1; }
+        switch (c) { case 0xcc: n = 1; break; case 0xcd: n = 2; break;
+                     case 0xce: n = 4; break; case 0xcf: n = 8; break; default: return 0; }
+        if (p + n > r->end) return 0;
+        r->p = p + n; return 1;
+    }
+    static int kv_rd_key(kv_rd *r, const char *name, size_t n) {   /* fixstr == name */
+        const unsigned char *p = r->p;
+        if (p + 1 + n > r->end || *p != (0xa0 | n) || memcmp(p + 1, name, n)) return 0;
+        r->p = p + 1 + n; return 1;
+    }
+    static int kv_rd_arr(kv_rd *r, int n) {    /* fixarray of n */
+        if (r->p >= r->end || *r->p != (0x90 | n)) return 0;
+        r->p++; return 1;
+    }
+    /* The usual reply to a one-key request of ``kind`` (0 PUT, 1 GET, 3 EXISTS) for
+       ``rid``: 1 and *val (PUT: 0; GET: the size, -1 a miss; EXISTS: 0/1), or 0: anything
+       else (another status, request id, field, form, or bytes after the header). */
+    static int kv_reply1(const unsigned char *buf, size_t len, int kind, kv_u64 rid,
+                         long long *val) {
+        kv_rd r = {buf, buf + len};
+        long long v; int i, nf, seen = 0;
+        if (len < 4 || buf[0] != 0x94 || buf[1] != 0x02 || buf[2] != 0x00) return 0;
+        r.p = buf + 3;
+        if (!kv_rd_int(&r, &v) || v < 0 || (kv_u64)v != rid) return 0;
+        if (r.p >= r.end || (*r.p & 0xf0) != 0x80) return 0;
+        nf = *r.p++ & 0x0f;
+        if (kind == 0) {
+            if (nf != 1 || !kv_rd_key(&r, "st", 2) || !kv_rd_arr(&r, 1) || r.p >= r.end
+                || *r.p != 0x00) return 0;
+            r.p++; *val = 0;
+        } else if (kind == 3) {
+            if (nf != 1 || !kv_rd_key(&r, "found", 5) || !kv_rd_arr(&r, 1) || r.p >= r.end
+                || (*r.p != 0xc2 && *r.p != 0xc3)) return 0;
+            *val = *r.p++ == 0xc3;
+        } else {
+            long long size = -3, count = -1;
+            for (i = 0; i < nf; i++) {
+                if (kv_rd_key(&r, "sizes", 5)) {
+                    if (seen & 1 || !kv_rd_arr(&r, 1) || !kv_rd_int(&r, &size)) return 0;
+                    seen |= 1;
+                } else if (kv_rd_key(&r, "counts", 6)) {
+                    if (seen & 2) return 0;
+                    seen |= 2;
+                    if (kv_rd_arr(&r, 0)) count = 0;
+                    else if (!kv_rd_arr(&r, 1) || !kv_rd_int(&r, &count) || count != 1) return 0;
+                } else if (kv_rd_key(&r, "sums", 4)) {
+                    if (seen & 4 || !kv_rd_arr(&r, 1) || !kv_rd_uint(&r)) return 0;
+                    seen |= 4;
+                } else return 0;
+            }
+            if (size >= 0 && count == 1) *val = size;
+            else if (size == -1 && count <= 0) *val = -1;
+            else return 0;
+        }
+        return r.p == r.end;
+    }
+    """
+    ctypedef unsigned long long kv_u64
+    size_t kv_encode1(unsigned char *buf, int op, kv_u64 rid, kv_u64 epoch, const char *key,
+                      size_t klen, int put, kv_u64 size, int has_sum, kv_u64 sum) noexcept
+    int kv_reply1(const unsigned char *buf, size_t len, int kind, kv_u64 rid,
+                  long long *val) noexcept
+
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+
+#: what :func:`recv1` returns when a slice (the socket's RCVTIMEO) passed with no reply
+AGAIN = object()
+#: kinds of :func:`recv1`
+PUT1 = 0
+GET1 = 1
+GET1_INTO = 2
+EXISTS1 = 3
+#: longest key and value :func:`send1` sends (else it returns False: the caller's
+#: general path sends it, values of ZERO_COPY bytes or more zero-copy)
+DEF _MAX_KEY1 = 4096
+MAX_KEY1 = _MAX_KEY1
+MAX_VALUE1 = 65535
+
+
+def encode1(int op, kv_u64 req_id, kv_u64 epoch, bytes key, object size=None,
+            object checksum=None):
+    """The header :func:`send1` sends (for tests: it equals ``encode_request`` of the same
+    request). ``size`` None: a GET/EXISTS body, else a PUT body."""
+    cdef size_t klen = PyBytes_GET_SIZE(key)
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, klen + 80)
+    cdef size_t n = kv_encode1(<unsigned char *>PyBytes_AS_STRING(out), op, req_id, epoch,
+                               PyBytes_AS_STRING(key), klen, size is not None,
+                               0 if size is None else <kv_u64>size, checksum is not None,
+                               0 if checksum is None else <kv_u64>checksum)
+    return out[:n]
+
+
+class SendFailed(zmq.ZMQError):
+    """libzmq refused a part of a one-key request (:func:`send1`, :func:`call1`)."""
+
+
+cdef int _send_all(void *s, const void *buf, size_t n, int f) except -1:
+    cdef int rc, err
+    while True:
+        rc = z_send(s, buf, n, f | _DONTWAIT)
+        if rc >= 0:
+            return 0
+        err = z_errno()
+        if err == _EAGAIN:
+            with nogil:
+                rc = z_send(s, buf, n, f)
+            if rc >= 0:
+                return 0
+            err = z_errno()
+        if err == _EINTR:
+            PyErr_CheckSignals()
+            continue
+        raise SendFailed(err)
+
+
+cdef bint _send1(void *s, int op, kv_u64 req_id, kv_u64 epoch, bytes key, object value,
+                 object checksum, Py_ssize_t max_size) except -1:
+    cdef size_t klen = PyBytes_GET_SIZE(key)
+    cdef unsigned char buf[_MAX_KEY1 + 80]
+    cdef size_t n
+    cdef Py_buffer view
+    if klen > _MAX_KEY1:
+        return False
+    if value is None:
+        n = kv_encode1(buf, op, req_id, epoch, PyBytes_AS_STRING(key), klen, 0, 0, 0, 0)
+        _send_all(s, buf, n, 0)
+        return True
+    try:
+        PyObject_GetBuffer(value, &view, PyBUF_C_CONTIGUOUS)
+    except (TypeError, BufferError, ValueError):
+        return False
+    try:
+        if view.len > 65535 or view.len > max_size:
+            return False
+        n = kv_encode1(buf, op, req_id, epoch, PyBytes_AS_STRING(key), klen, 1, view.len,
+                       checksum is not None, 0 if checksum is None else <kv_u64>checksum)
+        _send_all(s, buf, n, _SNDMORE)
+        _send_all(s, view.buf, view.len, 0)
+    finally:
+        PyBuffer_Release(&view)
+    return True
+
+
+def send1(sock, int op, kv_u64 req_id, kv_u64 epoch, bytes key, value=None,
+          checksum=None, Py_ssize_t max_size=65535):
+    """Send one single-key request: PUT of ``value`` (a C-contiguous buffer, with its
+    xxh64 ``checksum`` or None) when given, else a GET/EXISTS (``op``) of ``key``.
+
+    Returns False, sending nothing, when the key is over MAX_KEY1 bytes, ``value`` has no
+    C-contiguous buffer or is over ``max_size`` or MAX_VALUE1 bytes; True when sent.
+    Raises SendFailed (a zmq.ZMQError) when libzmq refuses (after the header went out,
+    the socket holds half a message: the caller drops it)."""
+    return _send1(_handle(sock), op, req_id, epoch, key, value, checksum, max_size)
+
+
+def call1(sock, int kind, int op, kv_u64 req_id, kv_u64 epoch, bytes key, value, checksum,
+          Py_ssize_t max_size, out, Py_ssize_t copy_threshold=65536):
+    """:func:`send1` (``value`` None unless ``kind`` is PUT1), then :func:`recv1`'s
+    first slice, in one call. Returns None when nothing was sent, else what recv1
+    returns."""
+    cdef void *s = _handle(sock)
+    if not _send1(s, op, req_id, epoch, key, value if kind == 0 else None, checksum,
+                  max_size):
+        return None
+    return _recv1(s, kind, req_id, out, copy_threshold)
+
+
+cdef object _part(kv_zmq_msg_t *msg, Py_ssize_t copy_threshold):
+    """A received part as recv_multipart returns it (the message is closed or moved)."""
+    cdef Frame fr
+    cdef Py_ssize_t n = z_msg_size(msg)
+    if n < copy_threshold:
+        try:
+            return PyBytes_FromStringAndSize(<char *>z_msg_data(msg), n)
+        finally:
+            z_msg_close(msg)
+    fr = Frame.__new__(Frame)
+    fr.msg = msg[0]
+    fr.live = True
+    return fr
+
+
+cdef list _rest(void *s, list out, bint more, Py_ssize_t copy_threshold):
+    """The remaining parts of a message already begun (they are queued: whole messages
+    arrive at once)."""
+    cdef kv_zmq_msg_t msg
+    cdef int rc, err
+    while more:
+        z_msg_init(&msg)
+        while True:
+            rc = z_msg_recv(&msg, s, _DONTWAIT)
+            if rc >= 0:
+                break
+            err = z_errno()
+            if err == _EINTR:
+                PyErr_CheckSignals()
+                continue
+            z_msg_close(&msg)
+            _raise_errno(err)
+        more = z_msg_more(&msg)
+        out.append(_part(&msg, copy_threshold))
+    return out
+
+
+cdef object _recv1(void *s, int kind, kv_u64 req_id, object out,
+                   Py_ssize_t copy_threshold):
+    cdef kv_zmq_msg_t msg, val
+    cdef int rc, err
+    cdef long long v = 0
+    cdef bint more, fast
+    cdef Py_ssize_t n
+    cdef Py_buffer ob
+    cdef list parts
+    cdef object res
+    z_msg_init(&msg)
+    while True:
+        with nogil:
+            rc = z_msg_recv(&msg, s, 0)
+        if rc >= 0:
+            break
+        err = z_errno()
+        if err == _EINTR:
+            PyErr_CheckSignals()
+            continue
+        z_msg_close(&msg)
+        if err == _EAGAIN:
+            return AGAIN
+        _raise_errno(err)
+    more = z_msg_more(&msg)
+    fast = kv_reply1(<const unsigned char *>z_msg_data(&msg), z_msg_size(&msg),
+                     1 if kind == GET1_INTO else kind, req_id, &v) == 1
+    if fast and (kind != GET1 and kind != GET1_INTO or v < 0):
+        if not more:
+            z_msg_close(&msg)
+            return (v != 0) if kind == EXISTS1 else v
+        fast = False
+    elif fast and not more:
+        fast = False                    # a hit without its frame
+    if not fast or not more:
+        parts = [_part(&msg, copy_threshold)]
+        return _rest(s, parts, more, copy_threshold)
+    # a hit: the value is the next (and last) part
+    z_msg_init(&val)
+    while True:
+        rc = z_msg_recv(&val, s, _DONTWAIT)
+        if rc >= 0:
+            break
+        err = z_errno()
+        if err == _EINTR:
+            PyErr_CheckSignals()
+            continue
+        z_msg_close(&val)
+        z_msg_close(&msg)
+        _raise_errno(err)
+    n = z_msg_size(&val)
+    res = None
+    if n == v and not z_msg_more(&val):
+        if kind == GET1:
+            res = PyBytes_FromStringAndSize(<char *>z_msg_data(&val), n)
+        else:
+            try:
+                PyObject_GetBuffer(out, &ob, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)
+            except (TypeError, BufferError, ValueError):
+                pass                    # the caller's reading says what is wrong
+            else:
+                if ob.len >= n:
+                    memcpy(ob.buf, z_msg_data(&val), n)
+                    res = n
+                PyBuffer_Release(&ob)
+    if res is not None:
+        z_msg_close(&val)
+        z_msg_close(&msg)
+        return res
+    more = z_msg_more(&val)
+    parts = [_part(&msg, copy_threshold)]
+    parts.append(_part(&val, copy_threshold))
+    return _rest(s, parts, more, copy_threshold)
+
+
+def recv1(sock, int kind, kv_u64 req_id, out=None, Py_ssize_t copy_threshold=65536):
+    """Wait one slice (the socket's RCVTIMEO) for the reply to the one-key request
+    ``req_id`` of ``kind`` (PUT1, GET1, GET1_INTO with ``out``, a writable C-contiguous
+    buffer, EXISTS1), the GIL released.
+
+    Returns, for the usual reply: PUT1 0; GET1 the value as ``bytes``, -1 for a miss;
+    GET1_INTO the size copied into ``out``, -1 for a miss; EXISTS1 True/False. AGAIN when
+    the slice passed with no message. Any other message (another status or request id,
+    other fields, a value larger than ``out``): its parts as a list, as
+    :func:`recv_multipart` returns them, for the caller to read. Raises zmq.ZMQError
+    for libzmq's errors other than EAGAIN."""
+    return _recv1(_handle(sock), kind, req_id, out, copy_threshold)

@@ -84,6 +84,24 @@ def _recv_zmqc(sock: zmq.Socket) -> list[Any]:
     return _zmqc.recv_multipart(sock, 0, ZERO_COPY_BYTES)  # type: ignore[no-any-return]
 
 
+#: Whether :meth:`Channel.call1` is there (the one-key path in C, _zmqc built)
+CALL1 = _zmqc is not None
+#: what :meth:`Channel.call1` returns when it sent nothing
+NOT_SENT = object()
+if _zmqc is not None:
+    _call1, _recv1, _AGAIN, _PUT1 = _zmqc.call1, _zmqc.recv1, _zmqc.AGAIN, _zmqc.PUT1
+    _SendFailed = _zmqc.SendFailed
+_monotonic = time.monotonic
+# os.getpid() is a system call; this is the pid, kept right across fork()
+_pid = [os.getpid()]
+
+
+def _forked() -> None:
+    _pid[0] = os.getpid()
+
+
+os.register_at_fork(after_in_child=_forked)
+
 #: send ``[header, *frames]``; receive one whole message, blocking up to RCVTIMEO
 #: (zmq.Again then). Frames come back as ``bytes`` or buffer objects.
 send_message, recv_message = ((_send_zmqc, _recv_zmqc) if _zmqc is not None
@@ -177,6 +195,7 @@ class Channel:
         self.watch: ServerWatch | None = None
         self._last = 0.0            # time.monotonic() of the last reply
         self.sent = 0               # requests sent
+        self.fast = 0               # one-key replies read in C (call1)
         self.timeouts = 0           # waits that ran to their end (ServerUnavailable)
         self.gone = 0               # servers found gone by the watch (ServerGone)
 
@@ -206,6 +225,95 @@ class Channel:
             s.connect(self.endpoint)
             self._sock = s
         return self._sock
+
+    def call1(self, kind: int, op: int, key: bytes, value: Any, checksum: int | None,
+              out: Any, req_id: int, epoch: int, max_size: int = 65535) -> Any:
+        """A single-key PUT / GET / EXISTS as :meth:`request` sends and waits for it, the
+        header packed and the usual reply read in C (kvshm.zmq_ctrl._zmqc.send1/recv1).
+        Call with :attr:`lock` held, only when ``CALL1`` is True.
+
+        ``kind``: ``_zmqc.PUT1`` (``value``: a C-contiguous buffer, ``checksum`` its
+        xxh64 or None; not sent when over ``max_size`` bytes), ``GET1``, ``GET1_INTO``
+        (``out``: a writable C-contiguous buffer) or ``EXISTS1``.
+
+        Returns
+        -------
+        NOT_SENT
+            Nothing was sent (a key or value over _zmqc.MAX_KEY1 / MAX_VALUE1 bytes, a
+            value without a C-contiguous buffer): the caller's general path sends it.
+        tuple
+            ``(status, body, frames)`` of a reply that is not the usual one (an error
+            status, other fields): the caller reads it as it reads :meth:`request`'s.
+        otherwise
+            The usual reply: PUT1 0; GET1 the value (``bytes``) or -1 (a miss);
+            GET1_INTO the size copied into ``out`` or -1; EXISTS1 a bool.
+
+        Raises
+        ------
+        ServerUnavailable, ServerGone, ProtocolError
+            As :meth:`request` (the same waits, slices and checks).
+        """
+        if _zmqc is None:           # (tests take it away: pyzmq then carries all)
+            return NOT_SENT
+        sock = self._sock
+        if sock is None or self._pid != _pid[0]:
+            sock = self._socket()
+        watch = self.watch
+        t0 = _monotonic()
+        if watch is not None and t0 - self._last > IDLE_S:
+            self._check(watch, sent=False)
+        if self._rcvtimeo != self._slice_ms:
+            sock.setsockopt(zmq.RCVTIMEO, self._slice_ms)
+            self._rcvtimeo = self._slice_ms
+        try:
+            # send, then the first slice of the wait
+            r = _call1(sock, kind, op, req_id, epoch, key, value if kind == _PUT1 else None,
+                       checksum, max_size, out, ZERO_COPY_BYTES)
+        except _SendFailed as exc:
+            self.reset()
+            raise ServerUnavailable(f"cannot send to kvshm server at {self._where()}: "
+                                    f"{exc}") from None
+        except zmq.ZMQError:
+            raise                   # (of the receive, as request lets it through)
+        except BaseException:
+            self.reset()            # half a message may be queued (see request)
+            raise
+        if r is None:
+            return NOT_SENT
+        self.sent += 1
+        if r is _AGAIN or type(r) is list:
+            r = self._wait1(sock, watch, t0, r, kind, req_id, out)
+            if type(r) is tuple:
+                return r
+        self.fast += 1
+        if watch is not None:
+            self._last = _monotonic()
+        return r
+
+    def _wait1(self, sock: zmq.Socket, watch: ServerWatch | None, t0: float, r: Any,
+               kind: int, req_id: int, out: Any) -> Any:
+        """The rest of call1's wait: slices after the first (as request's), and replies
+        not read in C (another request's are handed to on_stray)."""
+        deadline = t0 + self.timeout
+        self._watch_at = t0 + POLL_S
+        self._hs_failed = 0
+        while True:
+            if r is _AGAIN:
+                self._waited(sock, watch, deadline, self.timeout)
+            elif type(r) is not list:
+                return r
+            else:
+                try:
+                    status, rid, rbody = decode_reply(r[0])
+                except DecodeError as exc:
+                    self.reset()
+                    raise ProtocolError(f"bad reply from {self._where()}: {exc}") from None
+                if rid == req_id:
+                    self._last = _monotonic()
+                    return status, rbody, r[1:]
+                if self.on_stray is not None:
+                    self.on_stray(rid, status, rbody)
+            r = _recv1(sock, kind, req_id, out, ZERO_COPY_BYTES)
 
     def _where(self) -> str:
         if self.label and self.label != self.endpoint:
