@@ -50,7 +50,8 @@ def worker_main(spec: dict[str, Any]) -> None:
 
         def get() -> bool:
             c.get_into(key, out)
-            return bool(np.array_equal(out, val))
+            # (a bytes compare, as the Redis worker's: np.array_equal costs ~3 us more)
+            return out.tobytes() == valb
 
         op = {"kvshm-put": put, "kvshm-get": get, "bystander": get}[kind]
         close = c.close
