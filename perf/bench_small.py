@@ -21,7 +21,8 @@ local (a shm client of a server on this host, default 64 KiB blocks)
 remote (TCP transport, i.e. what a client on another host gets)
     single-key requests/s with N client processes for N in --clients, 4 KiB values, put
     then get phases, beside Redis SET/GET (redis-server + redis-py, same N, same values);
-    server CPU per request from /proc of the server (and of redis-server).
+    server CPU per request from /proc of the server (and of redis-server); client CPU per
+    request from each client process's time.process_time (all its threads).
 batch (TCP, a server with 4 KiB blocks)
     ``put_batch`` / ``get_batch`` (fresh bytes) / ``exists_batch`` of --batch keys of
     64-byte values, keys/s, beside Redis pipelined SET / MGET (fresh bytes) of the same.
@@ -401,6 +402,12 @@ def report(res: dict[str, Any]) -> None:
             print("  " + " ".join(f"{'-':>12}" if v is None else
                                   (f"{v:12.2f}" if isinstance(v, float) and v < 100 else
                                    f"{v:12.0f}") for v in vals))
+        print("  client CPU per request (us, all threads of the client processes, ZeroMQ's "
+              "included): " + "; ".join(
+                  f"N={row['clients']} put {row.get('kvshm_put_client_us', 0):.0f} / set "
+                  f"{row.get('redis_put_client_us', 0):.0f}, get "
+                  f"{row.get('kvshm_get_client_us', 0):.0f} / {row.get('redis_get_client_us', 0):.0f}"
+                  for row in rem["rows"]))
         print("  (target: kvshm >= 1.0x Redis at every N; server CPU per request)")
     bat = res.get("batch")
     if bat:

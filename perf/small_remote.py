@@ -76,6 +76,7 @@ def worker_main(spec: dict[str, Any]) -> None:
     sys.stdin.readline()
     n = bad = 0
     stamps: list[tuple[float, float]] = []
+    cpu = 0.0
     if kind == "bystander":
         # runs until the parent writes a second line (it decides the windows)
         import threading
@@ -94,12 +95,14 @@ def worker_main(spec: dict[str, Any]) -> None:
             bad += not ok
             n += 1
     else:
+        cpu0 = time.process_time()
         end = time.monotonic() + spec["seconds"]
         while time.monotonic() < end:
             bad += not op()
             n += 1
+        cpu = time.process_time() - cpu0    # every thread of this process (ZeroMQ's too)
     close()
-    print(json.dumps({"n": n, "bad": bad, "stamps": stamps}), flush=True)
+    print(json.dumps({"n": n, "bad": bad, "stamps": stamps, "cpu": cpu}), flush=True)
 
 
 def run_workers(specs: list[dict[str, Any]], server_pid: int | None
@@ -157,6 +160,8 @@ def bench_remote_single(address: str, server_pid: int, redis_port: int | None,
                 op = "put" if kind.endswith(("put", "set")) else "get"
                 row[f"{label}_{op}_rps"] = total / seconds
                 row[f"{label}_{op}_cpu_us"] = cpu / max(total, 1) * 1e6
+                row[f"{label}_{op}_client_us"] = (sum(o.get("cpu", 0.0) for o in outs)
+                                                  / max(total, 1) * 1e6)
         for op in ("put", "get"):
             if f"redis_{op}_rps" in row:
                 row[f"{op}_vs_redis"] = row[f"kvshm_{op}_rps"] / row[f"redis_{op}_rps"]
