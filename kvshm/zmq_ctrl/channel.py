@@ -229,7 +229,7 @@ class Channel:
     def call1(self, kind: int, op: int, key: bytes, value: Any, checksum: int | None,
               out: Any, req_id: int, epoch: int, max_size: int = 65535) -> Any:
         """A single-key PUT / GET / EXISTS as :meth:`request` sends and waits for it, the
-        header packed and the usual reply read in C (kvshm.zmq_ctrl._zmqc.send1/recv1).
+        header packed and the usual reply read in C (kvshm.zmq_ctrl._zmqc.call1/recv1).
         Call with :attr:`lock` held, only when ``CALL1`` is True.
 
         ``kind``: ``_zmqc.PUT1`` (``value``: a C-contiguous buffer, ``checksum`` its
