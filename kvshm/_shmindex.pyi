@@ -12,10 +12,16 @@ from kvshm._pool import Pool
 
 #: Most block runs one entry may have.
 MAX_EXTENTS: int
-#: Longest key the table holds inline (longer ones are asked of the server).
+#: Longest key the table holds (longer ones are asked of the server).
 KEY_MAX: int
 #: Bytes per slot.
 SLOT_SIZE: int
+#: Bytes of a slot shared by its key, checksum and runs.
+SLOT_DATA: int
+#: Bytes of a wide record (an entry a slot cannot hold).
+WIDE_SIZE: int
+#: Slots a table starts with (it grows by half at 3/4 full, up to its capacity).
+INITIAL_SLOTS: int
 #: Bytes of the index segment's header.
 HEADER_SIZE: int
 #: Records of the reads ring.
@@ -31,7 +37,7 @@ STATE_CLOSED: int
 def key_hash(key: bytes | str) -> int:
     """The table's 64-bit hash of ``key``."""
 def default_slots(num_blocks: int) -> int:
-    """Next power of two >= 2 x ``num_blocks``."""
+    """Capacity in slots: the next power of two >= 2 x ``num_blocks``."""
 
 @final
 class IndexWriter:
@@ -55,9 +61,12 @@ class IndexWriter:
         token: bytes = ...,
         misses_final: bool = True,
         ring_records: int = ...,
+        initial_slots: int = ...,
     ) -> IndexWriter: ...
     @property
     def nslots(self) -> int: ...
+    @property
+    def capacity(self) -> int: ...
     @property
     def live(self) -> int: ...
     @property

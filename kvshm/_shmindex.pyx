@@ -5,20 +5,29 @@ without asking the server (docs/DESIGN.md, "Same-host reads without a round trip
 The server is the only writer (:class:`IndexWriter`); clients map the table read-only
 (:class:`IndexReader`, ``PROT_READ``: a reader cannot corrupt it) and read optimistically.
 
-Index segment layout::
+Index segment layout (layout 2)::
 
-    [ header: 4096 bytes | nslots slots of 256 bytes ]
+    [ header: 4096 bytes | capacity slots of 128 bytes | wide records of 256 bytes ]
 
 Header: magic ``KVSHMIX1``, layout version, epoch (the server instance, as in HELLO),
-nslots, block size, state (OPEN / CLOSED: a stopped server, or one ``kvshm ctl cleanup``
-found dead), a table sequence (odd while the table is rebuilt), the count of live keys
-the table does not hold (too long, table full) and flags (misses are final: no tier
-below the pool). Slot::
+nslots (the slots in use: the table grows by halves up to ``capacity``), block size,
+state (OPEN / CLOSED: a stopped server, or one ``kvshm ctl cleanup`` found dead), a table
+sequence (odd while the table is rebuilt or grown), the count of live keys the table does
+not hold (too long, table full) and flags (misses are final: no tier below the pool),
+capacity, wide records. The segment is sized for ``capacity`` slots (and 3/4 as many wide
+records) but only the slots in use are reserved (``posix_fallocate``, when the table
+grows) and touched: memory follows the keys stored, not the pool's blocks. Slot::
 
     version u64 (seqlock: odd while the server writes the slot; only ever grows)
     hash u64 | state u32 (empty/live/tombstone) | key length u16 | extent count u8
-    flags u8 (has checksum) | key: up to KEY_MAX bytes inline | size u64 | checksum u64
-    extents: 8 x (first block u32, block count u32)
+    flags u8 (has checksum) | size u64
+    96 bytes: the key, then (flags & 1) its checksum u64, then the extents,
+    (first block u32, block count u32) each; an entry whose key, checksum and extents
+    do not fit in 96 bytes (a key over 88 bytes, or a long key in many runs) has them
+    in a wide record of 256 bytes instead (flags & 2), whose index (u32) the 96 bytes
+    then begin with. A wide record changes only while the version of the slot that
+    points at it is odd, and is reused only after that slot's version changed, so the
+    slot's seqlock covers it too.
 
 A reader loads the version (acquire), the fields, copies the value out of the pool,
 fences (acquire) and loads the version again; any change means the entry moved, was
@@ -96,6 +105,11 @@ cdef extern from *:
         __asm__ __volatile__("yield");
     #endif
     }
+    /* a key's home slot in a table of n slots: the hash's high bits scaled to n (any n,
+       not only powers of two: the table grows by halves) */
+    static inline uint64_t kvx_home(uint64_t h, uint64_t n) {
+        return (uint64_t)(((unsigned __int128)h * n) >> 64);
+    }
     static inline uint64_t kvx_fmix(uint64_t h) {
         h ^= h >> 33; h *= 0xff51afd7ed558ccdULL;
         h ^= h >> 33; h *= 0xc4ceb9fe1a85ec53ULL;
@@ -163,6 +177,7 @@ cdef extern from *:
     void kvx_prefetch(const void* p) nogil
     void kvx_pause() nogil
     uint64_t kvx_hash(const char* s, size_t n) nogil
+    uint64_t kvx_home(uint64_t h, uint64_t n) nogil
     int kvx_keyeq(const char* a, const char* b, size_t n) nogil
     double kvx_now() nogil
     int kvx_watch_forks() nogil
@@ -175,10 +190,17 @@ if kvx_watch_forks() != 0:
 
 #: Most block runs one entry may have (kvshm.index.MAX_EXTENTS).
 MAX_EXTENTS = 8
-#: Longest key the table holds inline; longer keys are not published (readers ask the server).
+#: Longest key the table holds (in a wide record when its key, checksum and runs do not
+#: fit in a slot's SLOT_DATA bytes); longer keys are not published (readers ask the server).
 KEY_MAX = 152
 #: Bytes per slot.
-SLOT_SIZE = 256
+SLOT_SIZE = 128
+#: Bytes of a slot shared by the key, the checksum and the runs.
+SLOT_DATA = 96
+#: Bytes of a wide record (key, checksum and runs of an entry a slot cannot hold).
+WIDE_SIZE = 256
+#: Slots a table starts with (at most its capacity); it grows by half at 3/4 full.
+INITIAL_SLOTS = 4096
 #: Bytes of the index segment's header.
 HEADER_SIZE = 4096
 #: Records of the reads ring.
@@ -186,11 +208,14 @@ RING_RECORDS = 65536
 
 _MAGIC = b"KVSHMIX1"
 _RING_MAGIC = b"KVSHMRR1"
-_LAYOUT = 1
+_LAYOUT = 2
 
 DEF C_MAX_EXT = 8
 DEF C_KEY_MAX = 152
-DEF C_SLOT = 256
+DEF C_SLOT = 128
+DEF C_DATA = 96
+DEF C_WIDE = 256
+DEF WIDE_CHUNK = 4096        # wide records reserved at a time
 DEF C_HEADER = 4096
 DEF C_RING_HEADER = 256
 
@@ -203,6 +228,9 @@ DEF H_OPEN = 1
 DEF H_CLOSED = 2
 # header flags
 DEF F_MISSES_FINAL = 1
+# slot flags
+DEF SF_SUM = 1
+DEF SF_WIDE = 2
 
 #: Result of a read that must be asked of the server instead (busy slot, closed or dead
 #: server, key not publishable, misses not final, ring full).
@@ -242,6 +270,8 @@ cdef struct Header:
     uint64_t tombs          # @96
     uint64_t num_blocks     # @104
     char token[16]          # @112
+    uint64_t capacity       # @128: slots the segment has room for (nslots grows to it)
+    uint64_t wide_capacity  # @136: wide records after the slots
 
 
 cdef struct Slot:
@@ -252,11 +282,9 @@ cdef struct Slot:
     uint16_t keylen
     uint8_t nextents
     uint8_t flags
-    char key[C_KEY_MAX]
-    # what a hit reads next
     uint64_t size
-    uint64_t checksum
-    uint32_t ext[C_MAX_EXT][2]
+    # the key, then the checksum (flags & 1), then nextents x (u32, u32): unaligned
+    char key[C_DATA]
 
 
 cdef struct Rec:
@@ -273,6 +301,24 @@ cdef struct Found:
     int has_sum
     int nextents
     uint32_t ext[C_MAX_EXT][2]
+
+
+cdef inline const char* _slot_key(const Slot* s, const char* wide, uint64_t wide_cap,
+                                 size_t n, size_t* room) noexcept nogil:
+    """Where the key (``n`` bytes) of slot ``s`` lies (its checksum and runs follow it),
+    and in ``room`` the bytes there; NULL when a key of ``n`` bytes cannot lie there, or
+    for a wide record index past the table's (a torn read)."""
+    cdef uint32_t w
+    if s.flags & SF_WIDE:
+        memcpy(&w, s.key, 4)
+        if w >= wide_cap or n > C_KEY_MAX:
+            return NULL
+        room[0] = C_WIDE
+        return wide + <uint64_t>w * C_WIDE
+    if n > C_DATA:
+        return NULL
+    room[0] = C_DATA
+    return s.key
 
 
 #: Byte offset of the header's state word (kvshm.segments marks dead servers' tables).
@@ -322,8 +368,10 @@ cdef uint64_t _pow2(uint64_t n):
 
 
 def default_slots(Py_ssize_t num_blocks):
-    """Slots for a pool of ``num_blocks`` blocks: the next power of two >= 2 x blocks (every
-    live entry holds a block, so the table is at most half full)."""
+    """Capacity (most slots) of the table of a pool of ``num_blocks`` blocks: the next power
+    of two >= 2 x blocks (every live entry holds a block, so the table is at most half
+    full). The table starts with :data:`INITIAL_SLOTS` and grows by halves as keys come:
+    only the slots in use take memory."""
     return _pow2(2 * max(1, num_blocks))
 
 
@@ -342,9 +390,10 @@ cdef char* _map(int fd, size_t size, bint writable, bint populate=False) except 
     return <char*>p
 
 
-cdef object _create_segment(str name, size_t size):
-    """Create ``name`` of ``size`` bytes, reserved with posix_fallocate (a full /dev/shm is
-    an error here, never a SIGBUS when the server first touches a slot)."""
+cdef object _create_segment(str name, size_t size, size_t reserve=0):
+    """Create ``name`` of ``size`` bytes, of which the first ``reserve`` (0: all) are
+    reserved with posix_fallocate (a full /dev/shm is an error here, never a SIGBUS when
+    the server first touches a slot; a table reserves the rest as it grows)."""
     cdef int rc, fd
     try:
         shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
@@ -353,8 +402,16 @@ cdef object _create_segment(str name, size_t size):
     except posix_ipc.PermissionsError as exc:
         raise PermissionError(f"cannot create shared-memory segment {name}: {exc}") from None
     fd = shm.fd
+    if reserve == 0 or reserve > size:
+        reserve = size
+    try:
+        os.ftruncate(fd, size)
+    except OSError:
+        shm.close_fd()
+        shm.unlink()
+        raise
     with nogil:
-        rc = posix_fallocate(fd, 0, size)
+        rc = posix_fallocate(fd, 0, reserve)
     if rc != 0:
         shm.close_fd()
         shm.unlink()
@@ -375,8 +432,15 @@ cdef class IndexWriter:
     cdef size_t _map_size
     cdef Header* _h
     cdef char* _slots
-    cdef uint64_t _mask
     cdef uint64_t _nslots
+    cdef uint64_t _cap        # slots the segment has room for (the table grows to it)
+    cdef char* _wide          # the wide records
+    cdef uint64_t _wide_cap   # wide records the segment has room for
+    cdef uint64_t _wide_res   # reserved (posix_fallocate) so far
+    cdef uint64_t _wide_next  # never used at or above this
+    cdef uint32_t* _wfree     # freed wide records (a stack)
+    cdef uint64_t _wfree_n
+    cdef uint64_t _wfree_cap
     cdef uint64_t _live
     cdef uint64_t _tombs
     cdef uint64_t _limit      # live + tombs above this: rebuild or refuse
@@ -403,6 +467,7 @@ cdef class IndexWriter:
     def __cinit__(self):
         self._map = NULL
         self._ring = NULL
+        self._wfree = NULL
         self._lock_fd = -1
         self._ring_lock_fd = -1
         self._unpub = set()
@@ -413,9 +478,17 @@ cdef class IndexWriter:
     @staticmethod
     def create(str name, str reads_name, uint64_t nslots, *, uint64_t epoch,
                uint64_t block_size, uint64_t num_blocks, bytes token=b"\0" * 16,
-               bint misses_final=True, uint64_t ring_records=RING_RECORDS):
-        """Create the index segment ``name`` (``nslots`` slots, rounded up to a power of
-        two) and the reads ring ``reads_name`` (``ring_records`` records), both mode 0600.
+               bint misses_final=True, uint64_t ring_records=RING_RECORDS,
+               uint64_t initial_slots=INITIAL_SLOTS):
+        """Create the index segment ``name`` and the reads ring ``reads_name``
+        (``ring_records`` records), both mode 0600.
+
+        ``nslots``: the table's capacity in slots (rounded up to a power of two; the
+        segment's size is ``HEADER_SIZE + capacity * SLOT_SIZE`` bytes, and as many again
+        for 3/4 * capacity wide records of WIDE_SIZE). It starts with ``initial_slots``
+        (at most the capacity) reserved and grows by half when 3/4 full (a rebuild:
+        readers see an odd table sequence meanwhile; the live keys are at most half of
+        it after), so the memory it takes follows the keys stored.
 
         ``misses_final``: a key absent from the table is absent from the store (no tier
         below the pool); readers then answer misses themselves.
@@ -423,7 +496,9 @@ cdef class IndexWriter:
         Raises FileExistsError, PermissionError, OSError (ENOSPC and other errno).
         """
         cdef IndexWriter self = IndexWriter.__new__(IndexWriter)
-        cdef uint64_t n = _pow2(nslots)
+        cdef uint64_t cap = _pow2(nslots)
+        cdef uint64_t n = min(cap, max(<uint64_t>1, initial_slots))
+        cdef uint64_t wcap = min(cap - cap // 4, 0xFFFFFFFF)
         cdef uint64_t nrec = _pow2(ring_records)
         cdef Header* h
         if len(token) != 16:
@@ -431,9 +506,9 @@ cdef class IndexWriter:
         self.name = _norm(name)
         self.reads_name = _norm(reads_name)
         self._pid = os.getpid()
-        self._map_size = C_HEADER + n * C_SLOT
+        self._map_size = C_HEADER + cap * C_SLOT + wcap * C_WIDE
         self._ring_size = C_RING_HEADER + nrec * sizeof(Rec)
-        shm = _create_segment(self.name, self._map_size)
+        shm = _create_segment(self.name, self._map_size, C_HEADER + n * C_SLOT)
         try:
             self._map = _map(shm.fd, self._map_size, True)
             self._lock_fd = os.dup(shm.fd)
@@ -464,7 +539,9 @@ cdef class IndexWriter:
             raise
         rshm.close_fd()
         self._nslots = n
-        self._mask = n - 1
+        self._cap = cap
+        self._wide = self._map + C_HEADER + cap * C_SLOT
+        self._wide_cap = wcap
         self._limit = n - n // 4
         self._slots = self._map + C_HEADER
         self._nrec = nrec
@@ -475,6 +552,8 @@ cdef class IndexWriter:
         h.header_size = C_HEADER
         h.epoch = epoch
         h.nslots = n
+        h.capacity = cap
+        h.wide_capacity = wcap
         h.slot_size = C_SLOT
         h.block_size = block_size
         h.num_blocks = num_blocks
@@ -507,7 +586,13 @@ cdef class IndexWriter:
 
     @property
     def nslots(self):
+        """Slots in use now (the table grows by halves up to :attr:`capacity`)."""
         return self._nslots
+
+    @property
+    def capacity(self):
+        """Most slots the table may grow to."""
+        return self._cap
 
     @property
     def live(self):
@@ -534,6 +619,7 @@ cdef class IndexWriter:
 
     def stats(self):
         return {"live": self._live, "tombstones": self._tombs, "slots": self._nslots,
+                "capacity": self._cap,
                 "unpublished": len(self._unpub), "rebuilds": self.rebuilds,
                 "skipped_records": self.skipped_records, "reads_applied": self.reads_applied}
 
@@ -550,9 +636,11 @@ cdef class IndexWriter:
     cdef int64_t _find(self, const char* k, Py_ssize_t n, uint64_t h,
                        int64_t* free_at) noexcept nogil:
         """Slot holding the key, or -1 (``free_at``: first tombstone or empty on its way)."""
-        cdef uint64_t i = h & self._mask
+        cdef uint64_t i = kvx_home(h, self._nslots)
         cdef uint64_t probes
         cdef Slot* s
+        cdef const char* kp
+        cdef size_t room
         free_at[0] = -1
         for probes in range(self._nslots):
             s = self._slot(i)
@@ -563,10 +651,50 @@ cdef class IndexWriter:
             if s.state == S_TOMB:
                 if free_at[0] < 0:
                     free_at[0] = i
-            elif s.hash == h and s.keylen == n and memcmp(s.key, k, n) == 0:
-                return i
-            i = (i + 1) & self._mask
+            elif s.hash == h and s.keylen == n:
+                kp = _slot_key(s, self._wide, self._wide_cap, n, &room)
+                if kp != NULL and memcmp(kp, k, n) == 0:
+                    return i
+            i += 1
+            if i == self._nslots:
+                i = 0
         return -1
+
+    cdef int64_t _wide_alloc(self) noexcept:
+        """A free wide record, reserved; -1 when none is left (or /dev/shm is full)."""
+        cdef uint64_t m
+        cdef int rc
+        cdef long off, length
+        if self._wfree_n:
+            self._wfree_n -= 1
+            return self._wfree[self._wfree_n]
+        if self._wide_next >= self._wide_cap:
+            return -1
+        if self._wide_next >= self._wide_res:
+            m = min(<uint64_t>WIDE_CHUNK, self._wide_cap - self._wide_res)
+            off = C_HEADER + self._cap * C_SLOT + self._wide_res * C_WIDE
+            length = m * C_WIDE
+            with nogil:
+                rc = posix_fallocate(self._lock_fd, off, length)
+            if rc != 0:
+                return -1
+            self._wide_res += m
+        self._wide_next += 1
+        return <int64_t>(self._wide_next - 1)
+
+    cdef void _wide_free(self, uint32_t w) noexcept:
+        """Give wide record ``w`` back (its slot's version has changed already)."""
+        cdef uint32_t* grown
+        cdef uint64_t c
+        if self._wfree_n == self._wfree_cap:
+            c = max(<uint64_t>1024, 2 * self._wfree_cap)
+            grown = <uint32_t*>realloc(self._wfree, c * sizeof(uint32_t))
+            if grown == NULL:
+                return                  # kept out of use: costs 256 bytes, nothing else
+            self._wfree = grown
+            self._wfree_cap = c
+        self._wfree[self._wfree_n] = w
+        self._wfree_n += 1
 
     cdef inline void _begin_write(self, Slot* s) noexcept nogil:
         kvx_store_rlx(&s.version, s.version + 1)
@@ -603,11 +731,11 @@ cdef class IndexWriter:
         for i in range(min(n, 16)):
             if type(keys[i]) is bytes:
                 _key_ptr(keys[i], &pk, &pn)
-                kvx_prefetch(self._slot(kvx_hash(pk, pn) & self._mask))
+                kvx_prefetch(self._slot(kvx_home(kvx_hash(pk, pn), self._nslots)))
         for i in range(n):
             if i + 16 < n and type(keys[i + 16]) is bytes:
                 _key_ptr(keys[i + 16], &pk, &pn)
-                kvx_prefetch(self._slot(kvx_hash(pk, pn) & self._mask))
+                kvx_prefetch(self._slot(kvx_home(kvx_hash(pk, pn), self._nslots)))
             size = sizes[i]
             if self._publish(keys[i], size, extents[i],
                              None if checksums is None else checksums[i]) < 0:
@@ -623,6 +751,12 @@ cdef class IndexWriter:
         cdef Slot* s
         cdef Py_ssize_t j, ne
         cdef uint32_t ext[C_MAX_EXT][2]
+        cdef uint64_t csum = 0
+        cdef char* tail
+        cdef char* rec
+        cdef bint wide, was_wide, fresh
+        cdef int64_t w = -1
+        cdef uint32_t w32
         self._check()
         if not _key_ptr(key, &k, &n):
             raise TypeError("key must be bytes or str")
@@ -630,6 +764,8 @@ cdef class IndexWriter:
         if n == 0 or n > C_KEY_MAX or ne == 0 or ne > C_MAX_EXT:
             self._refuse(key, k, n)
             return -1
+        if checksum is not None:
+            csum = <uint64_t>checksum
         for j in range(ne):
             ra, rb = extents[j]
             try:
@@ -647,9 +783,13 @@ cdef class IndexWriter:
             if self._unpub:
                 self._unpub.discard(bytes(k[:n]))
                 self._set_unpublished()
-            if self._live + self._tombs >= self._limit and self._tombs > 0:
-                self._rebuild()
-                i = self._find(k, n, h, &free_at)
+            if self._live + self._tombs >= self._limit:
+                if self._nslots < self._cap and self._live >= self._nslots // 2 and \
+                        self._grow():
+                    i = self._find(k, n, h, &free_at)
+                elif self._tombs > 0:
+                    self._rebuild(self._nslots)
+                    i = self._find(k, n, h, &free_at)
             if free_at < 0 or (self._slot(free_at).state == S_EMPTY and
                                self._live + self._tombs >= self._limit):
                 self._unpub.add(bytes(k[:n]))
@@ -657,24 +797,44 @@ cdef class IndexWriter:
                 return -1
             i = free_at
         s = self._slot(i)
+        fresh = s.state != S_LIVE
+        was_wide = not fresh and (s.flags & SF_WIDE) != 0
+        # a wide record for what a slot cannot hold (once wide, an entry stays wide)
+        wide = was_wide or n + 8 * ne + (0 if checksum is None else 8) > C_DATA
+        if wide and not was_wide:
+            w = self._wide_alloc()
+            if w < 0:                  # none left: as a key too long for the table
+                self._refuse(key, k, n)
+                return -1
         self._begin_write(s)
-        if s.state != S_LIVE:
+        if fresh:
             if s.state == S_TOMB:
                 self._tombs -= 1
             self._live += 1
             s.hash = h
             s.keylen = n
-            memcpy(s.key, k, n)
             s.state = S_LIVE
-        s.size = size
-        if checksum is None:
-            s.flags = 0
-            s.checksum = 0
+        if w >= 0:
+            w32 = <uint32_t>w
+            rec = self._wide + <uint64_t>w32 * C_WIDE
+            memcpy(rec, k, n)
+            memcpy(s.key, &w32, 4)
+        elif was_wide:
+            memcpy(&w32, s.key, 4)
+            rec = self._wide + <uint64_t>w32 * C_WIDE
         else:
-            s.flags = 1
-            s.checksum = <uint64_t>checksum
+            rec = s.key
+            if fresh:
+                memcpy(rec, k, n)
+        s.size = size
+        tail = rec + n
+        s.flags = SF_WIDE if wide else 0
+        if checksum is not None:
+            s.flags |= SF_SUM
+            memcpy(tail, &csum, 8)
+            tail += 8
         s.nextents = ne
-        memcpy(s.ext, ext, ne * 8)
+        memcpy(tail, ext, ne * 8)
         self._end_write(s)
         self._h.live = self._live
         self._h.tombs = self._tombs
@@ -693,10 +853,14 @@ cdef class IndexWriter:
         cdef Slot* s
         if i < 0:
             return False
+        cdef uint32_t w
         s = self._slot(i)
         self._begin_write(s)
         s.state = S_TOMB
         self._end_write(s)
+        if s.flags & SF_WIDE:
+            memcpy(&w, s.key, 4)
+            self._wide_free(w)
         self._live -= 1
         self._tombs += 1
         self._h.live = self._live
@@ -720,7 +884,7 @@ cdef class IndexWriter:
             return False
         r = self._unpublish(k, n)
         if self._tombs > self._nslots // 4:
-            self._rebuild()
+            self._rebuild(self._nslots)
         return r
 
     def contains_many(self, keys):
@@ -781,12 +945,34 @@ cdef class IndexWriter:
                 self._end_write(s)
         self._live = self._tombs = 0
         self._h.live = self._h.tombs = 0
+        self._wfree_n = 0           # every slot's version changed: all records are free
+        self._wide_next = 0
         self._unpub.clear()
         self._set_unpublished()
 
-    cdef _rebuild(self):
-        """Drop the tombstones: copy the live slots out, empty the table, put them back.
-        Readers see an odd table sequence meanwhile (and retry or ask the server)."""
+    cdef bint _grow(self) except -1:
+        """Grow the slots in use by half (reserving their memory first; to the capacity at
+        most). False when the segment has no room left for them (/dev/shm full): the
+        table then stays as it is, at its size from now on (keys that do not fit are not
+        published)."""
+        cdef uint64_t n = min(self._cap, self._nslots + max(<uint64_t>64, self._nslots // 2))
+        cdef int rc
+        cdef long off = C_HEADER + self._nslots * C_SLOT
+        cdef long length = (n - self._nslots) * C_SLOT
+        if n <= self._nslots or self._lock_fd < 0:
+            return False
+        with nogil:
+            rc = posix_fallocate(self._lock_fd, off, length)
+        if rc != 0:
+            self._cap = self._nslots
+            return False
+        self._rebuild(n)
+        return True
+
+    cdef _rebuild(self, uint64_t nslots):
+        """Drop the tombstones: copy the live slots out, empty the table, put them back
+        into ``nslots`` slots (the size now, or twice it: :meth:`_grow`). Readers see an
+        odd table sequence meanwhile (and retry or ask the server)."""
         cdef uint64_t i, j, m = 0, free_pos
         cdef Slot* s
         cdef Slot* d
@@ -807,11 +993,19 @@ cdef class IndexWriter:
                     self._begin_write(s)
                     s.state = S_EMPTY
                     self._end_write(s)
+            if nslots != self._nslots:
+                # readers load nslots after an even table sequence and check the
+                # sequence again after: they see either size, never a mix, as valid
+                self._nslots = nslots
+                self._limit = nslots - nslots // 4
+                kvx_store_rel(&self._h.nslots, nslots)
             for j in range(m):
                 d = <Slot*>(buf + j * C_SLOT)
-                free_pos = d.hash & self._mask
+                free_pos = kvx_home(d.hash, nslots)
                 while self._slot(free_pos).state != S_EMPTY:
-                    free_pos = (free_pos + 1) & self._mask
+                    free_pos += 1
+                    if free_pos == nslots:
+                        free_pos = 0
                 s = self._slot(free_pos)
                 self._begin_write(s)
                 memcpy(<char*>s + 8, <char*>d + 8, C_SLOT - 8)   # all but the version
@@ -852,6 +1046,8 @@ cdef class IndexWriter:
         cdef uint32_t slot, ver
         cdef Slot* s
         cdef double now
+        cdef const char* kp
+        cdef size_t room
         cdef list out = []
         if self._ring == NULL:
             return out
@@ -900,7 +1096,9 @@ cdef class IndexWriter:
                 continue                        # a void record (its read was redone)
             s = self._slot(slot)
             if s.state == S_LIVE and <uint32_t>s.version == ver:
-                out.append(PyBytes_FromStringAndSize(s.key, s.keylen))
+                kp = _slot_key(s, self._wide, self._wide_cap, s.keylen, &room)
+                if kp != NULL:
+                    out.append(PyBytes_FromStringAndSize(kp, s.keylen))
         self._tail = t
         kvx_store_rel(tailp, t)
         self.reads_applied += len(out)
@@ -945,6 +1143,7 @@ cdef class IndexWriter:
         self.unlink()
 
     def __dealloc__(self):
+        c_free(self._wfree)
         if self._map != NULL:
             munmap(self._map, self._map_size)
         if self._ring != NULL:
@@ -988,8 +1187,10 @@ cdef class IndexReader:
     cdef size_t _map_size
     cdef const Header* _h
     cdef const char* _slots
-    cdef uint64_t _mask
-    cdef uint64_t _nslots
+    cdef uint64_t _sink          # what _prefault read (so that the reads are made)
+    cdef uint64_t _cap           # slots mapped (the table's capacity); nslots: the header's
+    cdef const char* _wide
+    cdef uint64_t _wide_cap
     cdef uint64_t _bs
     cdef char* _ring
     cdef size_t _ring_size
@@ -1035,8 +1236,9 @@ cdef class IndexReader:
             total = shm.size
             if total < C_HEADER + C_SLOT:
                 raise ValueError(f"{name} is not a kvshm index ({total} bytes)")
-            # PROT_READ: a reader cannot write it
-            self._map = _map(shm.fd, total, False, total <= POPULATE_MAX_BYTES)
+            # PROT_READ: a reader cannot write it. Not MAP_POPULATE: a read fault on a
+            # slot the table has not reached yet would reserve it in /dev/shm
+            self._map = _map(shm.fd, total, False, False)
             self._map_size = total
             self._fd = os.dup(shm.fd)
         finally:
@@ -1044,8 +1246,11 @@ cdef class IndexReader:
         h = <const Header*>self._map
         self._h = h
         if (h.magic[:8] != _MAGIC or h.layout != _LAYOUT or h.slot_size != C_SLOT
-                or h.key_max != C_KEY_MAX or h.nslots * C_SLOT + C_HEADER > total
-                or h.nslots == 0 or (h.nslots & (h.nslots - 1))):
+                or h.key_max != C_KEY_MAX or h.wide_capacity > 0xFFFFFFFF
+                or h.capacity > (<uint64_t>1 << 40)
+                or h.capacity * C_SLOT + h.wide_capacity * C_WIDE + C_HEADER > total
+                or h.capacity == 0
+                or not self._nslots_ok(h.capacity)):
             self._unmap()
             raise ValueError(f"{name} is not a kvshm index of layout {_LAYOUT}")
         if h.epoch != epoch:
@@ -1054,10 +1259,12 @@ cdef class IndexReader:
             raise ValueError(f"{name} belongs to server epoch {found}, not {epoch}")
         self.epoch = epoch
         self._forkgen = kvx_forks()
-        self._nslots = h.nslots
-        self._mask = h.nslots - 1
+        self._cap = h.capacity
+        self._wide = self._map + C_HEADER + h.capacity * C_SLOT
+        self._wide_cap = h.wide_capacity
         self._bs = h.block_size
         self._slots = self._map + C_HEADER
+        self._prefault()
         self.name = name
         self.max_key = min(max_key, C_KEY_MAX)
         try:
@@ -1097,6 +1304,21 @@ cdef class IndexReader:
         if h.num_blocks * h.block_size > self._pool_size:
             self.close()
             raise ValueError(f"{name} describes a pool larger than the one attached")
+
+    cdef inline bint _nslots_ok(self, uint64_t cap) noexcept nogil:
+        cdef uint64_t n = kvx_load_acq(&self._h.nslots)
+        return n != 0 and n <= cap
+
+    cdef void _prefault(self) noexcept:
+        # the slots in use now, when few enough (the pool's rule, kvshm.client): the
+        # first reads do not fault them in one by one
+        cdef size_t used = C_HEADER + kvx_load_acq(&self._h.nslots) * C_SLOT, off
+        cdef uint64_t acc = 0
+        if used > POPULATE_MAX_BYTES or used > self._map_size:
+            return
+        for off in range(0, used, 4096):
+            acc += <uint8_t>self._map[off]
+        self._sink = acc
 
     cdef _unmap(self):
         if self._map != NULL:
@@ -1159,7 +1381,8 @@ cdef class IndexReader:
         """The table's header fields (for tests and stats)."""
         self._check()
         h = self._h
-        return {"epoch": h.epoch, "nslots": h.nslots, "state": kvx_load_acq(&h.state),
+        return {"epoch": h.epoch, "nslots": kvx_load_acq(&h.nslots),
+                "capacity": h.capacity, "state": kvx_load_acq(&h.state),
                 "table_seq": kvx_load_acq(&h.table_seq),
                 "unpublished": kvx_load_acq(&h.unpublished), "flags": h.flags,
                 "live": h.live, "tombs": h.tombs, "block_size": h.block_size,
@@ -1199,8 +1422,11 @@ cdef class IndexReader:
                    bint full=True) noexcept nogil:
         """R_HIT (``f`` filled when ``full``, consistent at one instant), R_MISS (not in
         the table), or R_FALLBACK (the table kept changing under us)."""
-        cdef uint64_t ts, i, probes, v1
+        cdef uint64_t ts, i, probes, v1, nslots, hs, ne
         cdef const Slot* s
+        cdef const char* tail
+        cdef const char* kp
+        cdef size_t room
         cdef uint32_t st
         cdef int attempt, j, restart
         for attempt in range(TRIES):
@@ -1208,26 +1434,39 @@ cdef class IndexReader:
             if ts & 1:
                 kvx_pause()
                 continue
-            i = h & self._mask
+            nslots = kvx_load_acq(&self._h.nslots)
+            if nslots == 0 or nslots > self._cap:
+                return R_FALLBACK        # not what the server writes
+            i = kvx_home(h, nslots)
             restart = 0
-            for probes in range(self._nslots):
+            for probes in range(nslots):
                 s = self._slot(i)
                 v1 = kvx_load_acq(&s.version)
                 if v1 & 1:
                     restart = 1
                     break
                 st = s.state
-                if st == S_LIVE and s.hash == h and s.keylen == n and \
-                        memcmp(s.key, k, n) == 0:
+                kp = NULL
+                if st == S_LIVE and s.hash == h and s.keylen == n:
+                    kp = _slot_key(s, self._wide, self._wide_cap, n, &room)
+                    if kp != NULL and memcmp(kp, k, n) != 0:
+                        kp = NULL
+                if kp != NULL:
                     f.slot = i
                     if full:
                         f.size = s.size
-                        f.checksum = s.checksum
-                        f.has_sum = s.flags & 1
-                        f.nextents = s.nextents
-                        if f.nextents > C_MAX_EXT:
-                            f.nextents = 0
-                        memcpy(f.ext, s.ext, sizeof(f.ext))
+                        hs = s.flags & 1
+                        ne = s.nextents
+                        tail = kp + n
+                        f.checksum = 0
+                        if ne > C_MAX_EXT or n + 8 * hs + 8 * ne > room:
+                            ne = hs = 0          # torn: the version check rejects it
+                        f.has_sum = <int>hs
+                        if hs:
+                            memcpy(&f.checksum, tail, 8)
+                            tail += 8
+                        f.nextents = <int>ne
+                        memcpy(f.ext, tail, ne * 8)
                     kvx_fence_acq()
                     if kvx_load_rlx(&s.version) != v1:
                         restart = 1
@@ -1240,7 +1479,9 @@ cdef class IndexReader:
                     break
                 if st == S_EMPTY:
                     break
-                i = (i + 1) & self._mask
+                i += 1
+                if i == nslots:
+                    i = 0
             if restart:
                 self.retries += 1
                 kvx_pause()
@@ -1512,7 +1753,7 @@ cdef class IndexReader:
         kvx_fence_acq()
         for i in range(nt):
             slot, version = tokens[i]
-            if slot >= self._nslots or \
+            if slot >= self._cap or \
                     kvx_load_rlx(&self._slot(slot).version) != <uint64_t>version:
                 return False
         if nt == 0:
@@ -1538,20 +1779,28 @@ cdef class IndexReader:
         cdef Found f
         cdef int r
         cdef uint64_t ts = kvx_load_acq(&self._h.table_seq)
-        cdef bint quick = not (ts & 1)        # no rebuild under way: one check at the end
+        cdef uint64_t nslots = kvx_load_acq(&self._h.nslots)
+        # no rebuild under way (and a size the server writes): one check at the end
+        cdef bint quick = not (ts & 1) and nslots != 0 and nslots <= self._cap
+        cdef uint64_t home
+        if not quick:
+            nslots = 1                       # (the prefetches below: slot 0)
         for i in range(nk):
             hashes[i] = kvx_hash(arena + offs[i], offs[i + 1] - offs[i])
         # each key's home slot and the one after it (a third of the keys of a table half
         # full are one slot past home: without the second, they wait for memory)
+        # (a prefetch never faults: the one past the last slot needs no wrap)
         for i in range(min(nk, AHEAD)):
-            kvx_prefetch(self._slot(hashes[i] & self._mask))
-            kvx_prefetch(self._slot((hashes[i] + 1) & self._mask))
+            home = kvx_home(hashes[i], nslots)
+            kvx_prefetch(self._slot(home))
+            kvx_prefetch(self._slot(home + 1))
         for i in range(nk):
             j = i + AHEAD
             if j < nk:
-                kvx_prefetch(self._slot(hashes[j] & self._mask))
-                kvx_prefetch(self._slot((hashes[j] + 1) & self._mask))
-            r = self._probe1(arena + offs[i], offs[i + 1] - offs[i], hashes[i]) \
+                home = kvx_home(hashes[j], nslots)
+                kvx_prefetch(self._slot(home))
+                kvx_prefetch(self._slot(home + 1))
+            r = self._probe1(arena + offs[i], offs[i + 1] - offs[i], hashes[i], nslots) \
                 if quick else R_FALLBACK
             if r == R_FALLBACK:       # a slot in a write, or a rebuild: the full lookup
                 r = self._find(arena + offs[i], offs[i + 1] - offs[i], hashes[i], &f, False)
@@ -1571,28 +1820,36 @@ cdef class IndexReader:
                             return i + 1
         return nk
 
-    cdef inline int _probe1(self, const char* k, Py_ssize_t n, uint64_t h) noexcept nogil:
-        """One key's lookup while no rebuild runs (the caller checks the table sequence
-        once for the whole batch): R_HIT, R_MISS, or R_FALLBACK when a slot on the way
-        was being written (the caller then runs the full :meth:`_find`)."""
-        cdef uint64_t i = h & self._mask, probes, v1
+    cdef inline int _probe1(self, const char* k, Py_ssize_t n, uint64_t h,
+                            uint64_t nslots) noexcept nogil:
+        """One key's lookup in a table of ``nslots`` slots while no rebuild runs (the
+        caller checks the table sequence once for the whole batch): R_HIT, R_MISS, or
+        R_FALLBACK when a slot on the way was being written (the caller then runs the
+        full :meth:`_find`)."""
+        cdef uint64_t i = kvx_home(h, nslots), probes, v1
         cdef const Slot* s
+        cdef const char* kp
+        cdef size_t room
         cdef uint32_t st
-        for probes in range(self._nslots):
+        for probes in range(nslots):
             s = self._slot(i)
             v1 = kvx_load_acq(&s.version)
             if v1 & 1:
                 return R_FALLBACK
             st = s.state
-            if st == S_LIVE and s.hash == h and s.keylen == n and kvx_keyeq(s.key, k, n):
-                kvx_fence_acq()
-                return R_HIT if kvx_load_rlx(&s.version) == v1 else R_FALLBACK
+            if st == S_LIVE and s.hash == h and s.keylen == n:
+                kp = _slot_key(s, self._wide, self._wide_cap, n, &room)
+                if kp != NULL and kvx_keyeq(kp, k, n):
+                    kvx_fence_acq()
+                    return R_HIT if kvx_load_rlx(&s.version) == v1 else R_FALLBACK
             kvx_fence_acq()
             if kvx_load_rlx(&s.version) != v1:
                 return R_FALLBACK
             if st == S_EMPTY:
                 return R_MISS
-            i = (i + 1) & self._mask
+            i += 1
+            if i == nslots:
+                i = 0
         return R_MISS
 
     cdef object _batch(self, object keys, bint prefix):
@@ -1746,5 +2003,5 @@ cdef class IndexReader:
         return done
 
 
-if sizeof(Slot) != C_SLOT or sizeof(Rec) != 16 or sizeof(Header) > C_HEADER:
+if sizeof(Slot) != C_SLOT or C_KEY_MAX + 8 + 8 * C_MAX_EXT > C_WIDE or sizeof(Rec) != 16 or sizeof(Header) > C_HEADER:
     raise ImportError("kvshm._shmindex was built with an unexpected struct layout")

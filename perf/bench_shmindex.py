@@ -34,7 +34,7 @@ import time
 import uuid
 
 from kvshm import Pool
-from kvshm._shmindex import IndexReader, IndexWriter, default_slots
+from kvshm._shmindex import SLOT_SIZE, IndexReader, IndexWriter, default_slots
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -103,7 +103,7 @@ def part_table(args: argparse.Namespace) -> None:
         dc = rate(dict_all, len(mixed), args.reps)
         mp = rate(prefix_all, 64 * len(reqs), args.reps)
         print(f"table: {args.keys} keys of {args.key_bytes} B, {w.nslots} slots "
-              f"({w.nslots * 256 >> 20} MiB)")
+              f"({w.nslots * SLOT_SIZE >> 20} MiB)")
         print(f"  publish (server, per key)        {pub / 1e6:7.2f} M keys/s")
         print(f"  exists_batch ({args.batch}/batch, half hit) {ex / 1e6:7.2f} M keys/s "
               f"(target >= 20); python dict {dc / 1e6:.2f} M keys/s -> {ex / dc:.2f}x")
