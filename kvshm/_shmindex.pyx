@@ -57,7 +57,8 @@ import posix_ipc
 from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t, uintptr_t
 from libc.string cimport memchr, memcmp, memcpy, memset
 from libc.stdlib cimport malloc, realloc, free as c_free
-from posix.mman cimport mmap, munmap, PROT_READ, PROT_WRITE, MAP_SHARED
+from posix.mman cimport (mmap, munmap, PROT_READ, PROT_WRITE, MAP_SHARED, MAP_PRIVATE,
+                         MAP_ANONYMOUS)
 from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE,
                              PyBUF_ANY_CONTIGUOUS, PyBUF_WRITABLE)
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING, PyBytes_GET_SIZE
@@ -976,8 +977,12 @@ cdef class IndexWriter:
         cdef uint64_t i, j, m = 0, free_pos
         cdef Slot* s
         cdef Slot* d
-        cdef char* buf = <char*>malloc(max(1, self._live) * C_SLOT)
-        if buf == NULL:
+        # its own mapping, unmapped after: a heap block this large would stay in the
+        # server's RSS once freed (malloc keeps up to 64 MiB of a freed heap top)
+        cdef size_t bufsize = max(<uint64_t>1, self._live) * C_SLOT
+        cdef char* buf = <char*>mmap(NULL, bufsize, PROT_READ | PROT_WRITE,
+                                     MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+        if <void*>buf == MAP_FAILED:
             raise MemoryError()
         try:
             for i in range(self._nslots):
@@ -1012,7 +1017,7 @@ cdef class IndexWriter:
                 self._end_write(s)
             kvx_store_rel(&self._h.table_seq, self._h.table_seq + 1)
         finally:
-            c_free(buf)
+            munmap(buf, bufsize)
         self._live = m
         self._tombs = 0
         self._h.live = m
