@@ -22,6 +22,8 @@ SLOT_DATA: int
 WIDE_SIZE: int
 #: Slots a table starts with (it grows by half at 3/4 full, up to its capacity).
 INITIAL_SLOTS: int
+MIGRATE_STEP: int
+RESERVE_STEP: int
 #: Bytes of the index segment's header.
 HEADER_SIZE: int
 #: Records of the reads ring.
@@ -47,6 +49,12 @@ class IndexWriter:
     reads_name: str
     epoch: int
     rebuilds: int
+    max_step: int
+    max_step_s: float
+    max_step_cpu_s: float
+    steps: int
+    steps_cpu_s: float
+    sync_finishes: int
     skipped_records: int
     reads_applied: int
     @staticmethod
@@ -62,6 +70,7 @@ class IndexWriter:
         misses_final: bool = True,
         ring_records: int = ...,
         initial_slots: int = ...,
+        migrate_step: int = ...,
     ) -> IndexWriter: ...
     @property
     def nslots(self) -> int: ...

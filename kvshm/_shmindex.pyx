@@ -5,18 +5,30 @@ without asking the server (docs/DESIGN.md, "Same-host reads without a round trip
 The server is the only writer (:class:`IndexWriter`); clients map the table read-only
 (:class:`IndexReader`, ``PROT_READ``: a reader cannot corrupt it) and read optimistically.
 
-Index segment layout (layout 2)::
+Index segment layout (layout 3)::
 
-    [ header: 4096 bytes | capacity slots of 128 bytes | wide records of 256 bytes ]
+    [ header: 4096 bytes | 2 x capacity slots of 128 bytes | wide records of 256 bytes ]
 
 Header: magic ``KVSHMIX1``, layout version, epoch (the server instance, as in HELLO),
-nslots (the slots in use: the table grows by halves up to ``capacity``), block size,
-state (OPEN / CLOSED: a stopped server, or one ``kvshm ctl cleanup`` found dead), a table
-sequence (odd while the table is rebuilt or grown), the count of live keys the table does
-not hold (too long, table full) and flags (misses are final: no tier below the pool),
-capacity, wide records. The segment is sized for ``capacity`` slots (and 3/4 as many wide
-records) but only the slots in use are reserved (``posix_fallocate``, when the table
-grows) and touched: memory follows the keys stored, not the pool's blocks. Slot::
+nslots and base (the table: ``nslots`` slots from slot ``base``; it grows by halves up to
+``capacity``), block size, state (OPEN / CLOSED: a stopped server, or one ``kvshm ctl
+cleanup`` found dead), a table sequence (odd only while the header's names of the tables
+change), the count of live keys the table does not hold (too long, table full) and flags
+(misses are final: no tier below the pool), capacity, wide records, and old_nslots /
+old_base (the table a growth or rebuild moves the entries from; 0 slots: none). The
+segment has room for two tables of ``capacity`` slots (slots [0, capacity) and [capacity,
+2 x capacity): a growth moves the table to the other half) and 3/4 capacity wide records,
+but only the slots in use are reserved (``posix_fallocate``) and touched, and the old
+table's are given back (punched) once moved: memory follows the keys stored, not the
+pool's blocks.
+
+Growth (from 11/16 full, by half) and rebuilds (tombstones) are incremental, one bounded
+step per publish or unpublish (:meth:`IndexWriter.create`): while both tables are named,
+new keys go to the new one, a key still in the old one is moved before it is changed, and
+each move writes the new slot before the old one becomes a tombstone; readers look in the
+old table first, then the new one, and check the table sequence again before a miss. A
+new table's slots start at versions above every version written before, so a token of an
+older table never matches a later entry. Slot::
 
     version u64 (seqlock: odd while the server writes the slot; only ever grows)
     hash u64 | state u32 (empty/live/tombstone) | key length u16 | extent count u8
@@ -34,8 +46,8 @@ fences (acquire) and loads the version again; any change means the entry moved, 
 overwritten or deleted meanwhile, and the read is retried or sent to the server. The
 server changes a slot's version before the entry's blocks can be freed or reused
 (:meth:`IndexWriter.unpublish`), so a racing reader never keeps bytes of another key.
-Deletion leaves tombstones; the table is rebuilt in place (table sequence odd) when they
-pile up.
+Deletion leaves tombstones; the table is rebuilt (moved, step by step, into a table of
+the same size in the other half) when they pile up.
 
 Reads segment (writable by same-user clients)::
 
@@ -162,6 +174,19 @@ cdef extern from *:
         return pthread_atfork(NULL, NULL, kvx_on_fork_child);
     }
     static inline uint64_t kvx_forks(void) { return kvx_fork_gen; }
+    #include <fcntl.h>
+    /* give back the pages of [off, off + len) of fd (FALLOC_FL_PUNCH_HOLE | KEEP_SIZE) */
+    static inline int kvx_punch(int fd, long off, long len) { return fallocate(fd, 0x02 | 0x01, off, len); }
+    static inline double kvx_fine_now(void) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        return ts.tv_sec + ts.tv_nsec * 1e-9;
+    }
+    static inline double kvx_thread_cpu(void) {
+        struct timespec ts;
+        clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+        return ts.tv_sec + ts.tv_nsec * 1e-9;
+    }
     static inline double kvx_now(void) {
         struct timespec ts;
         clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
@@ -181,6 +206,9 @@ cdef extern from *:
     uint64_t kvx_home(uint64_t h, uint64_t n) nogil
     int kvx_keyeq(const char* a, const char* b, size_t n) nogil
     double kvx_now() nogil
+    double kvx_fine_now() nogil
+    double kvx_thread_cpu() nogil
+    int kvx_punch(int fd, long off, long length) nogil
     int kvx_watch_forks() nogil
     uint64_t kvx_forks() nogil
 
@@ -202,6 +230,10 @@ SLOT_DATA = 96
 WIDE_SIZE = 256
 #: Slots a table starts with (at most its capacity); it grows by half at 3/4 full.
 INITIAL_SLOTS = 4096
+#: Old slots one step of a growth or rebuild looks at (its live ones are moved).
+MIGRATE_STEP = 64
+#: Slots one step of a growth reserves, or gives back once moved.
+RESERVE_STEP = 2048
 #: Bytes of the index segment's header.
 HEADER_SIZE = 4096
 #: Records of the reads ring.
@@ -209,7 +241,7 @@ RING_RECORDS = 65536
 
 _MAGIC = b"KVSHMIX1"
 _RING_MAGIC = b"KVSHMRR1"
-_LAYOUT = 2
+_LAYOUT = 3
 
 DEF C_MAX_EXT = 8
 DEF C_KEY_MAX = 152
@@ -219,6 +251,13 @@ DEF C_WIDE = 256
 DEF WIDE_CHUNK = 4096        # wide records reserved at a time
 DEF C_HEADER = 4096
 DEF C_RING_HEADER = 256
+# growth / rebuild steps (incremental: one step per publish or unpublish)
+DEF STEP_RESERVE = 2048      # slots reserved (posix_fallocate) per step: 256 KiB
+DEF STEP_PUNCH = 2048        # old slots given back (punched) per step
+DEF P_IDLE = 0
+DEF P_RESERVE = 1
+DEF P_MIGRATE = 2
+DEF P_CLEAN = 3
 
 # slot states
 DEF S_EMPTY = 0
@@ -273,6 +312,9 @@ cdef struct Header:
     char token[16]          # @112
     uint64_t capacity       # @128: slots the segment has room for (nslots grows to it)
     uint64_t wide_capacity  # @136: wide records after the slots
+    uint64_t base           # @144: first slot of the table (of 2 x capacity)
+    uint64_t old_nslots     # @152: slots of the table being migrated from (0: none)
+    uint64_t old_base       # @160: its first slot
 
 
 cdef struct Slot:
@@ -444,7 +486,32 @@ cdef class IndexWriter:
     cdef uint64_t _wfree_cap
     cdef uint64_t _live
     cdef uint64_t _tombs
-    cdef uint64_t _limit      # live + tombs above this: rebuild or refuse
+    cdef uint64_t _limit      # live + tombs above this: refuse (or finish a growth first)
+    cdef uint64_t _trigger    # live + tombs above this: start a growth or rebuild
+    cdef uint64_t _base       # first slot of the table (region 0 or region 1)
+    cdef uint64_t _half       # slots of a region (the capacity): 2 regions in the segment
+    cdef uint64_t _room       # slots of the segment (2 x capacity)
+    cdef int _phase           # P_IDLE / P_RESERVE / P_MIGRATE / P_CLEAN
+    cdef uint64_t _obase      # the table migrated from (while P_MIGRATE)
+    cdef uint64_t _onslots
+    cdef uint64_t _cursor     # next old slot the migration looks at
+    cdef uint64_t _pbase      # the table reserved (while P_RESERVE)
+    cdef uint64_t _pn
+    cdef uint64_t _pdone
+    cdef uint64_t _cbase      # the slots given back (while P_CLEAN)
+    cdef uint64_t _cn
+    cdef uint64_t _cdone
+    cdef bint _no_room        # /dev/shm refused a table: no growth or rebuild from now on
+    cdef uint64_t _vmax       # highest slot version written
+    cdef uint64_t _vbase      # versions of a new table start above every one before
+    cdef uint64_t _work       # slots of table upkeep in the current call
+    cdef uint64_t _move_step  # old slots a migration step looks at
+    cdef readonly uint64_t max_step
+    cdef readonly double max_step_s
+    cdef readonly double max_step_cpu_s
+    cdef readonly uint64_t steps
+    cdef readonly double steps_cpu_s
+    cdef readonly uint64_t sync_finishes
     cdef char* _ring
     cdef size_t _ring_size
     cdef uint64_t _nrec
@@ -480,19 +547,27 @@ cdef class IndexWriter:
     def create(str name, str reads_name, uint64_t nslots, *, uint64_t epoch,
                uint64_t block_size, uint64_t num_blocks, bytes token=b"\0" * 16,
                bint misses_final=True, uint64_t ring_records=RING_RECORDS,
-               uint64_t initial_slots=INITIAL_SLOTS):
+               uint64_t initial_slots=INITIAL_SLOTS, uint64_t migrate_step=MIGRATE_STEP):
         """Create the index segment ``name`` and the reads ring ``reads_name``
         (``ring_records`` records), both mode 0600.
 
         ``nslots``: the table's capacity in slots (rounded up to a power of two; the
         segment's size is ``HEADER_SIZE + capacity * SLOT_SIZE`` bytes, and as many again
         for 3/4 * capacity wide records of WIDE_SIZE). It starts with ``initial_slots``
-        (at most the capacity) reserved and grows by half when 3/4 full (a rebuild:
-        readers see an odd table sequence meanwhile; the live keys are at most half of
-        it after), so the memory it takes follows the keys stored.
+        (at most the capacity) reserved and grows by half from 11/16 full, so the
+        memory it takes follows the keys stored. A growth (or a rebuild that drops
+        tombstones) is incremental: the new table lies in the other half of the slots
+        (the segment has room for two tables of ``capacity`` slots; only the ones in use
+        are reserved), and each publish or unpublish does one bounded step of it
+        (reserve up to 2,048 slots, move the live entries of ``migrate_step`` old slots,
+        or give back up to 2,048 old slots), readers looking in both tables meanwhile.
 
         ``misses_final``: a key absent from the table is absent from the store (no tier
         below the pool); readers then answer misses themselves.
+
+        ``migrate_step``: old slots one step of a growth or rebuild looks at (one step
+        per publish or unpublish; at least 6 for a growth to end before the new table is
+        3/4 full, else the rest is done at once and counted in ``sync_finishes``).
 
         Raises FileExistsError, PermissionError, OSError (ENOSPC and other errno).
         """
@@ -507,7 +582,7 @@ cdef class IndexWriter:
         self.name = _norm(name)
         self.reads_name = _norm(reads_name)
         self._pid = os.getpid()
-        self._map_size = C_HEADER + cap * C_SLOT + wcap * C_WIDE
+        self._map_size = C_HEADER + 2 * cap * C_SLOT + wcap * C_WIDE
         self._ring_size = C_RING_HEADER + nrec * sizeof(Rec)
         shm = _create_segment(self.name, self._map_size, C_HEADER + n * C_SLOT)
         try:
@@ -541,9 +616,12 @@ cdef class IndexWriter:
         rshm.close_fd()
         self._nslots = n
         self._cap = cap
-        self._wide = self._map + C_HEADER + cap * C_SLOT
+        self._half = cap
+        self._move_step = max(<uint64_t>1, migrate_step)
+        self._room = 2 * cap
+        self._wide = self._map + C_HEADER + 2 * cap * C_SLOT
         self._wide_cap = wcap
-        self._limit = n - n // 4
+        self._set_limits()
         self._slots = self._map + C_HEADER
         self._nrec = nrec
         self.epoch = epoch
@@ -622,6 +700,10 @@ cdef class IndexWriter:
         return {"live": self._live, "tombstones": self._tombs, "slots": self._nslots,
                 "capacity": self._cap,
                 "unpublished": len(self._unpub), "rebuilds": self.rebuilds,
+                "max_step_slots": self.max_step, "max_step_s": self.max_step_s,
+                "max_step_cpu_s": self.max_step_cpu_s, "steps": self.steps,
+                "steps_cpu_s": self.steps_cpu_s,
+                "sync_finishes": self.sync_finishes, "phase": self._phase,
                 "skipped_records": self.skipped_records, "reads_applied": self.reads_applied}
 
     cdef inline int _check(self) except -1:
@@ -632,34 +714,80 @@ cdef class IndexWriter:
     cdef inline Slot* _slot(self, uint64_t i) noexcept nogil:
         return <Slot*>(self._slots + i * C_SLOT)
 
+    cdef void _set_limits(self) noexcept nogil:
+        cdef uint64_t n = self._nslots
+        self._limit = n - n // 4
+        self._trigger = self._limit - n // 16     # 11/16: the growth is done by 3/4
+
     # ------------------------------------------------------------ writes
 
-    cdef int64_t _find(self, const char* k, Py_ssize_t n, uint64_t h,
-                       int64_t* free_at) noexcept nogil:
-        """Slot holding the key, or -1 (``free_at``: first tombstone or empty on its way)."""
-        cdef uint64_t i = kvx_home(h, self._nslots)
+    cdef int64_t _find_in(self, uint64_t base, uint64_t nslots, const char* k,
+                          Py_ssize_t n, uint64_t h, int64_t* free_at) noexcept nogil:
+        """Slot (of the segment) holding the key in the table of ``nslots`` slots from
+        ``base``, or -1 (``free_at``: first tombstone or empty on its way)."""
+        cdef uint64_t i = kvx_home(h, nslots)
         cdef uint64_t probes
         cdef Slot* s
         cdef const char* kp
         cdef size_t room
         free_at[0] = -1
-        for probes in range(self._nslots):
-            s = self._slot(i)
+        for probes in range(nslots):
+            s = self._slot(base + i)
             if s.state == S_EMPTY:
                 if free_at[0] < 0:
-                    free_at[0] = i
+                    free_at[0] = base + i
                 return -1
             if s.state == S_TOMB:
                 if free_at[0] < 0:
-                    free_at[0] = i
+                    free_at[0] = base + i
             elif s.hash == h and s.keylen == n:
                 kp = _slot_key(s, self._wide, self._wide_cap, n, &room)
                 if kp != NULL and memcmp(kp, k, n) == 0:
-                    return i
+                    return base + i
+            i += 1
+            if i == nslots:
+                i = 0
+        return -1
+
+    cdef int64_t _find(self, const char* k, Py_ssize_t n, uint64_t h,
+                       int64_t* free_at) noexcept nogil:
+        """Slot holding the key, or -1 (``free_at``: first tombstone or empty on its way,
+        in the table). A key still in the table a migration moves from is moved first."""
+        cdef int64_t i = self._find_in(self._base, self._nslots, k, n, h, free_at)
+        cdef int64_t j, dummy
+        if i < 0 and self._onslots:
+            j = self._find_in(self._obase, self._onslots, k, n, h, &dummy)
+            if j >= 0:
+                i = self._move(<uint64_t>j)
+        return i
+
+    cdef int64_t _move(self, uint64_t j) noexcept nogil:
+        """Move the live entry of old slot ``j`` into the table (it is not there: a key
+        is in one of them): the copy is written first, then the old slot becomes a
+        tombstone, so a reader that looks in the old table, then the new one, never
+        misses it. Its wide record, if any, goes along (the old slot no longer points at
+        it once the new one may change it). Returns the new slot."""
+        cdef Slot* src = self._slot(j)
+        cdef uint64_t i = kvx_home(src.hash, self._nslots)
+        cdef uint64_t probes
+        cdef Slot* d
+        for probes in range(self._nslots):
+            if self._slot(self._base + i).state != S_LIVE:
+                break
             i += 1
             if i == self._nslots:
                 i = 0
-        return -1
+        d = self._slot(self._base + i)
+        if d.state == S_TOMB:
+            self._tombs -= 1
+        self._begin_write(d)
+        memcpy(<char*>d + 8, <char*>src + 8, C_SLOT - 8)     # all but the version
+        self._end_write(d)
+        self._begin_write(src)
+        src.state = S_TOMB
+        self._end_write(src)
+        self._work += 1
+        return <int64_t>(self._base + i)
 
     cdef int64_t _wide_alloc(self) noexcept:
         """A free wide record, reserved; -1 when none is left (or /dev/shm is full)."""
@@ -673,7 +801,7 @@ cdef class IndexWriter:
             return -1
         if self._wide_next >= self._wide_res:
             m = min(<uint64_t>WIDE_CHUNK, self._wide_cap - self._wide_res)
-            off = C_HEADER + self._cap * C_SLOT + self._wide_res * C_WIDE
+            off = <long>(self._wide - self._map) + self._wide_res * C_WIDE
             length = m * C_WIDE
             with nogil:
                 rc = posix_fallocate(self._lock_fd, off, length)
@@ -698,11 +826,19 @@ cdef class IndexWriter:
         self._wfree_n += 1
 
     cdef inline void _begin_write(self, Slot* s) noexcept nogil:
-        kvx_store_rlx(&s.version, s.version + 1)
+        # a slot of a new table (zeros) starts above every version used before: a token
+        # (slot, version) of an older table never matches an entry of a later one
+        cdef uint64_t v = s.version
+        if v < self._vbase:
+            v = self._vbase
+        kvx_store_rlx(&s.version, v + 1)
         kvx_fence_rel()
 
     cdef inline void _end_write(self, Slot* s) noexcept nogil:
-        kvx_store_rel(&s.version, s.version + 1)
+        cdef uint64_t v = s.version + 1
+        kvx_store_rel(&s.version, v)
+        if v > self._vmax:
+            self._vmax = v
 
     cdef inline void _set_unpublished(self):
         kvx_store_rel(&self._h.unpublished, len(self._unpub))
@@ -716,7 +852,12 @@ cdef class IndexWriter:
         slot, or -1 when the key is not published (too long, too many runs, table
         full): readers then ask the server for it.
         """
-        return self._publish(key, size, extents, checksum)
+        cdef int64_t r
+        self._work = 0
+        r = self._publish(key, size, extents, checksum)
+        if self._work > self.max_step:
+            self.max_step = self._work
+        return r
 
     def publish_many(self, keys, sizes, extents, checksums=None):
         """:meth:`publish` of each ``(keys[i], sizes[i], extents[i], checksums[i])``, in
@@ -732,15 +873,18 @@ cdef class IndexWriter:
         for i in range(min(n, 16)):
             if type(keys[i]) is bytes:
                 _key_ptr(keys[i], &pk, &pn)
-                kvx_prefetch(self._slot(kvx_home(kvx_hash(pk, pn), self._nslots)))
+                kvx_prefetch(self._slot(self._base + kvx_home(kvx_hash(pk, pn), self._nslots)))
         for i in range(n):
             if i + 16 < n and type(keys[i + 16]) is bytes:
                 _key_ptr(keys[i + 16], &pk, &pn)
-                kvx_prefetch(self._slot(kvx_home(kvx_hash(pk, pn), self._nslots)))
+                kvx_prefetch(self._slot(self._base + kvx_home(kvx_hash(pk, pn), self._nslots)))
             size = sizes[i]
+            self._work = 0
             if self._publish(keys[i], size, extents[i],
                              None if checksums is None else checksums[i]) < 0:
                 refused += 1
+            if self._work > self.max_step:
+                self.max_step = self._work
         return refused
 
     cdef int64_t _publish(self, key, uint64_t size, extents, checksum) except -2:
@@ -779,18 +923,29 @@ cdef class IndexWriter:
             ext[j][0] = <uint32_t>a
             ext[j][1] = <uint32_t>b
         h = kvx_hash(k, n)
+        if self._phase != P_IDLE:
+            self._step()
         i = self._find(k, n, h, &free_at)
         if i < 0:
             if self._unpub:
                 self._unpub.discard(bytes(k[:n]))
                 self._set_unpublished()
-            if self._live + self._tombs >= self._limit:
-                if self._nslots < self._cap and self._live >= self._nslots // 2 and \
-                        self._grow():
-                    i = self._find(k, n, h, &free_at)
-                elif self._tombs > 0:
-                    self._rebuild(self._nslots)
-                    i = self._find(k, n, h, &free_at)
+            if self._live + self._tombs >= self._trigger:
+                if self._phase == P_IDLE:
+                    self._start()
+                if self._live + self._tombs >= self._limit:
+                    # a growth not done by now (not for steps of the sizes above, nor
+                    # for migrate_step >= 6): finish it at once rather than refuse the key
+                    for j in range(3):
+                        if self._phase == P_IDLE:
+                            self._start()
+                        if self._phase == P_IDLE:
+                            break
+                        self._finish()
+                        if self._live + self._tombs < self._limit:
+                            break
+                # (the table may have moved meanwhile: where the key goes, again)
+                i = self._find(k, n, h, &free_at)
             if free_at < 0 or (self._slot(free_at).state == S_EMPTY and
                                self._live + self._tombs >= self._limit):
                 self._unpub.add(bytes(k[:n]))
@@ -883,9 +1038,14 @@ cdef class IndexWriter:
                 self._set_unpublished()
         if n == 0 or n > C_KEY_MAX:
             return False
+        self._work = 0
+        if self._phase != P_IDLE:
+            self._step()
         r = self._unpublish(k, n)
-        if self._tombs > self._nslots // 4:
-            self._rebuild(self._nslots)
+        if self._tombs > self._nslots // 4 and self._phase == P_IDLE:
+            self._start()
+        if self._work > self.max_step:
+            self.max_step = self._work
         return r
 
     def contains_many(self, keys):
@@ -934,12 +1094,14 @@ cdef class IndexWriter:
         return out
 
     def clear(self):
-        """Remove every key (PURGE). Every used slot's version changes."""
+        """Remove every key (PURGE). Every used slot's version changes (a growth or rebuild
+        under way is finished first)."""
         cdef uint64_t i
         cdef Slot* s
         self._check()
+        self._finish()
         for i in range(self._nslots):
-            s = self._slot(i)
+            s = self._slot(self._base + i)
             if s.state != S_EMPTY:
                 self._begin_write(s)
                 s.state = S_EMPTY
@@ -951,77 +1113,138 @@ cdef class IndexWriter:
         self._unpub.clear()
         self._set_unpublished()
 
-    cdef bint _grow(self) except -1:
-        """Grow the slots in use by half (reserving their memory first; to the capacity at
-        most). False when the segment has no room left for them (/dev/shm full): the
-        table then stays as it is, at its size from now on (keys that do not fit are not
-        published)."""
-        cdef uint64_t n = min(self._cap, self._nslots + max(<uint64_t>64, self._nslots // 2))
-        cdef int rc
-        cdef long off = C_HEADER + self._nslots * C_SLOT
-        cdef long length = (n - self._nslots) * C_SLOT
-        if n <= self._nslots or self._lock_fd < 0:
-            return False
-        with nogil:
-            rc = posix_fallocate(self._lock_fd, off, length)
-        if rc != 0:
-            self._cap = self._nslots
-            return False
-        self._rebuild(n)
-        return True
+    # ------------------------------------------------------------ growth, rebuilds
+    #
+    # The table moves between two regions of the segment (slots [0, capacity) and
+    # [capacity, 2 x capacity)), a bounded step per publish or unpublish, never in one go:
+    #   P_RESERVE: the new table's slots are reserved (posix_fallocate) STEP_RESERVE at a
+    #              time, while the old one still takes the keys (started at 11/16 full, it
+    #              has room until 3/4);
+    #   P_MIGRATE: the header names both tables (an odd table sequence only while it
+    #              changes the names); new keys go to the new table, and migrate_step old slots
+    #              a step are looked at, their live entries moved (the copy first, then the
+    #              old slot a tombstone); readers look in the old table, then the new one;
+    #   P_CLEAN:   the header names the new table alone; the old slots' memory is given back
+    #              (punched) STEP_PUNCH at a time.
+    # A rebuild (tombstones) is the same move into a table of the same size.
 
-    cdef _rebuild(self, uint64_t nslots):
-        """Drop the tombstones: copy the live slots out, empty the table, put them back
-        into ``nslots`` slots (the size now, or twice it: :meth:`_grow`). Readers see an
-        odd table sequence meanwhile (and retry or ask the server)."""
-        cdef uint64_t i, j, m = 0, free_pos
-        cdef Slot* s
-        cdef Slot* d
-        # its own mapping, unmapped after: a heap block this large would stay in the
-        # server's RSS once freed (malloc keeps up to 64 MiB of a freed heap top)
-        cdef size_t bufsize = max(<uint64_t>1, self._live) * C_SLOT
-        cdef char* buf = <char*>mmap(NULL, bufsize, PROT_READ | PROT_WRITE,
-                                     MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
-        if <void*>buf == MAP_FAILED:
-            raise MemoryError()
-        try:
-            for i in range(self._nslots):
-                s = self._slot(i)
-                if s.state == S_LIVE:
-                    memcpy(buf + m * C_SLOT, s, C_SLOT)
-                    m += 1
-            kvx_store_rlx(&self._h.table_seq, self._h.table_seq + 1)
-            kvx_fence_rel()
-            for i in range(self._nslots):
-                s = self._slot(i)
-                if s.state != S_EMPTY:
-                    self._begin_write(s)
-                    s.state = S_EMPTY
-                    self._end_write(s)
-            if nslots != self._nslots:
-                # readers load nslots after an even table sequence and check the
-                # sequence again after: they see either size, never a mix, as valid
-                self._nslots = nslots
-                self._limit = nslots - nslots // 4
-                kvx_store_rel(&self._h.nslots, nslots)
-            for j in range(m):
-                d = <Slot*>(buf + j * C_SLOT)
-                free_pos = kvx_home(d.hash, nslots)
-                while self._slot(free_pos).state != S_EMPTY:
-                    free_pos += 1
-                    if free_pos == nslots:
-                        free_pos = 0
-                s = self._slot(free_pos)
-                self._begin_write(s)
-                memcpy(<char*>s + 8, <char*>d + 8, C_SLOT - 8)   # all but the version
-                self._end_write(s)
-            kvx_store_rel(&self._h.table_seq, self._h.table_seq + 1)
-        finally:
-            munmap(buf, bufsize)
-        self._live = m
-        self._tombs = 0
-        self._h.live = m
-        self._h.tombs = 0
+    cdef int _start(self) except -1:
+        """Start a growth by half (live keys at least half the slots, room to grow) or a
+        rebuild (tombstones): one step now, the rest in later calls."""
+        cdef uint64_t n = self._nslots, new
+        if self._phase != P_IDLE or self._no_room or self._lock_fd < 0:
+            return 0
+        if self._live >= n // 2 and n < self._cap:
+            new = min(self._cap, n + max(<uint64_t>64, n // 2))
+        elif self._tombs > 0 and self._tombs >= n // 16:
+            new = n
+        else:
+            return 0
+        self._pbase = self._half if self._base == 0 else 0
+        self._pn = new
+        self._pdone = 0
+        self._phase = P_RESERVE
+        self._step()
+        return 0
+
+    cdef int _finish(self) except -1:
+        """Run the growth or rebuild under way to its end (a PURGE, or a table full before
+        its steps were done: counted in sync_finishes)."""
+        if self._phase == P_IDLE:
+            return 0
+        self.sync_finishes += 1
+        while self._phase != P_IDLE:
+            self._step()
+        return 0
+
+    cdef int _step(self) except -1:
+        """One bounded step of the growth or rebuild under way."""
+        cdef double t0 = kvx_fine_now(), c0 = kvx_thread_cpu(), dt
+        cdef uint64_t m, j, end
+        cdef int rc
+        cdef long off, length
+        if self._phase == P_RESERVE:
+            m = min(<uint64_t>STEP_RESERVE, self._pn - self._pdone)
+            off = C_HEADER + (self._pbase + self._pdone) * C_SLOT
+            length = m * C_SLOT
+            with nogil:
+                rc = posix_fallocate(self._lock_fd, off, length)
+            self._work += m
+            if rc != 0:
+                # /dev/shm is full: the table stays as it is from now on (keys that do not
+                # fit are not published); what was reserved is given back
+                self._no_room = True
+                self._cap = self._nslots
+                self._cbase = self._pbase
+                self._cn = self._pdone
+                self._cdone = 0
+                self._phase = P_CLEAN
+            else:
+                self._pdone += m
+                if self._pdone == self._pn:
+                    self._begin_migration()
+        elif self._phase == P_MIGRATE:
+            end = min(self._onslots, self._cursor + self._move_step)
+            for j in range(self._cursor, end):
+                if self._slot(self._obase + j).state == S_LIVE:
+                    self._move(self._obase + j)
+            self._work += end - self._cursor
+            self._cursor = end
+            if end == self._onslots:
+                self._end_migration()
+        elif self._phase == P_CLEAN:
+            m = min(<uint64_t>STEP_PUNCH, self._cn - self._cdone)
+            if m:
+                off = C_HEADER + (self._cbase + self._cdone) * C_SLOT
+                length = m * C_SLOT
+                with nogil:
+                    kvx_punch(self._lock_fd, off, length)   # (failure: memory kept)
+            self._work += m
+            self._cdone += m
+            if self._cdone == self._cn:
+                self._phase = P_IDLE
+        dt = kvx_fine_now() - t0
+        if dt > self.max_step_s:
+            self.max_step_s = dt
+        dt = kvx_thread_cpu() - c0
+        if dt > self.max_step_cpu_s:
+            self.max_step_cpu_s = dt
+        self.steps += 1
+        self.steps_cpu_s += dt
+        return 0
+
+    cdef void _begin_migration(self) noexcept:
+        cdef Header* h = self._h
+        self._vbase = (self._vmax + 2) & ~(<uint64_t>1)
+        self._obase = self._base
+        self._onslots = self._nslots
+        self._cursor = 0
+        self._base = self._pbase
+        self._nslots = self._pn
+        self._tombs = 0                # the old table's tombstones go with it
+        self._set_limits()
+        kvx_store_rlx(&h.table_seq, h.table_seq + 1)
+        kvx_fence_rel()
+        kvx_store_rlx(&h.old_base, self._obase)
+        kvx_store_rlx(&h.old_nslots, self._onslots)
+        kvx_store_rlx(&h.base, self._base)
+        kvx_store_rlx(&h.nslots, self._nslots)
+        kvx_store_rel(&h.table_seq, h.table_seq + 1)
+        h.tombs = 0
+        self._phase = P_MIGRATE
+
+    cdef void _end_migration(self) noexcept:
+        cdef Header* h = self._h
+        kvx_store_rlx(&h.table_seq, h.table_seq + 1)
+        kvx_fence_rel()
+        kvx_store_rlx(&h.old_nslots, 0)
+        kvx_store_rlx(&h.old_base, 0)
+        kvx_store_rel(&h.table_seq, h.table_seq + 1)
+        self._cbase = self._obase
+        self._cn = self._onslots
+        self._cdone = 0
+        self._onslots = 0
+        self._phase = P_CLEAN
         self.rebuilds += 1
 
     def set_misses_final(self, bint final):
@@ -1097,7 +1320,7 @@ cdef class IndexWriter:
             slot = r.slot
             ver = r.ver
             t += 1
-            if slot >= self._nslots:
+            if slot >= self._room:
                 continue                        # a void record (its read was redone)
             s = self._slot(slot)
             if s.state == S_LIVE and <uint32_t>s.version == ver:
@@ -1193,7 +1416,7 @@ cdef class IndexReader:
     cdef const Header* _h
     cdef const char* _slots
     cdef uint64_t _sink          # what _prefault read (so that the reads are made)
-    cdef uint64_t _cap           # slots mapped (the table's capacity); nslots: the header's
+    cdef uint64_t _cap           # slots mapped (2 regions of the table's capacity)
     cdef const char* _wide
     cdef uint64_t _wide_cap
     cdef uint64_t _bs
@@ -1253,7 +1476,7 @@ cdef class IndexReader:
         if (h.magic[:8] != _MAGIC or h.layout != _LAYOUT or h.slot_size != C_SLOT
                 or h.key_max != C_KEY_MAX or h.wide_capacity > 0xFFFFFFFF
                 or h.capacity > (<uint64_t>1 << 40)
-                or h.capacity * C_SLOT + h.wide_capacity * C_WIDE + C_HEADER > total
+                or 2 * h.capacity * C_SLOT + h.wide_capacity * C_WIDE + C_HEADER > total
                 or h.capacity == 0
                 or not self._nslots_ok(h.capacity)):
             self._unmap()
@@ -1264,8 +1487,8 @@ cdef class IndexReader:
             raise ValueError(f"{name} belongs to server epoch {found}, not {epoch}")
         self.epoch = epoch
         self._forkgen = kvx_forks()
-        self._cap = h.capacity
-        self._wide = self._map + C_HEADER + h.capacity * C_SLOT
+        self._cap = 2 * h.capacity
+        self._wide = self._map + C_HEADER + 2 * h.capacity * C_SLOT
         self._wide_cap = h.wide_capacity
         self._bs = h.block_size
         self._slots = self._map + C_HEADER
@@ -1317,11 +1540,12 @@ cdef class IndexReader:
     cdef void _prefault(self) noexcept:
         # the slots in use now, when few enough (the pool's rule, kvshm.client): the
         # first reads do not fault them in one by one
-        cdef size_t used = C_HEADER + kvx_load_acq(&self._h.nslots) * C_SLOT, off
+        cdef size_t used = C_HEADER + (kvx_load_acq(&self._h.base) +
+                                       kvx_load_acq(&self._h.nslots)) * C_SLOT, off
         cdef uint64_t acc = 0
         if used > POPULATE_MAX_BYTES or used > self._map_size:
             return
-        for off in range(0, used, 4096):
+        for off in range(C_HEADER + kvx_load_acq(&self._h.base) * C_SLOT, used, 4096):
             acc += <uint8_t>self._map[off]
         self._sink = acc
 
@@ -1388,6 +1612,8 @@ cdef class IndexReader:
         h = self._h
         return {"epoch": h.epoch, "nslots": kvx_load_acq(&h.nslots),
                 "capacity": h.capacity, "state": kvx_load_acq(&h.state),
+                "base": kvx_load_acq(&h.base), "old_nslots": kvx_load_acq(&h.old_nslots),
+                "old_base": kvx_load_acq(&h.old_base),
                 "table_seq": kvx_load_acq(&h.table_seq),
                 "unpublished": kvx_load_acq(&h.unpublished), "flags": h.flags,
                 "live": h.live, "tombs": h.tombs, "block_size": h.block_size,
@@ -1426,68 +1652,31 @@ cdef class IndexReader:
     cdef int _find(self, const char* k, Py_ssize_t n, uint64_t h, Found* f,
                    bint full=True) noexcept nogil:
         """R_HIT (``f`` filled when ``full``, consistent at one instant), R_MISS (not in
-        the table), or R_FALLBACK (the table kept changing under us)."""
-        cdef uint64_t ts, i, probes, v1, nslots, hs, ne
-        cdef const Slot* s
-        cdef const char* tail
-        cdef const char* kp
-        cdef size_t room
-        cdef uint32_t st
-        cdef int attempt, j, restart
+        the table), or R_FALLBACK (the table kept changing under us). While a migration
+        runs, the old table is looked in first, then the new one (the server moves an
+        entry by writing its copy before its old slot becomes a tombstone)."""
+        cdef uint64_t ts, nslots, base, onslots, obase
+        cdef int attempt, r
         for attempt in range(TRIES):
             ts = kvx_load_acq(&self._h.table_seq)
             if ts & 1:
                 kvx_pause()
                 continue
             nslots = kvx_load_acq(&self._h.nslots)
-            if nslots == 0 or nslots > self._cap:
-                return R_FALLBACK        # not what the server writes
-            i = kvx_home(h, nslots)
-            restart = 0
-            for probes in range(nslots):
-                s = self._slot(i)
-                v1 = kvx_load_acq(&s.version)
-                if v1 & 1:
-                    restart = 1
-                    break
-                st = s.state
-                kp = NULL
-                if st == S_LIVE and s.hash == h and s.keylen == n:
-                    kp = _slot_key(s, self._wide, self._wide_cap, n, &room)
-                    if kp != NULL and memcmp(kp, k, n) != 0:
-                        kp = NULL
-                if kp != NULL:
-                    f.slot = i
-                    if full:
-                        f.size = s.size
-                        hs = s.flags & 1
-                        ne = s.nextents
-                        tail = kp + n
-                        f.checksum = 0
-                        if ne > C_MAX_EXT or n + 8 * hs + 8 * ne > room:
-                            ne = hs = 0          # torn: the version check rejects it
-                        f.has_sum = <int>hs
-                        if hs:
-                            memcpy(&f.checksum, tail, 8)
-                            tail += 8
-                        f.nextents = <int>ne
-                        memcpy(f.ext, tail, ne * 8)
-                    kvx_fence_acq()
-                    if kvx_load_rlx(&s.version) != v1:
-                        restart = 1
-                        break
-                    f.version = v1
-                    return R_HIT
-                kvx_fence_acq()
-                if kvx_load_rlx(&s.version) != v1:
-                    restart = 1            # passed while it changed: look again
-                    break
-                if st == S_EMPTY:
-                    break
-                i += 1
-                if i == nslots:
-                    i = 0
-            if restart:
+            base = kvx_load_acq(&self._h.base)
+            onslots = kvx_load_acq(&self._h.old_nslots)
+            obase = kvx_load_acq(&self._h.old_base)
+            if nslots == 0 or base + nslots > self._cap or nslots > self._cap or \
+                    onslots > self._cap or obase + onslots > self._cap:
+                return R_FALLBACK        # not what the server writes (or torn: retried)
+            r = R_MISS
+            if onslots:
+                r = self._find_in(obase, onslots, k, n, h, f, full)
+            if r == R_MISS:
+                r = self._find_in(base, nslots, k, n, h, f, full)
+            if r == R_HIT:
+                return r
+            if r == R_FALLBACK:
                 self.retries += 1
                 kvx_pause()
                 continue
@@ -1496,6 +1685,59 @@ cdef class IndexReader:
                 continue
             return R_MISS
         return R_FALLBACK
+
+    cdef int _find_in(self, uint64_t base, uint64_t nslots, const char* k, Py_ssize_t n,
+                      uint64_t h, Found* f, bint full) noexcept nogil:
+        """One probe of the table of ``nslots`` slots from ``base``: R_HIT, R_MISS, or
+        R_FALLBACK when a slot on the way changed (look again)."""
+        cdef uint64_t i, probes, v1, hs, ne
+        cdef const Slot* s
+        cdef const char* tail
+        cdef const char* kp
+        cdef size_t room
+        cdef uint32_t st
+        i = kvx_home(h, nslots)
+        for probes in range(nslots):
+            s = self._slot(base + i)
+            v1 = kvx_load_acq(&s.version)
+            if v1 & 1:
+                return R_FALLBACK
+            st = s.state
+            kp = NULL
+            if st == S_LIVE and s.hash == h and s.keylen == n:
+                kp = _slot_key(s, self._wide, self._wide_cap, n, &room)
+                if kp != NULL and memcmp(kp, k, n) != 0:
+                    kp = NULL
+            if kp != NULL:
+                f.slot = base + i
+                if full:
+                    f.size = s.size
+                    hs = s.flags & 1
+                    ne = s.nextents
+                    tail = kp + n
+                    f.checksum = 0
+                    if ne > C_MAX_EXT or n + 8 * hs + 8 * ne > room:
+                        ne = hs = 0          # torn: the version check rejects it
+                    f.has_sum = <int>hs
+                    if hs:
+                        memcpy(&f.checksum, tail, 8)
+                        tail += 8
+                    f.nextents = <int>ne
+                    memcpy(f.ext, tail, ne * 8)
+                kvx_fence_acq()
+                if kvx_load_rlx(&s.version) != v1:
+                    return R_FALLBACK
+                f.version = v1
+                return R_HIT
+            kvx_fence_acq()
+            if kvx_load_rlx(&s.version) != v1:
+                return R_FALLBACK            # passed while it changed: look again
+            if st == S_EMPTY:
+                return R_MISS
+            i += 1
+            if i == nslots:
+                i = 0
+        return R_MISS
 
     cdef inline bint _valid(self, const Found* f) noexcept nogil:
         kvx_fence_acq()
@@ -1785,27 +2027,31 @@ cdef class IndexReader:
         cdef int r
         cdef uint64_t ts = kvx_load_acq(&self._h.table_seq)
         cdef uint64_t nslots = kvx_load_acq(&self._h.nslots)
-        # no rebuild under way (and a size the server writes): one check at the end
-        cdef bint quick = not (ts & 1) and nslots != 0 and nslots <= self._cap
+        cdef uint64_t base = kvx_load_acq(&self._h.base)
+        cdef uint64_t onslots = kvx_load_acq(&self._h.old_nslots)
+        # no migration under way (and a size the server writes): one check at the end
+        cdef bint quick = not (ts & 1) and onslots == 0 and nslots != 0 and \
+            nslots <= self._cap and base + nslots <= self._cap
         cdef uint64_t home
         if not quick:
             nslots = 1                       # (the prefetches below: slot 0)
+            base = 0
         for i in range(nk):
             hashes[i] = kvx_hash(arena + offs[i], offs[i + 1] - offs[i])
         # each key's home slot and the one after it (a third of the keys of a table half
         # full are one slot past home: without the second, they wait for memory)
         # (a prefetch never faults: the one past the last slot needs no wrap)
         for i in range(min(nk, AHEAD)):
-            home = kvx_home(hashes[i], nslots)
+            home = base + kvx_home(hashes[i], nslots)
             kvx_prefetch(self._slot(home))
             kvx_prefetch(self._slot(home + 1))
         for i in range(nk):
             j = i + AHEAD
             if j < nk:
-                home = kvx_home(hashes[j], nslots)
+                home = base + kvx_home(hashes[j], nslots)
                 kvx_prefetch(self._slot(home))
                 kvx_prefetch(self._slot(home + 1))
-            r = self._probe1(arena + offs[i], offs[i + 1] - offs[i], hashes[i], nslots) \
+            r = self._probe1(arena + offs[i], offs[i + 1] - offs[i], hashes[i], base, nslots) \
                 if quick else R_FALLBACK
             if r == R_FALLBACK:       # a slot in a write, or a rebuild: the full lookup
                 r = self._find(arena + offs[i], offs[i + 1] - offs[i], hashes[i], &f, False)
@@ -1826,7 +2072,7 @@ cdef class IndexReader:
         return nk
 
     cdef inline int _probe1(self, const char* k, Py_ssize_t n, uint64_t h,
-                            uint64_t nslots) noexcept nogil:
+                            uint64_t base, uint64_t nslots) noexcept nogil:
         """One key's lookup in a table of ``nslots`` slots while no rebuild runs (the
         caller checks the table sequence once for the whole batch): R_HIT, R_MISS, or
         R_FALLBACK when a slot on the way was being written (the caller then runs the
@@ -1837,7 +2083,7 @@ cdef class IndexReader:
         cdef size_t room
         cdef uint32_t st
         for probes in range(nslots):
-            s = self._slot(i)
+            s = self._slot(base + i)
             v1 = kvx_load_acq(&s.version)
             if v1 & 1:
                 return R_FALLBACK

@@ -132,6 +132,15 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError(f"{missing} keys missing, {bad} sampled values wrong")
             c.purge()
     res["entries"] = st_.get("entries", st_.get("keys"))
+    si = st_.get("shared_index") or {}
+    res["index_max_step_s"] = si.get("max_step_s")
+    res["index_max_step_slots"] = si.get("max_step_slots")
+    res["index_max_step_cpu_s"] = si.get("max_step_cpu_s")
+    res["index_steps"] = si.get("steps")
+    res["index_steps_cpu_s"] = si.get("steps_cpu_s")
+    res["index_sync_finishes"] = si.get("sync_finishes")
+    res["index_rebuilds"] = si.get("rebuilds")
+    res["index_slots"] = si.get("slots")
     res["put_keys_per_s"] = n / put_s
     res["anon_bytes_per_key"] = (after["RssAnon"] - before["RssAnon"]) / n
     def minus_pool(st: dict[str, int], maps: dict[str, int]) -> int:
@@ -160,6 +169,13 @@ def main(argv: list[str] | None = None) -> int:
           f"bytes/key   server/dict {res['vs_dict']:.2f}")
     print(f"  put rate while filling {res['put_keys_per_s'] / 1e6:.2f} M keys/s "
           f"({args.batch}-key batches, shm client)")
+    if res["index_max_step_s"] is not None:
+        print(f"  shared index: {res['index_slots']} slots, {res['index_rebuilds']} growths/"
+              f"rebuilds in {res['index_steps']} steps of the store thread "
+              f"({res['index_steps_cpu_s'] * 1e3:.0f} ms CPU in all); longest step "
+              f"{res['index_max_step_cpu_s'] * 1e3:.3f} ms CPU, "
+              f"{res['index_max_step_s'] * 1e3:.3f} ms wall, {res['index_max_step_slots']} "
+              f"slots; {res['index_sync_finishes']} finished at once")
     print("  (target: <= 100 bytes/key at 10 M keys)")
     if args.json:
         _common.write_json(res, args.json)

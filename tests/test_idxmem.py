@@ -1,6 +1,6 @@
 """Index memory (issue 13): the shared table's slots are 128 bytes, it takes memory for the
-keys stored (it starts small and doubles up to its capacity) rather than for the pool's
-blocks, and entries a slot cannot hold (long keys, many runs, checksums) use wide records
+keys stored (it starts small and grows by halves up to its capacity, a bounded step per
+publish or unpublish: no call rebuilds the whole table) rather than for the pool's blocks, and entries a slot cannot hold (long keys, many runs, checksums) use wide records
 of the same segment. Readers see every size the table grows through, never a wrong value,
 and refuse a table of another layout."""
 
@@ -16,8 +16,9 @@ import time
 import pytest
 
 from kvshm import Client, Pool
-from kvshm._shmindex import (FALLBACK, HEADER_SIZE, INITIAL_SLOTS, KEY_MAX, SLOT_SIZE,
-                             WIDE_SIZE, IndexReader, IndexWriter, default_slots)
+from kvshm._shmindex import (FALLBACK, HEADER_SIZE, INITIAL_SLOTS, KEY_MAX, MIGRATE_STEP,
+                             RESERVE_STEP, SLOT_SIZE, WIDE_SIZE, IndexReader, IndexWriter,
+                             default_slots)
 from servers import ServerProcess
 
 BS = 4096
@@ -31,12 +32,14 @@ def _allocated(name: str) -> int:
 
 
 class Table:
-    def __init__(self, name: str, blocks: int, slots: int = 0, initial: int = 64) -> None:
+    def __init__(self, name: str, blocks: int, slots: int = 0, initial: int = 64,
+                 **kw) -> None:
         self.pool = Pool.create(name, blocks * BS, BS)
         self.writer = IndexWriter.create(name + "-index", name + "-reads",
                                          slots or default_slots(blocks), epoch=EPOCH,
                                          block_size=BS, num_blocks=blocks,
-                                         token=self.pool.token, initial_slots=initial)
+                                         token=self.pool.token, initial_slots=initial,
+                                         **kw)
         self.reader = IndexReader(self.writer.name, self.writer.reads_name, self.pool, EPOCH)
 
     def close(self) -> None:
@@ -249,14 +252,196 @@ def test_reader_processes_read_right_bytes_while_the_table_grows_and_wide_record
 
 
 def test_a_servers_table_takes_memory_for_its_keys_not_its_blocks(shm_name):
-    """A server with a pool of 32 k blocks and 3,000 keys: its table reserves the slots in
+    """A server with a pool of 32 k blocks and 2,500 keys: its table reserves the slots in
     use (4,096 to start: 512 KiB), where it used to reserve 64 k slots of 256 bytes
     (16 MiB) whatever it held."""
     with ServerProcess("--block-size", "4", shm_name=shm_name, prealloc_size=0.125) as srv:
         index = srv.shm_name + "-index"
         with Client(srv.address, transport="shm") as c:
-            keys = [b"%040x" % i for i in range(3000)]
+            keys = [b"%040x" % i for i in range(2500)]     # (a growth starts at 2,816)
             c.put_batch(keys, [b"v"] * len(keys))
             assert all(c.exists_batch(keys))
             assert c.get(keys[7]) == b"v"
         assert _allocated(index) <= HEADER_SIZE + INITIAL_SLOTS * SLOT_SIZE + 8192
+
+
+# Largest table upkeep one publish or unpublish may do, in slots: one step (reserve or
+# give back RESERVE_STEP slots, or look at MIGRATE_STEP old slots and move their live
+# entries) and the move of the key published itself.
+STEP_BOUND = max(RESERVE_STEP, 2 * MIGRATE_STEP) + 1
+
+
+def test_growing_to_a_million_keys_takes_bounded_steps(shm_name):
+    """From 4,096 slots to a million keys (15 growths), then half the keys gone (rebuilds
+    for the tombstones): no publish or unpublish does more than one bounded step of upkeep
+    (counted in slots, not timed: the old growth rebuilt the whole table in one call, a
+    million slots near the end), none had to finish a growth at once, and a reader made
+    at the start sees every key."""
+    n = 1_000_000
+    blocks = 1 << 16
+    w = IndexWriter.create(shm_name + "-index", shm_name + "-reads", 1 << 21, epoch=EPOCH,
+                           block_size=BS, num_blocks=blocks)
+    pool = Pool.create(shm_name, blocks * BS, BS)
+    r = IndexReader(w.name, w.reads_name, pool, EPOCH)
+    try:
+        assert w.nslots == INITIAL_SLOTS
+        keys = [b"%040x" % (i * 0x9E3779B97F4A7C15 % (1 << 160)) for i in range(n)]
+        ext = [[(i % blocks, 1)] for i in range(10_000)]
+        sizes = [1] * 10_000
+        for lo in range(0, n, 10_000):
+            assert w.publish_many(keys[lo:lo + 10_000], sizes, ext) == 0
+        assert w.live == n and w.unpublished == 0
+        assert w.rebuilds >= 15 and w.nslots >= n * 4 // 3
+        assert w.max_step <= STEP_BOUND, w.max_step
+        assert w.sync_finishes == 0
+        print(f"\nlongest step: {w.max_step} slots, {w.max_step_cpu_s * 1e3:.3f} ms CPU")
+        sample = keys[::97]
+        assert r.exists_batch(sample) == [True] * len(sample)
+        for k in keys[: n // 2]:
+            w.unpublish(k)
+        assert w.live == n - n // 2 and w.rebuilds >= 16
+        assert w.max_step <= STEP_BOUND, w.max_step
+        assert w.sync_finishes == 0
+        assert r.exists_batch(keys[n // 2::97]) == [True] * len(keys[n // 2::97])
+        assert r.exists_batch(keys[:n // 2:97]) == [False] * len(keys[:n // 2:97])
+    finally:
+        r.close()
+        w.unlink()
+        pool.close()
+        pool.unlink()
+
+
+def test_a_migration_moves_keys_a_step_at_a_time_and_readers_see_every_one(shm_name):
+    """While the table moves (both named in the header), a reader made before finds every
+    key wherever it is, sees overwrites and deletions at once, and a token of a moved
+    entry goes stale; the old table's memory is given back at the end."""
+    t = Table(shm_name, blocks=4096, slots=8192, initial=1024, migrate_step=8)
+    w, r, p = t.writer, t.reader, t.pool
+    try:
+        keys = [b"m-%05d" % i + (b"w" * 100 if i % 5 == 0 else b"") for i in range(1000)]
+        for i, k in enumerate(keys[:704]):                # 11/16 of 1024: growth starts
+            p.write(i * BS, struct.pack("<I", i))
+            assert w.publish(k, 4, [(i, 1)]) >= 0
+        tok = r.lookup(keys[3])[0]
+        seen_migration = 0
+        assert r.header["old_nslots"] == 0          # still reserving the new table
+        for i in range(704, 1000):
+            p.write(i * BS, struct.pack("<I", i))
+            assert w.publish(keys[i], 4, [(i, 1)]) >= 0
+            hd = r.header
+            if hd["old_nslots"]:
+                seen_migration += 1
+                if i == 760:
+                    # an overwrite and a deletion of keys perhaps still in the old table
+                    p.write(2000 * BS, b"NEW!")
+                    assert w.publish(keys[1], 4, [(2000, 1)]) >= 0
+                    assert r.get(keys[1]) == b"NEW!"
+                    assert w.unpublish(keys[2]) and r.get(keys[2]) is None
+                got = r.exists_batch(keys[:i + 1])
+                assert got is not None and sum(got) == i + 1 - (i >= 760), i
+                assert r.match_prefix(keys[:1]) == 1
+                for j in range(0, i + 1, 37):
+                    v = r.get(keys[j])
+                    assert v in (None, FALLBACK) or v == (b"NEW!" if j == 1 else
+                                                           struct.pack("<I", j))
+                    if j not in (1, 2):
+                        assert v == struct.pack("<I", j)
+        assert seen_migration > 20 and w.sync_finishes == 0 and w.rebuilds == 1
+        assert w.nslots == 1536 and r.header["old_nslots"] == 0
+        assert not r.validate([tok])
+        for _ in range(4):                                # the last steps give back
+            w.publish(b"extra", 1, [(0, 1)])
+        assert w.stats()["phase"] == 0
+        assert _allocated(w.name) <= HEADER_SIZE + 1536 * SLOT_SIZE + 4096 * WIDE_SIZE + 8192
+    finally:
+        t.close()
+
+
+_STABLE_READER = textwrap.dedent("""
+    import struct, sys, time
+    from kvshm import Pool
+    from kvshm._shmindex import IndexReader, FALLBACK
+    pool = Pool.attach(sys.argv[1])
+    r = IndexReader(sys.argv[1] + "-index", sys.argv[1] + "-reads", pool, int(sys.argv[2]))
+    nstable, seconds = int(sys.argv[3]), float(sys.argv[4])
+    keys = [(b"stable-%d-" % i) + (b"w" * 100 if i % 4 == 0 else b"") for i in range(nstable)]
+    bad = reads = missed = falls = migr = 0
+    print("ready", flush=True)
+    end = time.monotonic() + seconds
+    i = 0
+    while time.monotonic() < end:
+        i += 1
+        kid = (i * 7919) % nstable
+        if r.header["old_nslots"]:
+            migr += 1
+        v = r.get(keys[kid])
+        if v is None:
+            missed += 1
+        elif v == FALLBACK:
+            falls += 1
+        elif v != struct.pack("<I", kid) * 4:
+            bad += 1
+        reads += 1
+        if i % 20 == 0:
+            got = r.exists_batch(keys)
+            if got is not None and not all(got):
+                missed += 1
+            m = r.match_prefix(keys)
+            if m != FALLBACK and m != nstable:
+                missed += 1
+    r.close(); pool.close()
+    print(reads, bad, missed, falls, migr, flush=True)
+""")
+
+
+def test_reader_processes_never_miss_a_stored_key_or_read_wrong_bytes_across_migrations(
+        shm_name):
+    """Keys that stay stored while the table grows several times and is rebuilt for its
+    tombstones (others come and go), read by reader processes lock-free in small steps of
+    migration (migrate_step=6: migrations last thousands of publishes): every read is a
+    hit with the right bytes or a fallback, never a miss."""
+    nstable, blocks = 300, 16384
+    t = Table(shm_name, blocks=blocks, slots=1 << 15, initial=512, migrate_step=6)
+    w, pool = t.writer, t.pool
+
+    def skey(i: int) -> bytes:
+        return (b"stable-%d-" % i) + (b"w" * 100 if i % 4 == 0 else b"")
+
+    for i in range(nstable):
+        pool.write(i * BS, struct.pack("<I", i) * 4)
+        assert w.publish(skey(i), 16, [(i, 1)], i if i % 2 else None) >= 0
+    procs = [subprocess.Popen([sys.executable, "-c", _STABLE_READER, shm_name, str(EPOCH),
+                               str(nstable), "3"], stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 3
+        i = 0
+        live: list[bytes] = []
+        while time.monotonic() < deadline:
+            i += 1
+            k = b"other-%d" % i
+            assert w.publish(k, 1, [(nstable + i % (blocks - nstable), 1)]) >= 0
+            live.append(k)
+            if len(live) > 12_000:                 # tombstones pile up: rebuilds
+                for old in live[:3000]:
+                    w.unpublish(old)
+                del live[:3000]
+            if i % 256 == 0:
+                w.drain()
+        assert w.rebuilds >= 3
+        results = []
+        for p in procs:
+            out, _ = p.communicate(timeout=SUBPROCESS_TIMEOUT)
+            results.append(tuple(map(int, out.split())))
+        print(results, w.stats())
+        assert all(bad == 0 and missed == 0 for _, bad, missed, _, _ in results), results
+        assert all(reads > 0 for reads, *_ in results), results
+        assert any(migr > 0 for *_, migr in results), results
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        t.close()
