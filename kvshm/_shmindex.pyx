@@ -1081,11 +1081,17 @@ cdef class IndexWriter:
                         hs[i] = kvx_hash(ks[i], ns[i])
             for i in range(min(n, AHEAD)):
                 if ns[i]:
-                    kvx_prefetch(self._slot(hs[i] & self._mask))
+                    kvx_prefetch(self._slot(self._base + kvx_home(hs[i], self._nslots)))
             for i in range(n):
                 if i + AHEAD < n and ns[i + AHEAD]:
-                    kvx_prefetch(self._slot(hs[i + AHEAD] & self._mask))
-                if ns[i] and self._find(ks[i], ns[i], hs[i], &free_at) >= 0:
+                    kvx_prefetch(self._slot(self._base +
+                                            kvx_home(hs[i + AHEAD], self._nslots)))
+                # (in the table, or in the one a migration moves from: looked up, not moved)
+                if ns[i] and (self._find_in(self._base, self._nslots, ks[i], ns[i], hs[i],
+                                            &free_at) >= 0 or
+                              (self._onslots and self._find_in(
+                                  self._obase, self._onslots, ks[i], ns[i], hs[i],
+                                  &free_at) >= 0)):
                     out[i] = True
         finally:
             c_free(hs)

@@ -339,6 +339,7 @@ def test_a_migration_moves_keys_a_step_at_a_time_and_readers_see_every_one(shm_n
                     assert w.unpublish(keys[2]) and r.get(keys[2]) is None
                 got = r.exists_batch(keys[:i + 1])
                 assert got is not None and sum(got) == i + 1 - (i >= 760), i
+                assert w.contains_many(keys[:i + 1]) == got        # the server's EXISTS
                 assert r.match_prefix(keys[:1]) == 1
                 for j in range(0, i + 1, 37):
                     v = r.get(keys[j])
