@@ -46,6 +46,15 @@ def hold_all(monkeypatch):
     monkeypatch.setattr(kclient, "PLACE_WINDOW", 0)
 
 
+@pytest.fixture
+def no_age_cut(monkeypatch):
+    """A held PLACE is sent only by a request of its client (or the batch limits): no
+    1 ms age cut, no place-flush thread. For tests that count what was gathered: with
+    the age cut, how much gathers depends on how fast this loaded box runs the puts."""
+    monkeypatch.setattr(kclient, "PLACE_HOLD_S", 3600.0)
+    monkeypatch.setattr(kclient._PlaceFlusher, "kick", lambda self: None)
+
+
 def _places(c: Client) -> tuple[int, int]:
     r = c.stats()["reservations"]
     return r["places"], r["placed_keys"]
@@ -78,7 +87,7 @@ def test_stream_write_copies_exactly_at_any_alignment(shm_name):
 # ---------------------------------------------------------------- gathering
 
 
-def test_puts_while_the_server_is_behind_share_a_place(srv):
+def test_puts_while_the_server_is_behind_share_a_place(srv, no_age_cut):
     """With the server stopped nothing is answered: the first PLACE_WINDOW puts go one
     PLACE each, the rest are gathered (PLACE_BATCH_KEYS a PLACE); this client reads
     them all at once, others once flush() returns."""
@@ -108,7 +117,7 @@ def test_puts_while_the_server_is_behind_share_a_place(srv):
         assert k1 - k0 == n
         per = min(kclient.PLACE_BATCH_KEYS, c.session.wb.batch_blocks)   # 1 block a value
         w = kclient.PLACE_WINDOW
-        assert p1 - p0 <= w + -(-(n - w) // per) + 3, (p1 - p0, n, per)   # (+ any 1 ms cut)
+        assert p1 - p0 <= w + -(-(n - w) // per) + 1, (p1 - p0, n, per)
         assert other.get_batch(list(vals)) == list(vals.values())
         c.delete(list(vals) + ["warm"])
         s = other.stats(verify=True)
@@ -170,10 +179,12 @@ def test_place_flush_thread_ends_with_a_forgotten_client(srv, hold_all):
 # ---------------------------------------------------------------- semantics
 
 
-def test_held_writes_keep_their_order_with_other_requests(srv, hold_all):
+def test_held_writes_keep_their_order_with_other_requests(srv, hold_all, no_age_cut):
     """A held PLACE goes before this client's next request of another kind: a put of
     the same key by another path, a delete, and a second put of the same key held in
-    the same PLACE all end as they were called."""
+    the same PLACE all end as they were called. (The PLACE is held until a request
+    sends it: no 1 ms age limit, no place-flush thread; with them the test's look at
+    ``held_keys`` depended on how fast this loaded box ran the two puts.)"""
     with Client(srv.address, write_behind=True) as c, Client(srv.address) as other:
         c.put("warm", b"w")
         c.flush()
