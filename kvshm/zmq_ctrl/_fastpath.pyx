@@ -37,6 +37,7 @@ from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.ref cimport PyObject
 from libc.stdint cimport uint8_t, uint64_t, int64_t
 from libc.string cimport memcpy, memcmp
+from cpython.exc cimport PyErr_CheckSignals
 
 cdef extern from "<time.h>" nogil:
     ctypedef long time_t
@@ -45,6 +46,8 @@ cdef extern from "<time.h>" nogil:
         long tv_nsec
     int clock_gettime(int clk, timespec *ts)
     int CLOCK_MONOTONIC
+
+from zmq import ZMQError as _ZMQError
 
 from kvshm import _index
 from kvshm.store.outcome import Outcome
@@ -212,6 +215,10 @@ cdef class FastPath:
     cdef int nbounds
     cdef public dict counts
     cdef public long long declined
+    #: lean turns run by :meth:`serve` (a turn of the loop done wholly here), and how
+    #: often :meth:`serve` handed the loop back to its Python turn
+    cdef public long long lean_turns, serve_returns
+    cdef double max_wall
 
     def __init__(self, loop, int version, buckets, long long pack_below,
                  long long copy_below, ops):
@@ -242,6 +249,9 @@ cdef class FastPath:
             self.bounds[i] = x
         self.counts = {OP_PUT: 0, OP_GET: 0, OP_EXISTS: 0}
         self.declined = 0
+        self.lean_turns = 0
+        self.serve_returns = 0
+        self.max_wall = 0.0
 
     cdef inline void _record(self, int op, double t0):
         # ServiceLoop._record_latency: bisect_left over the bucket bounds
@@ -281,6 +291,91 @@ cdef class FastPath:
             if not done:
                 handle(m)
         return most
+
+    def serve(self, sock, int wake_fd, mon, double due, poll, recv, send, handle,
+              int most):
+        """Run the loop's common turns here, until one needs its Python turn.
+
+        A lean turn: wait (``poll(sock, wake_fd, mon, timeout_ms)``, ``_zmqc.poll_in``)
+        at most until ``due`` (``time.monotonic()`` seconds: the earliest timer of the
+        loop: leases, liveness checks, ticks, the tier, periodic eviction, the full
+        collection), then, when only ``sock`` is readable, receive up to ``most``
+        messages (``recv(sock, DONTWAIT, 65536, 1)``), each served by :meth:`_handle` or
+        else by ``handle(msg)`` (the Python path, the loop's out queue ``_outq`` set as
+        its drain sets it), then send the queued replies (``send(sock, (ident,
+        header))``; a ``zmq.ZMQError`` is counted as the loop's ``_send`` counts it).
+
+        Returns what the Python turn must still do: -1 the wait was interrupted
+        (EINTR); 0, 2, 4 (bit mask as ``poll``'s) the wait ended on a timeout, the wake
+        pipe or the monitor socket, nothing received yet; 8 messages were received and
+        served, and the rest of the turn (housekeeping, ticks...) must run: a message
+        went the Python path, ``due`` came, or the loop was stopped; 16 ``due`` came (or
+        the loop was stopped) before the wait. Signals: checked after each lean turn
+        (a Python handler's exception propagates)."""
+        cdef int i, ev
+        cdef bint slow
+        cdef double now, t, w0, w
+        cdef long tmo
+        cdef object loop = self.loop
+        cdef list outq
+        while True:
+            now = _now()
+            if now >= due or not loop._running:
+                self.serve_returns += 1
+                return 16
+            t = due - now
+            if t > 3600.0:
+                t = 3600.0
+            tmo = <long>(t * 1000.0) + 1
+            ev = poll(sock, wake_fd, mon, tmo)
+            if ev != 1:
+                self.serve_returns += 1
+                return ev
+            w0 = _now()
+            slow = False
+            outq = []
+            loop._outq = outq
+            try:
+                for i in range(most):
+                    m = recv(sock, 1, 65536, 1)
+                    if m is None:
+                        break
+                    try:
+                        done = self._handle(m, outq)
+                    except Exception:
+                        loop._fast_bug()
+                        done = False
+                    if not done:
+                        slow = True
+                        handle(m)
+            finally:
+                loop._outq = None
+                if outq:
+                    self._flush(sock, send, outq)
+            now = _now()
+            w = now - w0
+            if w > self.max_wall:
+                self.max_wall = w
+                mt = loop.max_turn
+                if w > mt["wall_s"]:
+                    mt["wall_s"] = w
+            if slow or now >= due or not loop._running:
+                self.serve_returns += 1
+                return 8
+            self.lean_turns += 1
+            PyErr_CheckSignals()
+
+    cdef int _flush(self, sock, send, list outq) except -1:
+        # ServiceLoop._flush_out: in order; a failed one dropped (and counted)
+        cdef Py_ssize_t i, n = PyList_GET_SIZE(outq)
+        for i in range(n):
+            m = <object>PyList_GET_ITEM(outq, i)
+            try:
+                send(sock, m)
+            except _ZMQError as exc:
+                self.loop._send_failed(m, exc)
+        del outq[:]
+        return 0
 
     cdef bint _handle(self, list msg, list outq) except -1:
         cdef Py_buffer hb

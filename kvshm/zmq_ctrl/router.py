@@ -469,6 +469,11 @@ class ServiceLoop:
         self._stateful = {Op.ALLOC, Op.LOOKUP, Op.COMMIT}
         self._ticks: list[Callable[[float], float | None]] = []
         self._tick_deadline: float | None = None
+        #: the earliest timer (time.monotonic() s; inf: none) of the last
+        #: :meth:`_next_timeout`, and whether the loop's next turns may be lean ones
+        #: (FastPath.serve: nothing parked, sliced, in flight; no tier)
+        self._due = float("inf")
+        self._lean = False
         self._fast: Any = None
         self._make_fast()
 
@@ -491,6 +496,9 @@ class ServiceLoop:
         out = {op.name: (f.counts.get(int(op), 0) if f is not None else 0)
                for op in (Op.PUT, Op.GET, Op.EXISTS)}
         out["declined"] = f.declined if f is not None else 0
+        # turns of :meth:`run` done wholly in C (FastPath.serve), and its hand-backs
+        out["lean_turns"] = f.lean_turns if f is not None else 0
+        out["lean_returns"] = f.serve_returns if f is not None else 0
         return out
 
     def _fast_bug(self) -> None:
@@ -599,7 +607,7 @@ class ServiceLoop:
         busy = now
         try:
             while self._running:
-                idle = self.turn()
+                idle = self._turn(None, True)
                 t = time.monotonic()
                 if not idle:
                     busy = t
@@ -631,6 +639,15 @@ class ServiceLoop:
         each large request in progress, sends in flight, periodic eviction. :meth:`run`
         calls it until :meth:`stop`; tests drive it directly. Returns True when the
         wait ended with nothing to serve and no large request is in progress (idle)."""
+        return self._turn(timeout_ms, False)
+
+    def _turn(self, timeout_ms: int | None, many: bool) -> bool:
+        """One turn of the loop: wait for a message or a timer (at most ``timeout_ms``;
+        None: until the next timer; no wait while large requests are in progress),
+        serve what is queued, then leases, the tier, ticks, parked requests, one slice of
+        each large request in progress, sends in flight, periodic eviction. :meth:`run`
+        calls it until :meth:`stop`; tests drive it directly. Returns True when the
+        wait ended with nothing to serve and no large request is in progress (idle)."""
         poller = self._poller
         if poller is None:
             poller = self._poller = zmq.Poller()
@@ -643,12 +660,31 @@ class ServiceLoop:
         sock = self._sock
         if self._runnable or self._decodes or self._encodes:
             timeout: int | None = 0
+            self._lean = False
         else:
             timeout = self._next_timeout(self._next_evict)
             if timeout_ms is not None:
                 timeout = timeout_ms if timeout is None else min(timeout, timeout_ms)
         zc = self._zmqc
-        if zc is not None:
+        ev = -2
+        if many and self._lean and timeout_ms is None:
+            # :meth:`run`'s common turns (a message at a time, each served by the fast
+            # path, no timer due) run in C until one needs this turn: it goes on with
+            # what the wait saw, or after the drain (8), or polls again (16: a timer due)
+            ev = self._fast.serve(sock, self._wake_r, self._monitor, self._due,
+                                  zc.wait_in, zc.recv_multipart, zc.send_parts,
+                                  self._handle, 256)
+            if ev == -1:
+                return False            # EINTR
+            if ev == 16:
+                timeout = self._next_timeout(self._next_evict)
+                ev = -2
+        drained = ev == 8
+        if drained:
+            ev = 1
+        elif ev != -2:
+            pass
+        elif zc is not None:
             # one zmq_poll, GIL released, no pyzmq Poller (a Python layer per call)
             ev = zc.poll_in(sock, self._wake_r, self._monitor,
                             -1 if timeout is None else int(timeout))
@@ -675,7 +711,7 @@ class ServiceLoop:
                 pass
         if ev & 4:
             self._log_handshakes()
-        if ev & 1:
+        if ev & 1 and not drained:
             # Drain what is queued, bounded so timers still run under load.
             if zc is not None:
                 recv = zc.recv_multipart
@@ -803,6 +839,20 @@ class ServiceLoop:
             d = min(p.deadline for p in self._parked)
             if first is None or d < first:
                 first = d
+        # the turns FastPath.serve may run alone: until the earliest timer (the liveness
+        # check and run()'s latest full collection among them), while nothing is parked,
+        # sliced, decoded, encoded or in flight and no tier is attached
+        lean = (self._fast is not None and not self._parked and not self._sending
+                and not self._runnable and not self._decodes and not self._encodes
+                and self.store.tier is None)
+        self._lean = lean
+        if lean:
+            due = self._last_full_gc + _FULL_GC_MAX_S
+            if first is not None and first < due:
+                due = first
+            if self._next_check < due:
+                due = self._next_check
+            self._due = due
         now = time.monotonic()
         t = None
         if first is not None:
@@ -1342,6 +1392,12 @@ class ServiceLoop:
             log.debug("reply to %s dropped: %s", ident.hex(), exc)
             self._count_error("send_failed")
         return None
+
+    def _send_failed(self, m: tuple[bytes, bytes], exc: zmq.ZMQError) -> None:
+        """A queued reply could not be sent (FastPath.serve's flush): dropped as
+        :meth:`_flush_out` drops it."""
+        log.debug("reply to %s dropped: %s", m[0].hex(), exc)
+        self._count_error("send_failed")
 
     def _flush_out(self, outq: list[tuple[bytes, bytes]]) -> None:
         """Send the replies :meth:`_send` queued during a drain (``_zmqc`` only), in
