@@ -58,6 +58,16 @@ or hostile header, a value it does not copy) it declines before changing anythin
 the Python path below serves it. ``ServiceLoop.fast_counts()`` (STATS: ``fast_path``)
 says how many it took.
 
+Lean turns. While nothing is parked, sliced, decoded, encoded or in flight and no tier is
+attached, :meth:`ServiceLoop.run` hands its turns to ``FastPath.serve``: it waits
+(``_zmqc.wait_in``: ``ZMQ_EVENTS``, then one ``poll(2)``), drains, serves and flushes in
+C, turn after turn, until a message takes the Python path, the earliest timer (leases,
+the liveness check, ticks' deadlines, periodic eviction, the latest full collection) is
+due, or the wake pipe (stop, poke, a signal's wake-up fd) or the monitor fires; the
+Python turn then goes on from there. Ticks and housekeeping thus run at their deadlines,
+not on every request (``fast_path``'s ``lean_turns``: turns done in C; ``lean_returns``:
+hand-backs). :meth:`ServiceLoop.turn` (tests) is always one Python turn.
+
 Nothing a client sends may raise out of the loop: every handler runs under a catch-all
 that answers INTERNAL, and the store's lease and liveness checks never raise.
 """
@@ -530,7 +540,9 @@ class ServiceLoop:
     def add_ops(self, handlers: dict[int, Callable[..., Any]],
                 tick: Callable[[float], float | None] | None = None) -> None:
         """Serve more ops (``op -> handler``, as the built-in ones) and call ``tick(now)``
-        each turn of the loop (it returns its next deadline, or None)."""
+        each Python turn of the loop (it returns its next deadline, or None: none until a
+        request of the Python path or a wake-up); the lean turns of :meth:`run` (see the
+        module) call it no later than that deadline, not on every one-key request."""
         self._handlers.update(handlers)
         if tick is not None:
             self._ticks.append(tick)
