@@ -119,6 +119,9 @@ except ImportError:     # pragma: no cover - the extension is not built
 #: KVSHM_FASTPATH=0 in the environment turns the one-key fast path off (A/B figures;
 #: the Python path serves every request then)
 _FAST_ON = os.environ.get("KVSHM_FASTPATH", "1") != "0"
+#: KVSHM_LEAN_TURNS=0 turns run()'s lean turns off (A/B figures; every turn is a Python
+#: one then, the fast path still serving one-key requests)
+_LEAN_ON = os.environ.get("KVSHM_LEAN_TURNS", "1") != "0"
 
 __all__ = ["ServiceLoop", "LATENCY_BUCKETS"]
 
@@ -854,7 +857,7 @@ class ServiceLoop:
         # the turns FastPath.serve may run alone: until the earliest timer (the liveness
         # check and run()'s latest full collection among them), while nothing is parked,
         # sliced, decoded, encoded or in flight and no tier is attached
-        lean = (self._fast is not None and not self._parked and not self._sending
+        lean = (_LEAN_ON and self._fast is not None and not self._parked and not self._sending
                 and not self._runnable and not self._decodes and not self._encodes
                 and self.store.tier is None)
         self._lean = lean
