@@ -214,3 +214,34 @@ def test_a_poke_wakes_the_python_turn(bed: Running) -> None:
     # the wake pipe ends the C turns: the Python turn ran (its ticks with it)
     assert len(bed.ticks) > n0
     assert bed.loop.fast_counts()["lean_returns"] > before
+
+
+def test_wait_in_reports_what_poll_in_reports() -> None:
+    """_zmqc.wait_in: 0 on a timeout, 2 the fd, 1 a queued message (found through
+    ZMQ_EVENTS, at once); with a monitor socket it is poll_in."""
+    if router_mod._zmqc is None:
+        pytest.skip("kvshm.zmq_ctrl._zmqc not built")
+    import os
+    zc = router_mod._zmqc
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    r, w = os.pipe()
+    try:
+        a.bind("inproc://wait-in")
+        b.connect("inproc://wait-in")
+        assert zc.wait_in(a, r, None, 10) == 0
+        os.write(w, b"x")
+        assert zc.wait_in(a, r, None, 1000) == 2
+        os.read(r, 1)
+        b.send(b"m")
+        assert zc.wait_in(a, r, None, 1000) & 1
+        assert zc.wait_in(a, r, None, 0) == 1          # still queued: ZMQ_EVENTS says so
+        assert a.recv() == b"m"
+        assert zc.wait_in(a, r, None, 10) in (0, 1)     # 1: a spurious wake (a command)
+        assert zc.wait_in(a, r, None, 10) == 0
+    finally:
+        os.close(r)
+        os.close(w)
+        a.close(0)
+        b.close(0)
+        ctx.term()
