@@ -334,7 +334,6 @@ cdef class FastPath:
             w0 = _now()
             slow = False
             outq = []
-            loop._outq = outq
             try:
                 for i in range(most):
                     m = recv(sock, 1, 65536, 1)
@@ -346,10 +345,14 @@ cdef class FastPath:
                         loop._fast_bug()
                         done = False
                     if not done:
-                        slow = True
+                        if not slow:
+                            # the Python path's replies queue behind ours (its _send)
+                            slow = True
+                            loop._outq = outq
                         handle(m)
             finally:
-                loop._outq = None
+                if slow:
+                    loop._outq = None
                 if outq:
                     self._flush(sock, send, outq)
             now = _now()
