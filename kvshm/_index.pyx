@@ -21,6 +21,7 @@ import array as _array
 from types import MappingProxyType
 
 cdef array.array _Q = _array.array("q")
+cdef object _U64_MAX = 0xFFFFFFFFFFFFFFFF
 
 __all__ = ["Entry", "Index", "PENDING", "LIVE", "DEAD", "MAX_EXTENTS"]
 
@@ -887,8 +888,10 @@ def make_entries(keys, sizes, sums, want, want_idx, places, Py_ssize_t n,
         if sums is None:
             e.checksum = None
         else:
+            # an xxh64 (0 .. 2**64 - 1), as Reservations.place keeps; anything else
+            # (a hostile -1) is no checksum: the shared table holds a uint64
             c = sums[i]
-            e.checksum = c if type(c) is int else None
+            e.checksum = c if type(c) is int and 0 <= c <= _U64_MAX else None
         entries[i] = e
     return entries, full, split
 
