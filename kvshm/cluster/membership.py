@@ -301,10 +301,12 @@ class Membership:
     def _leave(self) -> None:
         etcd = self._require()
         etcd.delete(node_key(self.cluster, self.member.id))
-        if self._lease is not None:
-            etcd.revoke(self._lease)
-            self._lease = None
+        # left from here on: peers may see the record gone at once (a revoke that fails
+        # leaves the lease to lapse by its TTL; no keepalive is sent once left)
         self._left = True
+        if self._lease is not None:
+            lease, self._lease = self._lease, None
+            etcd.revoke(lease)
         log.info("node %s left cluster %s (drained)", self.member.id, self.cluster)
 
     def _require(self) -> _Etcd:
