@@ -201,7 +201,7 @@ class _WriteBehind:
                  "outstanding", "placed", "copying", "lock", "max_extents", "checked",
                  "held_rid", "held_gen", "held_keys", "held_sizes", "held_runs",
                  "held_blocks", "held_at", "batch_blocks", "puts", "sent_at",
-                 "last_put", "burst")
+                 "last_put", "burst", "reserving")
 
     def __init__(self, mover: ShmMover, block_size: int, want_blocks: int) -> None:
         self.mover = mover
@@ -215,6 +215,7 @@ class _WriteBehind:
         self.outstanding: dict[int, list[bytes]] = {}
         self.placed = localread.Placed()
         self.copying = 0
+        self.reserving = False              # a RESERVE waited for is in flight
         self.lock = threading.Lock()
         self.max_extents = 8                # kvshm.index.MAX_EXTENTS: runs of one value
         self.checked = 0.0                  # time.monotonic() the server was last seen alive
@@ -299,6 +300,21 @@ class _WriteBehind:
             self.free -= sum(need)
             self.copying += 1
             return self.gen, out, self.mover, self.bs
+
+    def claim_reserve(self) -> bool:
+        """Whether the caller may send a RESERVE and wait for it now: none such is in
+        flight, no refill was asked ahead (``reserve_rid``) and no copy into the
+        reservation is under way. The caller clears ``reserving`` once the reply is
+        applied (or the request failed). One at a time: a reset gives the old blocks
+        back to the pool, so no copy may be running into them, and none may start
+        from another RESERVE's reply before the reset is applied (two threads that
+        both found the reservation dry each sent a reset, the second under the
+        first's copy: its blocks went to other keys with the first's bytes)."""
+        with self.lock:
+            if self.reserving or self.copying or self.reserve_rid:
+                return False
+            self.reserving = True
+            return True
 
     def copy_done(self) -> None:
         with self.lock:
@@ -593,6 +609,9 @@ class _Session:
         wb = self.wb
         if wb is None:
             return None
+        # a forked child has a copy of the parent's ``placed`` that no reply updates:
+        # its blocks may hold other keys by now
+        self.check_owner()
         bk = self.keys([key])[0]
         if bk not in wb.placed:
             return None
@@ -997,18 +1016,23 @@ class _Session:
         got = None
         if total * 2 <= wb.want:
             got = wb.take(need)
-            if got is None and not wb.reserve_rid and wb.copying == 0:
-                # dry (or reset due): one round trip for the reservation
-                reset = not wb.gen
+            if got is None and wb.claim_reserve():
+                # dry (or reset due): one round trip for the reservation, one such
+                # RESERVE at a time (see claim_reserve)
                 try:
-                    r = yield _Req(Op.RESERVE, {"blocks": wb.want - (0 if reset else wb.free),
-                                                "reset": reset},
-                                   stateful=True, retry_stale=False)
-                except _Restarted:
-                    r = None
-                if r is not None and r.status == Status.OK and self.wb is wb:
-                    wb.apply_reserve(r.body, reset)
-                    got = wb.take(need)
+                    reset = not wb.gen
+                    try:
+                        r = yield _Req(Op.RESERVE,
+                                       {"blocks": wb.want - (0 if reset else wb.free),
+                                        "reset": reset},
+                                       stateful=True, retry_stale=False)
+                    except _Restarted:
+                        r = None
+                    if r is not None and r.status == Status.OK and self.wb is wb:
+                        wb.apply_reserve(r.body, reset)
+                        got = wb.take(need)
+                finally:
+                    wb.reserving = False
         if got is None:
             return (yield from self.op_put_batch(bkeys, views, checksum, lazy=False))
         gen, runs, mover, bs = got
@@ -1970,6 +1994,8 @@ class Client:
             wb.copy_done()
         offs = [(b0 * bs, c * bs) for b0, c in ext]
         with chan.lock:
+            if self._closed:
+                return False                # close() ran meanwhile: the general path says so
             if wb.held_rid and wb.held_gen != gen:
                 self._send_held_locked()        # another reservation's: not mixed
             wb.puts += 1
@@ -2353,6 +2379,7 @@ class Client:
 
     def ping(self) -> dict[str, Any]:
         """Say HELLO again; returns the server's HELLO reply."""
+        self._session.check_owner()     # (before a lock the parent's threads may hold)
         wb = self._session.wb
         if wb is not None and wb.outstanding and not self._session.need_hello:
             try:   # their replies first: a new HELLO drops the socket they come on
@@ -2382,6 +2409,9 @@ class Client:
         """
         if self._closed:
             return
+        if self._session.pid != os.getpid():
+            self._forget_in_child()
+            return
         try:
             if self._session.piggyback_pending() and not self._session.need_hello:
                 self._run(self._session.op_commit_flush(), check=False)
@@ -2401,6 +2431,18 @@ class Client:
             self._flusher.stop()
         with self._chan.lock:
             s = self._session
+            wb = s.wb
+            if wb is not None and wb.held_rid:
+                # a put that raced this close was held after the flush above (and the
+                # place-flush thread is stopped): send it before the BYE
+                try:
+                    if s.need_hello:
+                        s.wb_lost.extend(wb.held_keys)
+                        wb.unhold()
+                    else:
+                        self._send_held_locked()
+                except KvshmError as exc:
+                    log.debug("held PLACE at close: %s", exc)
             s.close()
             bye = s.bye() if s.pid == os.getpid() else None
             if bye is not None:
@@ -2413,6 +2455,21 @@ class Client:
                 except Exception as exc:
                     log.debug("BYE at close: %s", exc)
             self._chan.close()
+            try:
+                s.raise_wb_errors()         # (what the BYE's wait read, or could not send)
+            except (WriteRefused, WritesLost) as exc:
+                log.warning("kvshm client %s closed: %s", self.address, exc)
+
+    def _forget_in_child(self) -> None:
+        """close() in a forked child: the client is its parent's. The parent's threads
+        may have held its locks at the fork (the place-flush thread sending, a call or
+        a copy in flight) and nobody here releases them: take none, settle nothing,
+        unmap nothing (the mappings end with this process); the parent's socket is
+        never touched."""
+        self._closed = True
+        self._timer = None
+        self._flusher = None
+        self._chan.reset()          # (drops the parent's socket object, unclosed)
 
     def __enter__(self) -> "Client":
         return self
@@ -2423,6 +2480,8 @@ class Client:
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
             try:
+                if self._session.pid != os.getpid():
+                    return          # a forked child's copy: see _forget_in_child
                 self._session.close()
                 self._chan.close()
             except Exception:

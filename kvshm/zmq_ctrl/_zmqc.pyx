@@ -724,7 +724,7 @@ MAX_KEY1 = _MAX_KEY1
 MAX_VALUE1 = 65535
 
 
-def encode1(int op, kv_u64 req_id, kv_u64 epoch, bytes key, object size=None,
+def encode1(int op, kv_u64 req_id, kv_u64 epoch, bytes key not None, object size=None,
             object checksum=None):
     """The header :func:`send1` sends (for tests: it equals ``encode_request`` of the same
     request). ``size`` None: a GET/EXISTS body, else a PUT body."""
@@ -788,7 +788,7 @@ cdef bint _send1(void *s, int op, kv_u64 req_id, kv_u64 epoch, bytes key, object
     return True
 
 
-def send1(sock, int op, kv_u64 req_id, kv_u64 epoch, bytes key, value=None,
+def send1(sock, int op, kv_u64 req_id, kv_u64 epoch, bytes key not None, value=None,
           checksum=None, Py_ssize_t max_size=65535):
     """Send one single-key request: PUT of ``value`` (a C-contiguous buffer, with its
     xxh64 ``checksum`` or None) when given, else a GET/EXISTS (``op``) of ``key``.
@@ -800,8 +800,8 @@ def send1(sock, int op, kv_u64 req_id, kv_u64 epoch, bytes key, value=None,
     return _send1(_handle(sock), op, req_id, epoch, key, value, checksum, max_size)
 
 
-def call1(sock, int kind, int op, kv_u64 req_id, kv_u64 epoch, bytes key, value, checksum,
-          Py_ssize_t max_size, out, Py_ssize_t copy_threshold=65536):
+def call1(sock, int kind, int op, kv_u64 req_id, kv_u64 epoch, bytes key not None, value,
+          checksum, Py_ssize_t max_size, out, Py_ssize_t copy_threshold=65536):
     """:func:`send1` (``value`` None unless ``kind`` is PUT1), then :func:`recv1`'s
     first slice, in one call. Returns None when nothing was sent, else what recv1
     returns."""
