@@ -1274,7 +1274,12 @@ class _Session:
         return r.body
 
     def op_commit_flush(self) -> OpGen:
-        r = yield _Req(Op.COMMIT, {}, stateful=True, retry_stale=False)
+        try:
+            r = yield _Req(Op.COMMIT, {}, stateful=True, retry_stale=False)
+        except _Restarted:
+            # the new HELLO found the writes made behind lost: flush() says which
+            self.raise_wb_errors()
+            raise
         _check(r, "flush")
         self.raise_lost_commits()    # note_reply saw this reply's commit_failed already
         self.raise_wb_errors()       # the PLACE replies before it were read by now

@@ -418,3 +418,45 @@ def test_one_key_calls_refuse_a_none_key():
             _zmqc.call1(s, _zmqc.GET1, int(Op.GET), 1, 1, None, None, None, 10, None)
     finally:
         s.close(0)
+
+
+# ---------------------------------------------------------------- restart
+
+
+def test_flush_across_a_restart_names_the_held_writes_lost(monkeypatch):
+    """Puts held when the server is replaced by a new one on the same port: flush()
+    raises WritesLost naming them (before: ServerUnavailable "restarted during the
+    operation", the names only from a later call), and the new server has none."""
+    import socket
+
+    monkeypatch.setattr(kclient, "PLACE_WINDOW", 0)
+    monkeypatch.setattr(kclient, "PLACE_HOLD_S", 30.0)
+    monkeypatch.setattr(kclient, "IDLE_FLUSH_S", 60.0)
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        port = so.getsockname()[1]
+    srv = ServerProcess(service_port=port, prealloc_size=1 / 64)
+    srv2 = None
+    c = Client(srv.address, write_behind=True, timeout=5)
+    try:
+        c.put("rs-warm", b"w")
+        c.flush()
+        c.put("rs1", b"1" * 5000)
+        c.put("rs2", b"2" * 5000)
+        assert c.session.wb.held_keys == [b"rs1", b"rs2"]
+        srv.stop()
+        srv2 = ServerProcess(service_port=port, prealloc_size=1 / 64)
+        with pytest.raises(WritesLost) as ei:
+            c.flush()
+        assert sorted(ei.value.keys) == [b"rs1", b"rs2"]
+        c.flush()                                   # reported once
+        with Client(srv2.address) as other:
+            assert not other.exists("rs1") and not other.exists("rs2")
+            c.put("rs3", b"3" * 5000)
+            c.flush()
+            assert other.get("rs3") == b"3" * 5000
+    finally:
+        c.close()
+        srv.kill()
+        if srv2 is not None:
+            srv2.stop()
