@@ -1326,8 +1326,13 @@ cdef class IndexWriter:
             slot = r.slot
             ver = r.ver
             t += 1
-            if slot >= self._room:
-                continue                        # a void record (its read was redone)
+            # only a slot of the table(s) in use: a void record (its read was redone),
+            # a stale one of a table given back, or a client's (the ring is writable)
+            # never makes the server touch an unreserved page of the segment (a fault
+            # there reserves it, or is a SIGBUS when /dev/shm is full)
+            if not ((self._base <= slot < self._base + self._nslots) or
+                    (self._onslots and self._obase <= slot < self._obase + self._onslots)):
+                continue
             s = self._slot(slot)
             if s.state == S_LIVE and <uint32_t>s.version == ver:
                 kp = _slot_key(s, self._wide, self._wide_cap, s.keylen, &room)
@@ -2003,11 +2008,30 @@ cdef class IndexReader:
         cdef Py_ssize_t i, nt = len(tokens)
         cdef Found f
         cdef int64_t t
+        cdef uint64_t ts, base, nslots, obase, onslots, sl
+        self._check()
+        # a token of a slot outside the table(s) in use (moved by a growth since, its old
+        # slots given back) is stale: not looked at, so that no page given back is faulted
+        # in again (a fault there reserves it, or is a SIGBUS when /dev/shm is full)
+        ts = kvx_load_acq(&self._h.table_seq)
+        if ts & 1:
+            return False
+        nslots = kvx_load_acq(&self._h.nslots)
+        base = kvx_load_acq(&self._h.base)
+        onslots = kvx_load_acq(&self._h.old_nslots)
+        obase = kvx_load_acq(&self._h.old_base)
         kvx_fence_acq()
+        if kvx_load_rlx(&self._h.table_seq) != ts:
+            return False
         for i in range(nt):
             slot, version = tokens[i]
-            if slot >= self._cap or \
-                    kvx_load_rlx(&self._slot(slot).version) != <uint64_t>version:
+            if slot < 0:
+                return False
+            sl = slot
+            if sl >= self._cap or not ((base <= sl < base + nslots) or
+                                       (onslots and obase <= sl < obase + onslots)):
+                return False
+            if kvx_load_rlx(&self._slot(sl).version) != <uint64_t>version:
                 return False
         if nt == 0:
             return True
