@@ -236,6 +236,8 @@ MIGRATE_STEP = 64
 RESERVE_STEP = 2048
 #: Bytes of the index segment's header.
 HEADER_SIZE = 4096
+#: Seconds a table that /dev/shm had no room to grow or rebuild waits before it tries again.
+ROOM_RETRY_S = 1.0
 #: Records of the reads ring.
 RING_RECORDS = 65536
 
@@ -501,7 +503,7 @@ cdef class IndexWriter:
     cdef uint64_t _cbase      # the slots given back (while P_CLEAN)
     cdef uint64_t _cn
     cdef uint64_t _cdone
-    cdef bint _no_room        # /dev/shm refused a table: no growth or rebuild from now on
+    cdef double _room_retry_at  # /dev/shm refused a table: no growth or rebuild before this
     cdef uint64_t _vmax       # highest slot version written
     cdef uint64_t _vbase      # versions of a new table start above every one before
     cdef uint64_t _work       # slots of table upkeep in the current call
@@ -1138,7 +1140,9 @@ cdef class IndexWriter:
         """Start a growth by half (live keys at least half the slots, room to grow) or a
         rebuild (tombstones): one step now, the rest in later calls."""
         cdef uint64_t n = self._nslots, new
-        if self._phase != P_IDLE or self._no_room or self._lock_fd < 0:
+        if self._phase != P_IDLE or self._lock_fd < 0:
+            return 0
+        if self._room_retry_at != 0 and kvx_now() < self._room_retry_at:
             return 0
         if self._live >= n // 2 and n < self._cap:
             new = min(self._cap, n + max(<uint64_t>64, n // 2))
@@ -1177,10 +1181,11 @@ cdef class IndexWriter:
                 rc = posix_fallocate(self._lock_fd, off, length)
             self._work += m
             if rc != 0:
-                # /dev/shm is full: the table stays as it is from now on (keys that do not
-                # fit are not published); what was reserved is given back
-                self._no_room = True
-                self._cap = self._nslots
+                # /dev/shm is full: the table stays as it is for ROOM_RETRY_S (keys that
+                # do not fit are not published), then a growth or rebuild is tried again
+                # (space freed meanwhile: the table takes new keys, and drops its
+                # tombstones, again); what was reserved is given back
+                self._room_retry_at = kvx_now() + ROOM_RETRY_S
                 self._cbase = self._pbase
                 self._cn = self._pdone
                 self._cdone = 0

@@ -143,3 +143,56 @@ def test_a_hostile_ring_record_does_not_crash_the_server_when_dev_shm_is_full(tm
         if "permission" in p.stderr.lower() or "not permitted" in p.stderr.lower():
             pytest.skip("cannot mount a tmpfs here")
     assert p.returncode == 0 and "survived" in p.stdout, (p.returncode, p.stdout, p.stderr)
+
+
+_FULL_THEN_FREED = textwrap.dedent(r"""
+    import os, sys, time
+    sys.path.insert(0, sys.argv[1])
+    from kvshm import Pool
+    from kvshm._shmindex import IndexReader, IndexWriter
+    pool = Pool.create("b11room", 64 * 4096, 4096)
+    w = IndexWriter.create("b11room-index", "b11room-reads", 1 << 15, epoch=1,
+                           block_size=4096, num_blocks=64, token=pool.token,
+                           initial_slots=64, ring_records=1024)
+    fd = os.open("/dev/shm/filler", os.O_CREAT | os.O_WRONLY)
+    while True:                                   # leave 64 KiB: a table of ~300 slots
+        st = os.statvfs("/dev/shm")
+        left = st.f_bavail * st.f_frsize - 65536
+        if left <= 0:
+            break
+        try:
+            os.write(fd, b"x" * min(left, 1 << 20))
+        except OSError:
+            break
+    refused = 0
+    for i in range(3000):
+        refused += w.publish(b"k%d" % i, 4, [(1, 1)]) < 0
+    small = w.nslots
+    assert refused > 0, (refused, w.stats())
+    for i in range(3000):
+        w.unpublish(b"k%d" % i)                   # tombstones, and the refused keys
+    os.ftruncate(fd, 0)                           # space again
+    time.sleep(1.2)
+    got = 0
+    for i in range(3000):
+        got += w.publish(b"n%d" % i, 4, [(1, 1)]) >= 0
+    print(small, w.nslots, got, w.unpublished, flush=True)
+    assert got == 3000 and w.unpublished == 0 and w.nslots > small, w.stats()
+    print("grew again", flush=True)
+""")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="needs root for a private small tmpfs on /dev/shm")
+def test_a_table_that_dev_shm_had_no_room_for_grows_again_once_there_is_room(tmp_path):
+    """Once a growth's posix_fallocate failed, the table never grew nor dropped its
+    tombstones again (its capacity was cut to its size for the server's life): after one
+    moment of a full /dev/shm, new keys were refused for good (every read of them, and
+    every miss, went to the server) even with the space back and the table all tombstones."""
+    script = tmp_path / "room.py"
+    script.write_text(_FULL_THEN_FREED)
+    cmd = (f"mount -t tmpfs -o size=24m tmpfs /dev/shm && "
+           f"{sys.executable} {script} {ROOT}")
+    p = subprocess.run(["unshare", "-m", "sh", "-c", cmd], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0 and "grew again" in p.stdout, (p.returncode, p.stdout, p.stderr)
