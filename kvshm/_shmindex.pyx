@@ -2014,7 +2014,8 @@ cdef class IndexReader:
         cdef Found f
         cdef int64_t t
         cdef uint64_t ts, base, nslots, obase, onslots, sl
-        self._check()
+        if self._map == NULL:
+            return False                # closed meanwhile (its table unmapped): redo it
         # a token of a slot outside the table(s) in use (moved by a growth since, its old
         # slots given back) is stale: not looked at, so that no page given back is faulted
         # in again (a fault there reserves it, or is a SIGBUS when /dev/shm is full)

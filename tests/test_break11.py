@@ -196,3 +196,37 @@ def test_a_table_that_dev_shm_had_no_room_for_grows_again_once_there_is_room(tmp
     p = subprocess.run(["unshare", "-m", "sh", "-c", cmd], capture_output=True, text=True,
                        timeout=60)
     assert p.returncode == 0 and "grew again" in p.stdout, (p.returncode, p.stdout, p.stderr)
+
+
+_VALIDATE_CLOSED = textwrap.dedent(r"""
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    from kvshm import Pool
+    from kvshm._shmindex import IndexReader, IndexWriter
+    name = sys.argv[2]
+    pool = Pool.create(name, 64 * 4096, 4096)
+    w = IndexWriter.create(name + "-index", name + "-reads", 4096, epoch=1,
+                           block_size=4096, num_blocks=64, token=pool.token)
+    try:
+        r = IndexReader(w.name, w.reads_name, pool, 1)
+        w.publish(b"a", 4, [(0, 1)])
+        tok = r.lookup(b"a")[0]
+        r.close()                              # (another thread's re-HELLO, say)
+        print("validate", r.validate([tok]), flush=True)
+    finally:
+        w.unlink()
+        pool.close()
+        pool.unlink()
+""")
+
+
+def test_validate_after_the_reader_is_closed_is_false_not_a_segfault(shm_name, tmp_path):
+    """validate() read the token's slot version through the table's mapping without
+    checking it was still mapped: after close() (between a locate and its validate) it
+    read unmapped memory (SIGSEGV)."""
+    script = tmp_path / "closed.py"
+    script.write_text(_VALIDATE_CLOSED)
+    p = subprocess.run([sys.executable, str(script), ROOT, shm_name], capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0 and "validate False" in p.stdout, (p.returncode, p.stdout,
+                                                                p.stderr)
