@@ -28,6 +28,7 @@ RESERVE_STEP: int
 HEADER_SIZE: int
 #: Records of the reads ring.
 RING_RECORDS: int
+ROOM_RETRY_S: float
 #: A read the caller must ask of the server instead.
 FALLBACK: int
 #: A read that found nothing, and the store holds nothing for that key.

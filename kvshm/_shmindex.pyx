@@ -236,6 +236,8 @@ MIGRATE_STEP = 64
 RESERVE_STEP = 2048
 #: Bytes of the index segment's header.
 HEADER_SIZE = 4096
+#: Seconds a table that /dev/shm had no room to grow or rebuild waits before it tries again.
+ROOM_RETRY_S = 1.0
 #: Records of the reads ring.
 RING_RECORDS = 65536
 
@@ -501,7 +503,7 @@ cdef class IndexWriter:
     cdef uint64_t _cbase      # the slots given back (while P_CLEAN)
     cdef uint64_t _cn
     cdef uint64_t _cdone
-    cdef bint _no_room        # /dev/shm refused a table: no growth or rebuild from now on
+    cdef double _room_retry_at  # /dev/shm refused a table: no growth or rebuild before this
     cdef uint64_t _vmax       # highest slot version written
     cdef uint64_t _vbase      # versions of a new table start above every one before
     cdef uint64_t _work       # slots of table upkeep in the current call
@@ -1138,7 +1140,9 @@ cdef class IndexWriter:
         """Start a growth by half (live keys at least half the slots, room to grow) or a
         rebuild (tombstones): one step now, the rest in later calls."""
         cdef uint64_t n = self._nslots, new
-        if self._phase != P_IDLE or self._no_room or self._lock_fd < 0:
+        if self._phase != P_IDLE or self._lock_fd < 0:
+            return 0
+        if self._room_retry_at != 0 and kvx_now() < self._room_retry_at:
             return 0
         if self._live >= n // 2 and n < self._cap:
             new = min(self._cap, n + max(<uint64_t>64, n // 2))
@@ -1177,10 +1181,11 @@ cdef class IndexWriter:
                 rc = posix_fallocate(self._lock_fd, off, length)
             self._work += m
             if rc != 0:
-                # /dev/shm is full: the table stays as it is from now on (keys that do not
-                # fit are not published); what was reserved is given back
-                self._no_room = True
-                self._cap = self._nslots
+                # /dev/shm is full: the table stays as it is for ROOM_RETRY_S (keys that
+                # do not fit are not published), then a growth or rebuild is tried again
+                # (space freed meanwhile: the table takes new keys, and drops its
+                # tombstones, again); what was reserved is given back
+                self._room_retry_at = kvx_now() + ROOM_RETRY_S
                 self._cbase = self._pbase
                 self._cn = self._pdone
                 self._cdone = 0
@@ -1326,8 +1331,13 @@ cdef class IndexWriter:
             slot = r.slot
             ver = r.ver
             t += 1
-            if slot >= self._room:
-                continue                        # a void record (its read was redone)
+            # only a slot of the table(s) in use: a void record (its read was redone),
+            # a stale one of a table given back, or a client's (the ring is writable)
+            # never makes the server touch an unreserved page of the segment (a fault
+            # there reserves it, or is a SIGBUS when /dev/shm is full)
+            if not ((self._base <= slot < self._base + self._nslots) or
+                    (self._onslots and self._obase <= slot < self._obase + self._onslots)):
+                continue
             s = self._slot(slot)
             if s.state == S_LIVE and <uint32_t>s.version == ver:
                 kp = _slot_key(s, self._wide, self._wide_cap, s.keylen, &room)
@@ -2003,11 +2013,31 @@ cdef class IndexReader:
         cdef Py_ssize_t i, nt = len(tokens)
         cdef Found f
         cdef int64_t t
+        cdef uint64_t ts, base, nslots, obase, onslots, sl
+        if self._map == NULL:
+            return False                # closed meanwhile (its table unmapped): redo it
+        # a token of a slot outside the table(s) in use (moved by a growth since, its old
+        # slots given back) is stale: not looked at, so that no page given back is faulted
+        # in again (a fault there reserves it, or is a SIGBUS when /dev/shm is full)
+        ts = kvx_load_acq(&self._h.table_seq)
+        if ts & 1:
+            return False
+        nslots = kvx_load_acq(&self._h.nslots)
+        base = kvx_load_acq(&self._h.base)
+        onslots = kvx_load_acq(&self._h.old_nslots)
+        obase = kvx_load_acq(&self._h.old_base)
         kvx_fence_acq()
+        if kvx_load_rlx(&self._h.table_seq) != ts:
+            return False
         for i in range(nt):
             slot, version = tokens[i]
-            if slot >= self._cap or \
-                    kvx_load_rlx(&self._slot(slot).version) != <uint64_t>version:
+            if slot < 0:
+                return False
+            sl = slot
+            if sl >= self._cap or not ((base <= sl < base + nslots) or
+                                       (onslots and obase <= sl < obase + onslots)):
+                return False
+            if kvx_load_rlx(&self._slot(sl).version) != <uint64_t>version:
                 return False
         if nt == 0:
             return True

@@ -682,13 +682,18 @@ class ServiceLoop:
                 timeout = timeout_ms if timeout is None else min(timeout, timeout_ms)
         zc = self._zmqc
         ev = -2
+        served = False          # a lean turn of serve() ran (requests served in C)
         if many and self._lean and timeout_ms is None:
+            lean0 = self._fast.lean_turns
             # :meth:`run`'s common turns (a message at a time, each served by the fast
             # path, no timer due) run in C until one needs this turn: it goes on with
             # what the wait saw, or after the drain (8), or polls again (16: a timer due)
             ev = self._fast.serve(sock, self._wake_r, self._monitor, self._due,
                                   zc.wait_in, zc.recv_multipart, zc.send_parts,
                                   self._handle, 256)
+            # requests served in its C turns make this turn a busy one (run()'s full
+            # collection waits for a quiet loop)
+            served = self._fast.lean_turns != lean0
             if ev == -1:
                 return False            # EINTR
             if ev == 16:
@@ -794,7 +799,8 @@ class ServiceLoop:
         dt = time.perf_counter() - w0
         if dt > mt["wall_s"]:
             mt["wall_s"] = dt
-        return not ev and not self._runnable and not self._decodes and not self._encodes
+        return (not ev and not served and not self._runnable and not self._decodes
+                and not self._encodes)
 
     def _housekeep(self, now: float) -> None:
         """Leases and liveness proofs. Never raises: a bug here must not end the loop
