@@ -999,7 +999,8 @@ class _Session:
                             "(lease timeout); nothing was stored")
             self.raise_failures(bkeys, st, "put")
             return None
-        raise ServerUnavailable("the server restarted twice during one put; retry")
+        raise ServerUnavailable("the session was reset twice during one put (a server "
+                                "restart, or a HELLO of another thread's ping); retry")
 
     def op_put_behind(self, bkeys: list[bytes], views: list[memoryview],
                       checksum: bool) -> OpGen:

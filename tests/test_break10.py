@@ -184,6 +184,11 @@ def test_threads_sharing_a_write_behind_client_read_only_their_keys_bytes(srv, p
             except WriteRefused as exc:             # (before the fix: STALE_EPOCH)
                 if not ping or set(exc.failed.values()) != {Status.STALE_EPOCH}:
                     unexpected.append(exc)
+            except kvshm.ServerUnavailable as exc:
+                # two other threads' pings (two HELLOs) during one put: that put is
+                # refused, and says so (CI saw it once in a full run)
+                if not ping or "reset twice during one put" not in str(exc):
+                    unexpected.append(exc)
             except Exception as exc:                # noqa: BLE001 - asserted below
                 unexpected.append(exc)
 
