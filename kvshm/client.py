@@ -325,15 +325,58 @@ class _WriteBehind:
         return not self.reserve_rid and self.free * 2 < self.want
 
     def apply_reserve(self, body: dict[str, Any], reset: bool) -> None:
+        """Add the runs of a RESERVE reply (``{gen, runs: [[first block, count], ...]}``,
+        kvshm.zmq_ctrl.ops_local); ``reset`` or another generation first drops what is
+        held.
+
+        Raises
+        ------
+        ProtocolError
+            A reply the server never sends: ``gen`` not an int in [1, 2**64), ``runs``
+            not a list of ``[first block, count]`` int pairs with ``count >= 1`` inside
+            the pool, or runs that overlap each other or the runs still held. Nothing of
+            it is used and the reservation is forgotten (``gen`` 0: the next RESERVE
+            resets it on the server, so blocks it may have granted go back).
+        """
         gen = body.get("gen")
-        runs = body.get("runs") or []
+        runs = body.get("runs")
+        if runs is None:
+            runs = []
         with self.lock:
-            if reset or gen != self.gen:
-                self.gen = int(gen) if type(gen) is int else 0
+            drop = reset or gen != self.gen
+            why = self._bad_reserve(gen, runs, [] if drop else self.runs)
+            if why is not None:
+                self.gen = 0
+                self.runs, self.free = [], 0
+                raise ProtocolError(f"bad RESERVE reply: {why}; the reservation is "
+                                    "dropped (the next put asks for a new one)")
+            if drop:
+                self.gen = gen
                 self.runs, self.free = [], 0
             for r in runs:
-                self.runs.append([int(r[0]), int(r[1])])
-                self.free += int(r[1])
+                self.runs.append([r[0], r[1]])
+                self.free += r[1]
+
+    def _bad_reserve(self, gen: Any, runs: Any, held: list[list[int]]) -> str | None:
+        """Why a RESERVE reply's ``gen`` and ``runs`` cannot be used, or None."""
+        if type(gen) is not int or not 0 < gen < 1 << 64:
+            return f"generation {gen!r} is not an int in [1, 2**64)"
+        if type(runs) is not list:
+            return f"runs is a {type(runs).__name__}, not a list"
+        nblocks = self.pool.size // self.bs
+        for r in runs:
+            if not (type(r) is list and len(r) == 2 and type(r[0]) is int
+                    and type(r[1]) is int and r[0] >= 0 and r[1] >= 1
+                    and r[0] + r[1] <= nblocks):
+                return (f"run {r!r} is not [first block, count >= 1] inside the pool's "
+                        f"{nblocks} blocks")
+        if runs:
+            end = -1
+            for b0, c in sorted([(r[0], r[1]) for r in held] + [(r[0], r[1]) for r in runs]):
+                if b0 < end:
+                    return f"run [{b0}, {c}] overlaps blocks already reserved"
+                end = b0 + c
+        return None
 
     def void(self) -> list[int]:
         """Forget the reservation (a new HELLO); returns the PLACE ids not answered."""
@@ -505,10 +548,15 @@ class _Session:
         wb = self.wb
         if wb is None:
             return
-        if rid == wb.reserve_rid:
+        if rid and rid == wb.reserve_rid:
             wb.reserve_rid = 0
             if status == Status.OK:
-                wb.apply_reserve(body, reset=False)
+                try:
+                    wb.apply_reserve(body, reset=False)
+                except ProtocolError as exc:
+                    # nobody waits for this reply, and a reader must not raise (an
+                    # AsyncClient's reader task would end): the next put reserves again
+                    log.warning("kvshm server %s: %s", self.hello.get("server"), exc)
             elif status == Status.STALE_EPOCH:
                 self.need_hello = True
             return
@@ -525,12 +573,14 @@ class _Session:
                         self.wb_refused[k] = status
             else:
                 self.note_reply(body)
-                st = body.get("st") or []
+                st = body.get("st")
+                if type(st) is not list:
+                    st = []             # (a reply the server never sends: all INTERNAL)
                 if any(x == Status.OK for x in st):
                     self.releases.append(rid)     # the pins the PLACE holds
                 for k, x in zip(keys, st):
                     if x != Status.OK:
-                        self.wb_refused[k] = x
+                        self.wb_refused[k] = x if type(x) is int else Status.INTERNAL
                         if x == Status.STALE_EPOCH:
                             wb.gen = 0          # voided on the server: reset it
                 if len(st) < len(keys):
@@ -547,7 +597,7 @@ class _Session:
         wb = self.wb
         if wb is None:
             return
-        if rid == wb.reserve_rid:
+        if rid and rid == wb.reserve_rid:
             wb.reserve_rid = 0
         with wb.placed.lock:
             keys = wb.outstanding.pop(rid, None) or []
@@ -1550,7 +1600,10 @@ class Client:
         s.check_owner()
         s.need_hello = True
         if s.wb is not None and s.wb.outstanding:
-            self._chan.drain()      # replies already here are not lost with the socket
+            try:
+                self._chan.drain()  # replies already here are not lost with the socket
+            except ProtocolError:
+                pass                # (reset: the writes it left unanswered are reported lost)
         self._chan.reset(self._base_endpoint)
         s.check_gone(self._base_endpoint)
         for _ in range(4):
@@ -1621,7 +1674,7 @@ class Client:
                 self._hello_locked()
             if s.wb is not None and s.wb.held_rid:
                 self._send_held_locked()
-            self._chan.drain()          # replies already here: refusals, refills
+            self._drain_locked()        # replies already here: refusals, refills
             rid, body = drive.prepare(req)
             assert req.noreply is not None
             req.noreply(rid)
@@ -2014,7 +2067,7 @@ class Client:
                     # replies already here (refusals, refills): every 16th put (a read
                     # costs as much as the send), at once when the reservation is nearly
                     # dry, and before holding this put back
-                    chan.drain()
+                    self._drain_locked()
                 hold = (len(wb.outstanding) >= PLACE_WINDOW or
                         (wb.burst > PLACE_WINDOW and now - wb.sent_at < PLACE_HOLD_S))
             if hold:
@@ -2106,7 +2159,7 @@ class Client:
             if left > 0:
                 return left
             try:
-                self._chan.drain()
+                self._drain_locked()
                 self._send_held_locked()
             except Exception as exc:    # its keys are in wb_lost: the next call raises
                 log.debug("held PLACE to %s not sent: %s", self.address, exc)
@@ -2134,8 +2187,19 @@ class Client:
                         return None
                 except zmq.ZMQError:
                     return None
-                chan.drain()
+                self._drain_locked()
         return wb.take1(n) or wb.take((n,))
+
+    def _drain_locked(self) -> None:
+        """:meth:`Channel.drain` with the channel lock held. An undecodable reply among
+        those read (ProtocolError, raised: the channel was reset, so the replies of the
+        RESERVE and PLACEs in flight are lost with it) makes the next call say HELLO,
+        which clears what waited for them and reports those writes lost (WritesLost)."""
+        try:
+            self._chan.drain()
+        except ProtocolError:
+            self._session.need_hello = True
+            raise
 
     def put_batch(self, keys: Sequence[Key], values: Sequence[Any], *,
                   checksum: bool = False, pin_ttl: float | None = None) -> Any:

@@ -458,7 +458,16 @@ class Channel:
 
     def drain(self) -> None:
         """Hand the replies already here to :attr:`on_stray`, without waiting. Call with
-        :attr:`lock` held."""
+        :attr:`lock` held.
+
+        Raises
+        ------
+        ProtocolError
+            An undecodable reply, as :meth:`request`: which request it answers is unknown
+            (a RESERVE or PLACE sent without a wait: its caller's state would wait for
+            that reply for good), so the socket is reset, and the replies still to come
+            are lost with it; the caller says HELLO again.
+        """
         sock = self._sock
         if sock is None or self._pid != os.getpid():
             return
@@ -479,8 +488,9 @@ class Channel:
             try:
                 status, rid, rbody = decode_reply(msg[0] if type(msg[0]) is bytes
                                                   else msg[0].buffer)
-            except DecodeError:
-                continue
+            except DecodeError as exc:
+                self.reset()
+                raise ProtocolError(f"bad reply from {self._where()}: {exc}") from None
             if self.on_stray is not None:
                 self.on_stray(rid, status, rbody)
 
