@@ -862,18 +862,15 @@ cdef class Pool:
         cdef const int64_t[:] off = _as_int64(offsets)
         cdef Py_ssize_t i, n = off.shape[0], lo = values._lo
         cdef _Frames f = values._f
-        cdef Py_ssize_t* sz
+        # the lengths PackedValues.of checked against the frames (not the request's list,
+        # which may have changed since: one source of truth for what is copied)
+        cdef const Py_ssize_t* sz = f.lens + lo
         cdef int64_t total = 0
-        cdef list sizes = f.sizes
         if n != values._hi - lo:
             raise ValueError(f"{n} offsets but {values._hi - lo} values")
         self._begin()
-        sz = <Py_ssize_t*>malloc(max(n, 1) * sizeof(Py_ssize_t))
         try:
-            if sz == NULL:
-                raise MemoryError()
             for i in range(n):
-                sz[i] = <Py_ssize_t>sizes[lo + i]
                 if off[i] >= 0:
                     self._check_range(off[i], sz[i])
                     total += sz[i]
@@ -882,7 +879,6 @@ cdef class Pool:
                     if off[i] >= 0:
                         memcpy(self._base + off[i], f.ptrs[lo + i], sz[i])
         finally:
-            c_free(sz)
             self._end()
         return total
 
@@ -1015,8 +1011,9 @@ cdef class _Frames:
     cdef Py_buffer* bufs
     cdef Py_ssize_t nbufs
     cdef char** ptrs            # per value: its first byte
+    cdef Py_ssize_t* lens       # per value: its length, as checked against its frame
     cdef Py_ssize_t nvals
-    cdef list sizes             # per value: its length (the request's own list of ints)
+    cdef list sizes             # the same lengths as ints (a copy of the request's list)
     cdef list frames            # the frame objects (memoryview slices are made of them)
     cdef list first             # per frame: the index of its first value
 
@@ -1027,6 +1024,7 @@ cdef class _Frames:
                 PyBuffer_Release(&self.bufs[i])
             c_free(self.bufs)
         c_free(self.ptrs)
+        c_free(self.lens)
 
 
 @cython.final
@@ -1051,7 +1049,12 @@ cdef class PackedValues:
         counts as frames, each count an int >= 1, the counts adding up to ``len(sizes)``,
         sizes ints >= 0, each frame a contiguous buffer exactly the sum of its values'
         sizes (anything else: None, and the caller's general path answers it, errors
-        included)."""
+        included).
+
+        The three lists are copied first and only the copies are checked and kept: a
+        caller's list changed afterwards (or by a frame's buffer export during the
+        checks) changes nothing of what :meth:`Pool.write_values`, ``sizes()`` and
+        ``v[i]`` use."""
         cdef Py_ssize_t nf, ns, i, fi, c, k, pos, n, total = 0
         cdef _Frames f
         cdef PackedValues out
@@ -1059,6 +1062,7 @@ cdef class PackedValues:
         cdef Py_buffer* b
         if type(frames) is not list or type(counts) is not list or type(sizes) is not list:
             return None
+        frames, counts, sizes = list(frames), list(counts), list(sizes)
         nf = len(frames)
         ns = len(sizes)
         if len(counts) != nf or nf == 0:
@@ -1076,7 +1080,8 @@ cdef class PackedValues:
         f = _Frames.__new__(_Frames)
         f.bufs = <Py_buffer*>malloc(nf * sizeof(Py_buffer))
         f.ptrs = <char**>malloc(max(ns, 1) * sizeof(char*))
-        if f.bufs == NULL or f.ptrs == NULL:
+        f.lens = <Py_ssize_t*>malloc(max(ns, 1) * sizeof(Py_ssize_t))
+        if f.bufs == NULL or f.ptrs == NULL or f.lens == NULL:
             raise MemoryError()
         f.sizes = sizes
         f.frames = frames
@@ -1097,6 +1102,7 @@ cdef class PackedValues:
                 if n > b.len - pos:         # no sum that wraps round to the frame's length
                     return None
                 f.ptrs[k] = <char*>b.buf + pos
+                f.lens[k] = n
                 pos += n
             if pos != b.len:
                 return None
@@ -1140,7 +1146,7 @@ cdef class PackedValues:
         if m.ndim != 1 or m.itemsize != 1:
             m = m.cast("B")
         a = f.ptrs[i] - <char*>f.bufs[fi].buf
-        return m[a:a + <Py_ssize_t>f.sizes[i]]
+        return m[a:a + f.lens[i]]
 
 
 cdef Py_ssize_t _bisect_right(list xs, Py_ssize_t x):
