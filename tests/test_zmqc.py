@@ -199,3 +199,53 @@ def test_socket_handle_as_int(pair: Any) -> None:
     router, dealer = pair
     assert Z.send_parts(dealer.underlying, [b"n"]) is True
     assert _recv(router)[1:] == [b"n"]
+
+
+class _Interrupted(Exception):
+    pass
+
+
+@pytest.mark.parametrize("how", ["recv_multipart", "recv1"])
+def test_a_signal_during_a_blocking_receive(pair: Any, how: str) -> None:
+    """A signal during a blocking receive (EINTR from libzmq): a handler that raises
+    ends the wait with its exception and leaves the socket usable; one that returns
+    lets the wait go on, and the message that comes later is received whole (the one
+    receive loop, ``_recv_msg``, of recv_multipart, _rest and recv1)."""
+    import signal
+
+    router, dealer = pair
+    Z.send_parts(dealer, [b"hi"])
+    ident = _recv(router)[0]
+    dealer.setsockopt(zmq.RCVTIMEO, 5000)
+
+    def recv() -> Any:
+        if how == "recv1":
+            return Z.recv1(dealer, Z.EXISTS1, 7)
+        return Z.recv_multipart(dealer, 0)
+
+    fired: list[int] = []
+    second = threading.Event()
+
+    def handler(signum: int, frame: Any) -> None:
+        fired.append(signum)
+        if len(fired) == 1:
+            raise _Interrupted()
+        second.set()
+
+    old = signal.signal(signal.SIGALRM, handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        with pytest.raises(_Interrupted):
+            recv()                          # nothing sent: only the signal ends it
+        t = threading.Thread(target=lambda: second.wait(10) and
+                             Z.send_parts(router, [ident, b"late", b"two"]))
+        t.start()
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        got = recv()                        # the handler returns: the wait goes on
+        t.join(10)
+        assert len(fired) == 2 and [bytes(p) for p in got] == [b"late", b"two"]
+        Z.send_parts(router, [ident, b"next"])
+        assert [bytes(p) for p in recv()] == [b"next"]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)

@@ -276,36 +276,67 @@ cdef object _raise_errno(int err):
     raise zmq.ZMQError(err)
 
 
+# how _recv_msg waits for a part
+cdef enum:
+    _NOWAIT = 0         # not at all (DONTWAIT, the GIL held): a part already queued
+    _WAIT = 1           # DONTWAIT first, then a blocking receive with the GIL released
+    _WAIT_NOGIL = 2     # a blocking receive with the GIL released (a reply not yet here)
+
+
+cdef inline int _recv_msg(void *s, kv_zmq_msg_t *msg, int how,
+                          kv_zmq_msg_t *also=NULL) except -1:
+    """Receive one part from ``s`` into ``msg`` (initialized here), waiting as ``how``
+    says (a blocking receive ends after the socket's RCVTIMEO); EINTR retried once the
+    signal handlers ran (an exception they raise propagates). Returns 1 when a part was
+    received; 0 on EAGAIN (nothing queued, or RCVTIMEO passed), ``msg`` and ``also``
+    closed. Any other libzmq error closes both and raises zmq.ZMQError. The one receive
+    loop of this module."""
+    cdef int rc, err
+    z_msg_init(msg)
+    while True:
+        if how == _WAIT_NOGIL:
+            with nogil:
+                rc = z_msg_recv(msg, s, 0)
+        else:
+            rc = z_msg_recv(msg, s, _DONTWAIT)
+            if rc < 0 and how == _WAIT and z_errno() == _EAGAIN:
+                with nogil:
+                    rc = z_msg_recv(msg, s, 0)
+        if rc >= 0:
+            return 1
+        err = z_errno()
+        z_msg_close(msg)
+        if err == _EINTR:
+            try:
+                PyErr_CheckSignals()
+            except BaseException:
+                if also != NULL:
+                    z_msg_close(also)
+                raise
+            z_msg_init(msg)
+            continue
+        if also != NULL:
+            z_msg_close(also)
+        if err == _EAGAIN:
+            return 0
+        _raise_errno(err)
+        return -1
+
+
 def recv_multipart(sock, int flags=1, Py_ssize_t copy_threshold=65536, Py_ssize_t keep=-1):
     """One whole multipart message from ``sock`` (see the module docstring)."""
     cdef void *s = _handle(sock)
     cdef kv_zmq_msg_t msg
-    cdef int rc, err
     cdef Py_ssize_t n, i = 0
     cdef bint more = True
     cdef Frame fr
     cdef list out = []
     cdef bint block = not (flags & _DONTWAIT)
     while more:
-        z_msg_init(&msg)
-        while True:
-            rc = z_msg_recv(&msg, s, _DONTWAIT)
-            if rc >= 0:
-                break
-            err = z_errno()
-            if err == _EAGAIN and block:
-                with nogil:
-                    rc = z_msg_recv(&msg, s, 0)
-                if rc >= 0:
-                    break
-                err = z_errno()
-            if err == _EINTR:
-                PyErr_CheckSignals()
-                continue
-            z_msg_close(&msg)
-            if err == _EAGAIN and i == 0 and not block:
+        if not _recv_msg(s, &msg, _WAIT if block else _NOWAIT):
+            if i == 0 and not block:
                 return None
-            _raise_errno(err)
+            _raise_errno(_EAGAIN)
         more = z_msg_more(&msg)
         n = z_msg_size(&msg)
         if n < copy_threshold and i != keep:
@@ -831,19 +862,9 @@ cdef list _rest(void *s, list out, bint more, Py_ssize_t copy_threshold):
     """The remaining parts of a message already begun (they are queued: whole messages
     arrive at once)."""
     cdef kv_zmq_msg_t msg
-    cdef int rc, err
     while more:
-        z_msg_init(&msg)
-        while True:
-            rc = z_msg_recv(&msg, s, _DONTWAIT)
-            if rc >= 0:
-                break
-            err = z_errno()
-            if err == _EINTR:
-                PyErr_CheckSignals()
-                continue
-            z_msg_close(&msg)
-            _raise_errno(err)
+        if not _recv_msg(s, &msg, _NOWAIT):
+            _raise_errno(_EAGAIN)
         more = z_msg_more(&msg)
         out.append(_part(&msg, copy_threshold))
     return out
@@ -852,27 +873,14 @@ cdef list _rest(void *s, list out, bint more, Py_ssize_t copy_threshold):
 cdef object _recv1(void *s, int kind, kv_u64 req_id, object out,
                    Py_ssize_t copy_threshold):
     cdef kv_zmq_msg_t msg, val
-    cdef int rc, err
     cdef long long v = 0
     cdef bint more, fast
     cdef Py_ssize_t n
     cdef Py_buffer ob
     cdef list parts
     cdef object res
-    z_msg_init(&msg)
-    while True:
-        with nogil:
-            rc = z_msg_recv(&msg, s, 0)
-        if rc >= 0:
-            break
-        err = z_errno()
-        if err == _EINTR:
-            PyErr_CheckSignals()
-            continue
-        z_msg_close(&msg)
-        if err == _EAGAIN:
-            return AGAIN
-        _raise_errno(err)
+    if not _recv_msg(s, &msg, _WAIT_NOGIL):
+        return AGAIN
     more = z_msg_more(&msg)
     fast = kv_reply1(<const unsigned char *>z_msg_data(&msg), z_msg_size(&msg),
                      1 if kind == GET1_INTO else kind, req_id, &v) == 1
@@ -887,18 +895,8 @@ cdef object _recv1(void *s, int kind, kv_u64 req_id, object out,
         parts = [_part(&msg, copy_threshold)]
         return _rest(s, parts, more, copy_threshold)
     # a hit: the value is the next (and last) part
-    z_msg_init(&val)
-    while True:
-        rc = z_msg_recv(&val, s, _DONTWAIT)
-        if rc >= 0:
-            break
-        err = z_errno()
-        if err == _EINTR:
-            PyErr_CheckSignals()
-            continue
-        z_msg_close(&val)
-        z_msg_close(&msg)
-        _raise_errno(err)
+    if not _recv_msg(s, &val, _NOWAIT, &msg):
+        _raise_errno(_EAGAIN)
     n = z_msg_size(&val)
     res = None
     if n == v and not z_msg_more(&val):
