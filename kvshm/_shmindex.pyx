@@ -1224,6 +1224,20 @@ cdef class IndexWriter:
         self.steps_cpu_s += dt
         return 0
 
+    # The header's names of the tables change under the table sequence (odd meanwhile:
+    # a seqlock, with the release fence after the odd store), and readers check it again
+    # only before a miss: a hit, and the slots a probe touches, come from the names as
+    # loaded. So each name is a release store, in the order old_base, old_nslots, base,
+    # nslots, and readers load them with acquire loads in the opposite order (nslots,
+    # base, old_nslots, old_base; _find, _probe_all, validate): a reader that sees a name
+    # stored later sees every one stored before it. Every mix a reader can then load
+    # names slots that are reserved (the new table is reserved whole before it is named,
+    # and the old one is given back only after it is no longer named). With relaxed
+    # stores (what x86 gives anyway: its stores are seen in program order) an ARM
+    # reader could load the new nslots with the old base: a probe of [0, new nslots)
+    # of the old half, whose slots past the old table are not reserved (a fault there
+    # reserves a page, a SIGBUS when /dev/shm is full). tests/test_shmindex_order.py
+    # reads this contract from the source (no ARM host here to run it on).
     cdef void _begin_migration(self) noexcept:
         cdef Header* h = self._h
         self._vbase = (self._vmax + 2) & ~(<uint64_t>1)
@@ -1236,10 +1250,10 @@ cdef class IndexWriter:
         self._set_limits()
         kvx_store_rlx(&h.table_seq, h.table_seq + 1)
         kvx_fence_rel()
-        kvx_store_rlx(&h.old_base, self._obase)
-        kvx_store_rlx(&h.old_nslots, self._onslots)
-        kvx_store_rlx(&h.base, self._base)
-        kvx_store_rlx(&h.nslots, self._nslots)
+        kvx_store_rel(&h.old_base, self._obase)
+        kvx_store_rel(&h.old_nslots, self._onslots)
+        kvx_store_rel(&h.base, self._base)
+        kvx_store_rel(&h.nslots, self._nslots)
         kvx_store_rel(&h.table_seq, h.table_seq + 1)
         h.tombs = 0
         self._phase = P_MIGRATE
@@ -1248,8 +1262,9 @@ cdef class IndexWriter:
         cdef Header* h = self._h
         kvx_store_rlx(&h.table_seq, h.table_seq + 1)
         kvx_fence_rel()
-        kvx_store_rlx(&h.old_nslots, 0)
-        kvx_store_rlx(&h.old_base, 0)
+        # (old_nslots first: a reader that loads 0 there looks at old_base no more)
+        kvx_store_rel(&h.old_nslots, 0)
+        kvx_store_rel(&h.old_base, 0)
         kvx_store_rel(&h.table_seq, h.table_seq + 1)
         self._cbase = self._obase
         self._cn = self._onslots
@@ -1556,12 +1571,15 @@ cdef class IndexReader:
     cdef void _prefault(self) noexcept:
         # the slots in use now, when few enough (the pool's rule, kvshm.client): the
         # first reads do not fault them in one by one
-        cdef size_t used = C_HEADER + (kvx_load_acq(&self._h.base) +
-                                       kvx_load_acq(&self._h.nslots)) * C_SLOT, off
+        # (nslots, then base, each once: the order _begin_migration's stores keep; base
+        # loaded twice round nslots could name slots of neither table)
+        cdef uint64_t n = kvx_load_acq(&self._h.nslots)
+        cdef uint64_t b = kvx_load_acq(&self._h.base)
+        cdef size_t used = C_HEADER + (b + n) * C_SLOT, off
         cdef uint64_t acc = 0
         if used > POPULATE_MAX_BYTES or used > self._map_size:
             return
-        for off in range(C_HEADER + kvx_load_acq(&self._h.base) * C_SLOT, used, 4096):
+        for off in range(C_HEADER + b * C_SLOT, used, 4096):
             acc += <uint8_t>self._map[off]
         self._sink = acc
 
