@@ -1101,6 +1101,80 @@ cdef class IndexWriter:
             c_free(ns)
         return out
 
+    def contains_at(self, frame, spans, Py_ssize_t a, Py_ssize_t b, out,
+                    bint prefix=False):
+        """:meth:`contains_many` of keys that lie in a buffer: key ``i`` is the bytes
+        ``frame[spans[2i] : spans[2i] + spans[2i+1]]`` (``spans``: int64 pairs, native
+        order, each inside ``frame``: the caller checked them, :mod:`kvshm.zmq_ctrl.
+        _batchq` against the request frame it parsed). Keys ``a:b`` are looked up (their
+        slots prefetched ahead) and ``out[i]`` (a writable buffer of at least ``b``
+        bytes) set to 1 (in the table) or 0; a key over the table's key limit is 0.
+        ``prefix``: stop at the first key absent. Returns the keys looked up (``b - a``,
+        or up to the first absent one with ``prefix``). ValueError: a span outside
+        ``frame``, ``out`` too short."""
+        cdef Py_buffer fb, sb, ob
+        cdef const uint8_t* fp
+        cdef const int64_t* sp
+        cdef uint8_t* op
+        cdef Py_ssize_t i, j, m
+        cdef int64_t free_at, o, ln
+        cdef uint64_t hs[AHEAD]
+        self._check()
+        PyObject_GetBuffer(frame, &fb, PyBUF_SIMPLE)
+        try:
+            PyObject_GetBuffer(spans, &sb, PyBUF_SIMPLE)
+            try:
+                PyObject_GetBuffer(out, &ob, PyBUF_WRITABLE)
+                try:
+                    if a < 0 or b < a or sb.len < 16 * b or ob.len < b:
+                        raise ValueError("contains_at: spans or out too short")
+                    fp = <const uint8_t*>fb.buf
+                    sp = <const int64_t*>sb.buf
+                    op = <uint8_t*>ob.buf
+                    for i in range(a, b):
+                        o = sp[2 * i]
+                        ln = sp[2 * i + 1]
+                        if o < 0 or ln < 0 or o > fb.len or ln > fb.len - o:
+                            raise ValueError("contains_at: a span outside the frame")
+                    # a ring of the hashes AHEAD keys ahead, their home slots prefetched
+                    m = b - a
+                    for j in range(min(m, AHEAD)):
+                        i = a + j
+                        ln = sp[2 * i + 1]
+                        if 0 < ln <= C_KEY_MAX:
+                            hs[j] = kvx_hash(<const char*>fp + sp[2 * i], ln)
+                            kvx_prefetch(self._slot(self._base +
+                                                    kvx_home(hs[j], self._nslots)))
+                    for j in range(m):
+                        i = a + j
+                        ln = sp[2 * i + 1]
+                        op[i] = 0
+                        if 0 < ln <= C_KEY_MAX:
+                            o = sp[2 * i]
+                            if (self._find_in(self._base, self._nslots,
+                                              <const char*>fp + o, ln, hs[j % AHEAD],
+                                              &free_at) >= 0 or
+                                    (self._onslots and self._find_in(
+                                        self._obase, self._onslots, <const char*>fp + o,
+                                        ln, hs[j % AHEAD], &free_at) >= 0)):
+                                op[i] = 1
+                        if prefix and not op[i]:
+                            return j
+                        if j + AHEAD < m:
+                            i += AHEAD
+                            ln = sp[2 * i + 1]
+                            if 0 < ln <= C_KEY_MAX:
+                                hs[j % AHEAD] = kvx_hash(<const char*>fp + sp[2 * i], ln)
+                                kvx_prefetch(self._slot(self._base + kvx_home(
+                                    hs[j % AHEAD], self._nslots)))
+                    return m
+                finally:
+                    PyBuffer_Release(&ob)
+            finally:
+                PyBuffer_Release(&sb)
+        finally:
+            PyBuffer_Release(&fb)
+
     def clear(self):
         """Remove every key (PURGE). Every used slot's version changes (a growth or rebuild
         under way is finished first)."""

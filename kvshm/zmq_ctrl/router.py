@@ -119,6 +119,16 @@ except ImportError:     # pragma: no cover - the extension is not built
 #: KVSHM_FASTPATH=0 in the environment turns the one-key fast path off (A/B figures;
 #: the Python path serves every request then)
 _FAST_ON = os.environ.get("KVSHM_FASTPATH", "1") != "0"
+try:    # batch EXISTS / MATCH_PREFIX decoded, served and answered in C
+    from kvshm.zmq_ctrl import _batchq
+except ImportError:     # pragma: no cover - the extension is not built
+    _batchq = None  # type: ignore[assignment]
+#: KVSHM_BATCHPATH=0 turns the batch EXISTS / MATCH_PREFIX path off (A/B figures; the
+#: Python path serves every batch then)
+_BATCH_ON = os.environ.get("KVSHM_BATCHPATH", "1") != "0"
+#: Request headers shorter than this are not offered to the batch path (a few keys:
+#: the Python path's cost is the call's, not the keys')
+_BATCHQ_MIN_BYTES = 256
 #: KVSHM_LEAN_TURNS=0 turns run()'s lean turns off (A/B figures; every turn is a Python
 #: one then, the fast path still serving one-key requests)
 _LEAN_ON = os.environ.get("KVSHM_LEAN_TURNS", "1") != "0"
@@ -489,6 +499,8 @@ class ServiceLoop:
         self._lean = False
         self._fast: Any = None
         self._make_fast()
+        self._batchq: Any = None
+        self._make_batchq()
 
     def _make_fast(self) -> None:
         """(Re)build the one-key fast path for the ops whose handler is still the
@@ -502,6 +514,29 @@ class ServiceLoop:
             self._fast = _fastpath.FastPath(self, PROTOCOL_VERSION, LATENCY_BUCKETS,
                                             PACK_BELOW, 65536, ops)
 
+    def _make_batchq(self) -> None:
+        """(Re)build the batch EXISTS / MATCH_PREFIX path for the ops whose handler is
+        still the loop's own."""
+        self._batchq = None
+        if _batchq is None or not _BATCH_ON:
+            return
+        own = {Op.EXISTS: self._on_exists, Op.MATCH_PREFIX: self._on_match_prefix}
+        ops = [int(op) for op, h in own.items() if self._handlers.get(op) == h]
+        if ops:
+            self._batchq = _batchq.BatchQuery(self, PROTOCOL_VERSION, ops,
+                                              _batchq.SLICE_MULT * self.slice_keys, _MORE)
+
+    def _sliced_c(self, ident: bytes, session: Session, req_id: int, op: int,
+                  step: Callable[[bool], Any], cleanup: Callable[[], None], t0: float,
+                  src: Any) -> None:
+        """A large request the batch path serves in slices: ``step(force)`` does one
+        and returns ``_MORE``, or the reply header (bytes) after the last one."""
+        p = _Parked(ident, session, req_id, op, _Sliced(step, cleanup), {}, [], t0,
+                    time.monotonic() + self.store.config.tier_wait, src)
+        self.slice_counters["sliced_requests"] += 1
+        self._runnable.append(p)
+        self._parked_by[(session.id, req_id)] = p
+
     def fast_counts(self) -> dict[str, int]:
         """Requests the one-key fast path served, per op name, and ``declined`` (handed
         to the Python path); all 0 without it."""
@@ -512,6 +547,11 @@ class ServiceLoop:
         # turns of :meth:`run` done wholly in C (FastPath.serve), and its hand-backs
         out["lean_turns"] = f.lean_turns if f is not None else 0
         out["lean_returns"] = f.serve_returns if f is not None else 0
+        # batch EXISTS / MATCH_PREFIX served by kvshm.zmq_ctrl._batchq, and declined
+        b = self._batchq
+        for op in (Op.EXISTS, Op.MATCH_PREFIX):
+            out[f"{op.name}_batch"] = b.counts.get(int(op), 0) if b is not None else 0
+        out["batch_declined"] = b.declined if b is not None else 0
         return out
 
     def _fast_bug(self) -> None:
@@ -550,6 +590,7 @@ class ServiceLoop:
         if tick is not None:
             self._ticks.append(tick)
         self._make_fast()
+        self._make_batchq()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -1048,6 +1089,10 @@ class ServiceLoop:
                 self._parked.append(p)
                 continue
             self._parked_by.pop((p.session.id, p.req_id), None)
+            if type(r) is bytes:            # a reply made whole in C (_sliced_c)
+                self._send(p.ident, r)
+                self._record_latency(p.op, p.t0)
+                continue
             status, rbody, frames = r
             self._reply(p.ident, p.session, p.req_id, p.op, status, rbody, frames, p.extra,
                         p.on_sent, p.t0, p.src)
@@ -1140,6 +1185,9 @@ class ServiceLoop:
         try:
             if decoded is not None:
                 version, op, req_id, epoch, body = decoded
+            elif (self._batchq is not None and len(msg[1]) >= _BATCHQ_MIN_BYTES
+                  and self._batchq.handle(msg, t0)):
+                return                  # a plain batch EXISTS / MATCH_PREFIX, served in C
             elif len(msg[1]) >= STREAM_HEADER_BYTES:
                 # a large request: its header is decoded a slice a turn; this peer's
                 # later messages wait behind it
