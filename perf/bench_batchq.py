@@ -3,8 +3,9 @@
 
     python perf/bench_batchq.py [--keys 100000] [--reps 5] [--modes 0,1] [--pyspy DIR]
 
-For each mode (the value of ``KVSHM_BATCHPATH`` given to a fresh server: 0 = the
-Python path, 1 = the C batch path of :mod:`kvshm.zmq_ctrl._fastpath`), one TCP client
+For each mode (the value of ``KVSHM_BATCHPATH`` given to a fresh server and to the
+client's process: 0 = the Python paths, 1 = the C batch paths of
+:mod:`kvshm.zmq_ctrl._batchq`), one TCP client
 puts ``--keys`` keys of 64 bytes, then times ``exists_batch``, ``match_prefix`` and
 ``get_batch`` of all of them ``--reps`` times. Printed per op: the median keys/s (wall),
 the server's CPU microseconds per key (``/proc/PID/stat``, all its threads) and this
@@ -15,6 +16,7 @@ server (and writes the raw profiles there) during the exists/match_prefix reps.
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import os
 import statistics
@@ -81,10 +83,19 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--modes", default="0,1")
     ap.add_argument("--pyspy", default=None)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.child:
+        print(json.dumps(run(a.child, a.keys, a.reps, a.pyspy)))
+        return 0
     for mode in a.modes.split(","):
         la0 = os.getloadavg()[0]
-        r = run(mode, a.keys, a.reps, a.pyspy)
+        # a process per mode: the client's end reads KVSHM_BATCHPATH at import too
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--keys",
+               str(a.keys), "--reps", str(a.reps)] + (["--pyspy", a.pyspy] if a.pyspy else [])
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True,
+                             env={**os.environ, "KVSHM_BATCHPATH": mode}).stdout
+        r = json.loads(out.strip().splitlines()[-1])
         la1 = os.getloadavg()[0]
         print(f"KVSHM_BATCHPATH={mode}  (load {la0:.2f} -> {la1:.2f})")
         for op in ("exists", "match_prefix", "get"):

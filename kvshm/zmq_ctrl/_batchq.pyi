@@ -5,6 +5,10 @@ from typing import Any, final
 
 SLICE_MULT: int
 
+def pack_keys_request(version: int, op: int, req_id: int, epoch: int,
+                      keys: list[Any]) -> bytes | None: ...
+def unpack_found_reply(frame: Any, version: int) -> tuple[int, int, dict[str, Any]] | None: ...
+
 @final
 class BatchQuery:
     """Serves plain batch EXISTS / MATCH_PREFIX of a ServiceLoop in C (see the module)."""

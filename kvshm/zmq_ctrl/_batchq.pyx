@@ -32,6 +32,12 @@ Off switch: ``KVSHM_BATCHPATH=0`` in the server's environment (read by
 :mod:`kvshm.zmq_ctrl.router` at import): the Python path serves every batch.
 
 Counts: ``counts`` (requests served, per op) and ``declined``.
+
+The client's end, for :mod:`kvshm.zmq_ctrl.protocol`: :func:`pack_keys_request` packs
+a request ``{"keys": [...]}`` and :func:`unpack_found_reply` reads a reply
+``{"found": [...]}`` in one C loop each (the same bytes and values as msgpack; None
+for anything else: the caller's msgpack path). ``KVSHM_BATCHPATH=0`` in the client's
+environment turns them off as well.
 """
 
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
@@ -43,7 +49,7 @@ from libc.stdint cimport uint8_t, uint64_t, int64_t
 from libc.string cimport memcpy, memcmp
 from libc.stdlib cimport malloc, free
 
-__all__ = ["BatchQuery", "SLICE_MULT"]
+__all__ = ["BatchQuery", "SLICE_MULT", "pack_keys_request", "unpack_found_reply"]
 
 #: C keys a slice per Python key a slice (``slice_keys``): an EXISTS key costs ~0.4 us
 #: on the Python path (decode, handler, encode), ~0.04 us here on this VM
@@ -432,3 +438,151 @@ cdef class BatchQuery:
     cdef bint _decline(self):
         self.declined += 1
         return False
+
+
+# ---------------------------------------------------------------- the client's end
+
+cdef inline int _int_arg(object x, int64_t *v, bint *big) except -1:
+    # a Python int msgpack can pack (-2**63 .. 2**64-1): 0, else 1
+    if type(x) is bool or not isinstance(x, int):   # (msgpack: bool is not an int)
+        return 1
+    if -0x8000000000000000 <= x <= 0x7FFFFFFFFFFFFFFF:
+        v[0] = x
+        big[0] = False
+        return 0
+    if 0x8000000000000000 <= x <= 0xFFFFFFFFFFFFFFFF:
+        v[0] = <int64_t>(<uint64_t>x)
+        big[0] = True
+        return 0
+    return 1
+
+
+def pack_keys_request(int version, op, req_id, epoch, list keys):
+    """``encode_request(op, req_id, epoch, {"keys": keys})`` byte for byte (msgpack,
+    ``use_bin_type=True``: ``[version, op, req_id, epoch, {"keys": [bin, ...]}]``) in
+    one C loop, when every key is ``bytes`` and the ints fit 64 bits; else None (the
+    caller packs with msgpack, which raises what it raises)."""
+    cdef Py_ssize_t n = len(keys), i, total = 0, m
+    cdef int64_t v[3]
+    cdef bint big[3]
+    cdef uint8_t *o
+    cdef uint8_t head[64]
+    cdef int k
+    cdef object key
+    if not 0 <= version < 128:
+        return None
+    if (_int_arg(op, &v[0], &big[0]) or _int_arg(req_id, &v[1], &big[1])
+            or _int_arg(epoch, &v[2], &big[2])):
+        return None
+    if n > 0xFFFFFFFF:
+        return None
+    for i in range(n):
+        key = <object>PyList_GET_ITEM(keys, i)
+        if type(key) is not bytes:
+            return None
+        m = len(<bytes>key)
+        if m > 0xFFFFFFFF:
+            return None
+        total += m + (2 if m < 0x100 else 3 if m < 0x10000 else 5)
+    head[0] = 0x95
+    head[1] = <uint8_t>version
+    k = 2
+    for i in range(3):
+        k += _pack_int(head + k, v[i], big[i])
+    head[k] = 0x81
+    head[k + 1] = 0xa4
+    memcpy(head + k + 2, b"keys", 4)
+    k += 6
+    if n <= 15:
+        head[k] = <uint8_t>(0x90 | n)
+        k += 1
+    elif n <= 0xFFFF:
+        head[k] = 0xdc
+        head[k + 1] = <uint8_t>(n >> 8)
+        head[k + 2] = <uint8_t>n
+        k += 3
+    else:
+        head[k] = 0xdd
+        head[k + 1] = <uint8_t>(n >> 24)
+        head[k + 2] = <uint8_t>(n >> 16)
+        head[k + 3] = <uint8_t>(n >> 8)
+        head[k + 4] = <uint8_t>n
+        k += 5
+    out = PyBytes_FromStringAndSize(NULL, k + total)
+    o = <uint8_t *>PyBytes_AS_STRING(out)
+    memcpy(o, head, k)
+    o += k
+    for i in range(n):
+        key = <object>PyList_GET_ITEM(keys, i)
+        m = len(<bytes>key)
+        if m < 0x100:
+            o[0] = 0xc4
+            o[1] = <uint8_t>m
+            o += 2
+        elif m < 0x10000:
+            o[0] = 0xc5
+            o[1] = <uint8_t>(m >> 8)
+            o[2] = <uint8_t>m
+            o += 3
+        else:
+            o[0] = 0xc6
+            o[1] = <uint8_t>(m >> 24)
+            o[2] = <uint8_t>(m >> 16)
+            o[3] = <uint8_t>(m >> 8)
+            o[4] = <uint8_t>m
+            o += 5
+        memcpy(o, PyBytes_AS_STRING(key), m)
+        o += m
+    return out
+
+
+def unpack_found_reply(frame, int version):
+    """``decode_reply`` of a reply ``[version, status, req_id, {"found": [bool, ...]}]``
+    (a batch EXISTS's): ``(status, req_id, {"found": list of bool})``; None for any other
+    reply, another version, or anything cut short or left over (the caller's msgpack
+    path decodes it, or raises)."""
+    cdef Py_buffer fb
+    cdef Reader r
+    cdef int64_t status, req_id
+    cdef bint big, rbig
+    cdef Py_ssize_t n, i
+    cdef uint8_t b
+    PyObject_GetBuffer(frame, &fb, PyBUF_SIMPLE)
+    try:
+        r.p = <const uint8_t *>fb.buf
+        r.end = r.p + fb.len
+        if fb.len < 12 or r.p[0] != 0x94 or r.p[1] != version:
+            return None
+        r.p += 2
+        if _int(&r, &status, &big) or big or _int(&r, &req_id, &rbig):
+            return None
+        if r.end - r.p < 7 or r.p[0] != 0x81 or r.p[1] != 0xa5 or memcmp(r.p + 2, b"found", 5):
+            return None
+        r.p += 7
+        if r.p >= r.end:
+            return None
+        b = r.p[0]
+        if 0x90 <= b <= 0x9f:
+            n = b & 0x0f
+            r.p += 1
+        elif b == 0xdc and r.end - r.p >= 3:
+            n = <Py_ssize_t>_be(r.p + 1, 2)
+            r.p += 3
+        elif b == 0xdd and r.end - r.p >= 5:
+            n = <Py_ssize_t>_be(r.p + 1, 4)
+            r.p += 5
+        else:
+            return None
+        if n != r.end - r.p:
+            return None
+        for i in range(n):
+            if r.p[i] != 0xc3 and r.p[i] != 0xc2:
+                return None
+        found = [False] * n
+        for i in range(n):
+            if r.p[i] == 0xc3:
+                found[i] = True
+        rid = int(<uint64_t>req_id) if rbig else req_id
+        return status, rid, {"found": found}
+    finally:
+        PyBuffer_Release(&fb)

@@ -46,11 +46,22 @@ refused key never fails the whole batch.
 from __future__ import annotations
 
 import enum
+import os
 from typing import Any
 
 import msgpack
 
 from kvshm.limits import Limits  # re-exported: the wire users import it from here
+
+try:    # batch requests' keys packed, EXISTS replies read, in C (the same bytes and values)
+    from kvshm.zmq_ctrl import _batchq
+except ImportError:     # pragma: no cover - the extension is not built
+    _batchq = None  # type: ignore[assignment]
+if os.environ.get("KVSHM_BATCHPATH", "1") == "0":    # the off switch (A/B figures)
+    _batchq = None  # type: ignore[assignment]
+
+#: Requests / replies of at least this many keys go through _batchq's C loops
+_C_KEYS = 16
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -131,6 +142,12 @@ _packb = msgpack.Packer(use_bin_type=True, autoreset=True).pack
 
 def encode_request(op: int, req_id: int, epoch: int, body: dict[str, Any]) -> bytes:
     """Header frame of a request."""
+    if _batchq is not None and len(body) == 1:
+        keys = body.get("keys")
+        if type(keys) is list and len(keys) >= _C_KEYS:
+            h = _batchq.pack_keys_request(PROTOCOL_VERSION, op, req_id, epoch, keys)
+            if h is not None:
+                return h  # type: ignore[no-any-return]
     return _packb([PROTOCOL_VERSION, int(op), req_id, epoch, body])
 
 
@@ -328,6 +345,10 @@ def decode_reply(frame: bytes | memoryview) -> tuple[int, int, dict[str, Any]]:
     DecodeError
         Malformed header or another protocol version.
     """
+    if _batchq is not None and len(frame) > 64:
+        r = _batchq.unpack_found_reply(frame, PROTOCOL_VERSION)
+        if r is not None:
+            return r  # type: ignore[no-any-return]
     h = _unpack(frame)
     if not isinstance(h, list) or len(h) != 4:
         raise DecodeError("reply header must be a 4-element array")
