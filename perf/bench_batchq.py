@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any, Callable
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 sys.path.insert(0, os.path.dirname(__file__))
@@ -52,7 +53,7 @@ def run(mode: str, n: int, reps: int, pyspy: str | None) -> dict[str, list[float
                                         "-r", "300", "--nonblocking"],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 time.sleep(1.0)
-            ops = {"exists": lambda: c.exists_batch(keys),
+            ops: dict[str, Callable[[], Any]] = {"exists": lambda: c.exists_batch(keys),
                    "match_prefix": lambda: c.match_prefix(keys),
                    "get": lambda: c.get_batch(keys)}
             for name, f in ops.items():

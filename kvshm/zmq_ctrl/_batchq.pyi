@@ -4,6 +4,7 @@ from collections.abc import Iterable
 from typing import Any, final
 
 SLICE_MULT: int
+PARSE_MAX: int
 
 def pack_keys_request(version: int, op: int, req_id: int, epoch: int,
                       keys: list[Any]) -> bytes | None: ...
