@@ -145,7 +145,7 @@ def test_same_reply_as_python(bed: Bed, op: Op, n: int) -> None:
 def test_sliced_and_unsliced_counts(bed: Bed) -> None:
     c = bed.loop.slice_counters
     s0 = dict(c)
-    keys = [_key(i) for i in range(2000)]       # > 8 * 16 keys: in slices
+    keys = [_key(i) for i in range(2000)]       # > SLICE_MULT * 16 keys: in slices
     on, off, d = bed.both([_head(Op.EXISTS, 9, {"keys": keys})])
     assert on == off and d["EXISTS_batch"] == 1
     assert c["sliced_requests"] == s0["sliced_requests"] + 2     # C, then Python
@@ -244,7 +244,7 @@ def test_bystander_between_slices(bed: Bed) -> None:
     other = bed.peer()
     assert bed.raw([_head(Op.EXISTS, 1, {"keys": [b"hello"]})], other)  # its session
     n0 = bed.loop.fast_counts()["EXISTS_batch"]
-    keys = [_key(i) for i in range(8 * SLICE * 10)]          # 10 C slices
+    keys = [_key(i) for i in range(_batchq.SLICE_MULT * SLICE * 10)]   # 10 C slices
     big.send_multipart([_head(Op.EXISTS, 77, {"keys": keys})])
     for _ in range(1000):
         bed.loop.turn(5)
@@ -274,7 +274,7 @@ def test_sliced_prefix_stops_at_miss(bed: Bed) -> None:
 
 
 def test_abandoned_on_session_end(bed: Bed) -> None:
-    keys = [_key(i) for i in range(8 * SLICE * 10)]
+    keys = [_key(i) for i in range(_batchq.SLICE_MULT * SLICE * 10)]
     bed.sock.send_multipart([_head(Op.EXISTS, 90, {"keys": keys})])
     for _ in range(1000):
         bed.loop.turn(5)
@@ -370,3 +370,17 @@ def test_encode_request_uses_c_for_keys() -> None:
                  {"keys": keys + ["s"]}):
         assert protocol.encode_request(Op.EXISTS, 3, 4, body) == msgpack.packb(
             [PROTOCOL_VERSION, 8, 3, 4, body], use_bin_type=True)
+
+
+def test_off_switch() -> None:
+    """KVSHM_BATCHPATH=0: neither the loop's batch path nor the client's C codec."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from kvshm.zmq_ctrl import router, protocol; "
+            "print(router._BATCH_ON, protocol._batchq is None)")
+    for v, want in (("0", "False True"), ("1", "True False")):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=60, env={**os.environ, "KVSHM_BATCHPATH": v})
+        assert out.stdout.split() == want.split(), out.stderr

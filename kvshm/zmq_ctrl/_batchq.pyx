@@ -22,7 +22,7 @@ checks and errors) serves it. What it declines:
   sessions); a tier below the pool.
 
 Large requests stay in slices, so a bystander is not starved: a request of more than
-``c_slice`` keys (``SLICE_MULT * slice_keys``: a C key costs ~1/10 of a Python one,
+``c_slice`` keys (``SLICE_MULT * slice_keys``: a C key costs ~1/4 of a Python one,
 so a C slice takes about the ~1 ms of a Python slice) joins the loop's runnable
 requests (:class:`kvshm.zmq_ctrl.router.ServiceLoop`'s ``_sliced_c``) and is looked up
 one slice a turn; a sliced EXISTS is not a snapshot, as on the Python path. The reply
@@ -51,9 +51,11 @@ from libc.stdlib cimport malloc, free
 
 __all__ = ["BatchQuery", "SLICE_MULT", "PARSE_MAX", "pack_keys_request", "unpack_found_reply"]
 
-#: C keys a slice per Python key a slice (``slice_keys``): an EXISTS key costs ~0.4 us
-#: on the Python path (decode, handler, encode), ~0.04 us here on this VM
-SLICE_MULT = 8
+#: C keys a slice per Python key a slice (``slice_keys``): an EXISTS key costs the
+#: server ~0.4-0.5 us of CPU on the Python path (decode, handler, encode), ~0.1-0.15 us
+#: here (perf/bench_batchq.py on this VM, mostly the table's probes), so a slice of
+#: 4 x 2048 keys takes about the ~1 ms of a Python slice
+SLICE_MULT = 4
 
 #: Keys a request may have for this path: its frame is parsed in one go (~10 ns a key
 #: on this VM: ~1.3 ms at most); larger requests go the Python path (RequestDecoder
@@ -324,7 +326,7 @@ cdef class BatchQuery:
         self.counts = {OP_EXISTS: 0, OP_MATCH_PREFIX: 0}
         self.declined = 0
 
-    def handle(self, list msg, double t0):
+    def handle(self, object msg, double t0):
         """Serve ``msg`` (``[ident, header, *frames]``, ``t0``: ``time.perf_counter()``
         when it came): True (answered, or its slices queued). False: not served, nothing
         changed (the Python path serves it)."""
@@ -336,7 +338,7 @@ cdef class BatchQuery:
         cdef const uint8_t *base
         cdef uint8_t b
         cdef int64_t *sp
-        if PyList_GET_SIZE(msg) != 2:
+        if type(msg) is not list or PyList_GET_SIZE(msg) != 2:
             return self._decline()
         store = self.store
         if store.tier is not None:
