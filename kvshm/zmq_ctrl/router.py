@@ -58,6 +58,14 @@ or hostile header, a value it does not copy) it declines before changing anythin
 the Python path below serves it. ``ServiceLoop.fast_counts()`` (STATS: ``fast_path``)
 says how many it took.
 
+Batch EXISTS / MATCH_PREFIX path. A plain batch EXISTS or MATCH_PREFIX (``{"keys":
+[bin, ...]}`` and nothing else, an open session, no tier) is parsed, looked up and
+answered in C from its request frame (:class:`kvshm.zmq_ctrl._batchq.BatchQuery`; the
+same reply bytes), a large one in slices of ``SLICE_MULT * slice_keys`` keys (the reply
+made in C after the last, :meth:`ServiceLoop._sliced_c`); anything else it declines
+before changing anything. ``KVSHM_BATCHPATH=0`` turns it off (``fast_path``'s
+``EXISTS_batch``, ``MATCH_PREFIX_batch``, ``batch_declined`` count it).
+
 Lean turns. While nothing is parked, sliced, decoded, encoded or in flight and no tier is
 attached, :meth:`ServiceLoop.run` hands its turns to ``FastPath.serve``: it waits
 (``_zmqc.wait_in``: ``ZMQ_EVENTS``, then one ``poll(2)``), drains, serves and flushes in
