@@ -213,6 +213,12 @@ def _hostile() -> list[tuple[str, list[bytes]]]:
          + _keys_body(g, 40)),
         ("cut in the ints", bytes([0x95, PROTOCOL_VERSION, 8, 0xcf, 1, 2])),
     ]
+    many = _bins([_key(i) for i in range(5000)])    # a frame >= STREAM_HEADER_BYTES
+    cases += [
+        ("large, a str key last", _raw_head(E, _keys_body(many + msgpack.packb("s"), 5001))),
+        ("large, cut short", _raw_head(E, _keys_body(many[:-5], 5000))),
+        ("large, one key too many", _raw_head(E, _keys_body(many, 4999))),
+    ]
     out = [(name, [h]) for name, h in cases]
     out.append(("other version", [_head(Op.EXISTS, 4, {"keys": GOOD}, version=1)]))
     out.append(("over max_batch", [_head(Op.EXISTS, 4, {"keys": [b"k"] * 20_001})]))
