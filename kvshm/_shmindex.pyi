@@ -29,6 +29,12 @@ HEADER_SIZE: int
 #: Records of the reads ring.
 RING_RECORDS: int
 ROOM_RETRY_S: float
+#: Keys ahead of the one looked up whose slots a batch lookup prefetches.
+PREFETCH_AHEAD: int
+#: Keys a batch lookup answers under one look at the header's tables.
+BATCH_CHUNK: int
+#: Set (not "" or "0") when a reader is made: its batch lookups go one key at a time.
+ENV_NO_FAST_BATCH: str
 #: A read the caller must ask of the server instead.
 FALLBACK: int
 #: A read that found nothing, and the store holds nothing for that key.
@@ -124,6 +130,8 @@ class IndexReader:
     misses: int
     fallbacks: int
     retries: int
+    #: batch lookups prefetch ahead (False: one key at a time; ENV_NO_FAST_BATCH)
+    fast_batch: bool
     def __init__(self, name: str, reads_name: str, pool: Pool, epoch: int,
                  max_key: int = ...) -> None: ...
     def close(self) -> None:

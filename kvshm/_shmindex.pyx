@@ -49,6 +49,16 @@ server changes a slot's version before the entry's blocks can be freed or reused
 Deletion leaves tombstones; the table is rebuilt (moved, step by step, into a table of
 the same size in the other half) when they pile up.
 
+Batch lookups (:meth:`IndexReader.exists_batch`, :meth:`IndexReader.match_prefix`) take
+every key's bytes and hash under the GIL, then (the GIL released from 2,048 keys) look
+them up with the slots of the keys :data:`PREFETCH_AHEAD` places later prefetched, so that many
+misses of the table's memory overlap; the header's tables are read once per
+:data:`BATCH_CHUNK` keys and a chunk's misses count only when its table sequence did not
+change meanwhile (else each is looked up again alone). Each hit is validated by its
+slot's version like any read. ``KVSHM_NO_FAST_BATCH_READS`` (set to anything but "" or
+"0" when the reader is made; :attr:`IndexReader.fast_batch` after) makes them look up
+one key at a time instead (the header read for each), for A/B figures and tests.
+
 Reads segment (writable by same-user clients)::
 
     [ header: 256 bytes (magic KVSHMRR1, nrec, head @64, tail @128) | nrec x 16 bytes ]
@@ -74,6 +84,9 @@ from posix.mman cimport (mmap, munmap, PROT_READ, PROT_WRITE, MAP_SHARED, MAP_PR
 from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE,
                              PyBUF_ANY_CONTIGUOUS, PyBUF_WRITABLE)
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING, PyBytes_GET_SIZE
+from cpython.list cimport PyList_New, PyList_SET_ITEM
+from cpython.object cimport PyObject
+from cpython.ref cimport Py_INCREF
 from libc.errno cimport errno
 
 cdef extern from "<sys/mman.h>" nogil:
@@ -94,6 +107,7 @@ cdef extern from "<unistd.h>" nogil:
 
 cdef extern from "Python.h":
     const char* PyUnicode_AsUTF8AndSize(object s, Py_ssize_t* size) except NULL
+    PyObject** PySequence_Fast_ITEMS(object o)
 
 cdef extern from *:
     """
@@ -111,6 +125,20 @@ cdef extern from *:
                                            __ATOMIC_ACQ_REL, __ATOMIC_RELAXED);
     }
     static inline void kvx_prefetch(const void *p) { __builtin_prefetch(p, 0, 1); }
+    /* Prefetch a key's home slot and the one after it in the table of n slots from
+       slot base, and in the old one (on slots from obase) when on != 0. A macro: GCC
+       takes a function that only prefetches for one without effects and may drop
+       its calls (it did, with a Cython inline method). */
+    #define KVX_PREFETCH_KEY(slots, h, base, n, obase, on) do {                         \
+        uint64_t kvx_pk_ = (base) + kvx_home((h), (n));                                  \
+        __builtin_prefetch((slots) + kvx_pk_ * 128, 0, 1);                               \
+        __builtin_prefetch((slots) + (kvx_pk_ + 1) * 128, 0, 1);                         \
+        if (on) {                                                                        \
+            kvx_pk_ = (obase) + kvx_home((h), (on));                                     \
+            __builtin_prefetch((slots) + kvx_pk_ * 128, 0, 1);                           \
+            __builtin_prefetch((slots) + (kvx_pk_ + 1) * 128, 0, 1);                     \
+        }                                                                                \
+    } while (0)
     static inline void kvx_pause(void) {
     #if defined(__x86_64__) || defined(__i386__)
         __builtin_ia32_pause();
@@ -187,6 +215,22 @@ cdef extern from *:
         clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
         return ts.tv_sec + ts.tv_nsec * 1e-9;
     }
+    /* A batch key's bytes from a borrowed reference: 1 (bytes, or str: its cached
+       UTF-8), 0 (another type, or a str with no UTF-8 form), -1 (an error is set) */
+    static inline int kvx_key_of(PyObject *o, const char **p, Py_ssize_t *n) {
+        if (PyBytes_CheckExact(o)) {
+            *p = PyBytes_AS_STRING(o);
+            *n = PyBytes_GET_SIZE(o);
+            return 1;
+        }
+        if (PyUnicode_CheckExact(o)) {
+            *p = PyUnicode_AsUTF8AndSize(o, n);
+            if (*p != NULL) return 1;
+            if (!PyErr_ExceptionMatches(PyExc_UnicodeEncodeError)) return -1;
+            PyErr_Clear();
+        }
+        return 0;
+    }
     static inline double kvx_now(void) {
         struct timespec ts;
         clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
@@ -201,11 +245,14 @@ cdef extern from *:
     void kvx_fence_rel() nogil
     int kvx_cas(uint64_t* p, uint64_t* expected, uint64_t desired) nogil
     void kvx_prefetch(const void* p) nogil
+    void KVX_PREFETCH_KEY(const char* slots, uint64_t h, uint64_t base, uint64_t n,
+                          uint64_t obase, uint64_t on) nogil
     void kvx_pause() nogil
     uint64_t kvx_hash(const char* s, size_t n) nogil
     uint64_t kvx_home(uint64_t h, uint64_t n) nogil
     int kvx_keyeq(const char* a, const char* b, size_t n) nogil
     double kvx_now() nogil
+    int kvx_key_of(PyObject* o, const char** p, Py_ssize_t* n) except -1
     double kvx_fine_now() nogil
     double kvx_thread_cpu() nogil
     int kvx_punch(int fd, long off, long length) nogil
@@ -240,6 +287,9 @@ HEADER_SIZE = 4096
 ROOM_RETRY_S = 1.0
 #: Records of the reads ring.
 RING_RECORDS = 65536
+#: Environment variable: set (to anything but "" or "0") when an :class:`IndexReader` is
+#: made, its batch lookups go one key at a time (no prefetch; A/B figures, tests).
+ENV_NO_FAST_BATCH = "KVSHM_NO_FAST_BATCH_READS"
 
 _MAGIC = b"KVSHMIX1"
 _RING_MAGIC = b"KVSHMRR1"
@@ -283,12 +333,24 @@ MISS = -1
 DEF R_FALLBACK = -2
 DEF R_MISS = -1
 DEF R_HIT = 0
+DEF R_MORE = 1          # (batch lookups: the probe goes on past the slots looked at)
 DEF TRIES = 4
 # get()'s copies this large or larger release the GIL (a smaller one into the new bytes
 # takes less than the release; get_into's always do: the caller's buffer may be slow)
 DEF NOGIL_COPY = 262144
-# slots prefetched ahead by the batch lookups
+# keys whose slots the batch lookups prefetch ahead of the one looked up
 DEF AHEAD = 24
+# keys a batch lookup answers under one look at the header's tables (its misses are
+# checked against the table sequence once per chunk)
+DEF C_CHUNK = 256
+# slots a batch lookup looks at from a key's home before it puts the key aside (the
+# two it prefetched), and the slots after those it then prefetches for it
+DEF FIRST_SLOTS = 2
+DEF MORE_SLOTS = 4
+#: Keys ahead of the one looked up whose slots a batch lookup prefetches.
+PREFETCH_AHEAD = AHEAD
+#: Keys a batch lookup answers under one look at the header's tables.
+BATCH_CHUNK = C_CHUNK
 # scratch bytes a reader keeps between batch lookups (above: freed after the call)
 DEF SCRATCH_KEEP = 64 << 20
 DEF VOID_SLOT = 0xFFFFFFFF
@@ -1547,6 +1609,7 @@ cdef class IndexReader:
     cdef public uint64_t misses
     cdef public uint64_t fallbacks
     cdef public uint64_t retries
+    cdef public bint fast_batch
     cdef object _pool
 
     def __cinit__(self):
@@ -1591,6 +1654,7 @@ cdef class IndexReader:
             self._unmap()
             raise ValueError(f"{name} belongs to server epoch {found}, not {epoch}")
         self.epoch = epoch
+        self.fast_batch = os.environ.get(ENV_NO_FAST_BATCH, "") in ("", "0")
         self._forkgen = kvx_forks()
         self._cap = 2 * h.capacity
         self._wide = self._map + C_HEADER + 2 * h.capacity * C_SLOT
@@ -2142,62 +2206,156 @@ cdef class IndexReader:
         self.hits += nt
         return True
 
+    cdef inline bint _tables(self, uint64_t* ts, uint64_t* base, uint64_t* nslots,
+                             uint64_t* obase, uint64_t* onslots) noexcept nogil:
+        """The header's table sequence and tables now; False while they change (odd
+        sequence) or when they are not what the server writes."""
+        ts[0] = kvx_load_acq(&self._h.table_seq)
+        nslots[0] = kvx_load_acq(&self._h.nslots)
+        base[0] = kvx_load_acq(&self._h.base)
+        onslots[0] = kvx_load_acq(&self._h.old_nslots)
+        obase[0] = kvx_load_acq(&self._h.old_base)
+        return not (ts[0] & 1) and nslots[0] != 0 and nslots[0] <= self._cap and \
+            base[0] + nslots[0] <= self._cap and onslots[0] <= self._cap and \
+            obase[0] + onslots[0] <= self._cap
+
     cdef Py_ssize_t _probe_all(self, const char* arena,
-                               const uint32_t* offs, uint64_t* hashes, Py_ssize_t nk,
+                               const uint32_t* offs, const uint64_t* hashes, Py_ssize_t nk,
                                char* out, bint prefix) noexcept nogil:
-        """Look up ``nk`` keys (key ``i``: ``arena[offs[i]:offs[i + 1]]``) in one C loop:
-        ``out[i]`` is R_HIT / R_MISS / R_FALLBACK per key. All keys are hashed first,
-        then each slot is prefetched AHEAD keys before its lookup. Stops after the first
-        key that is not a hit with ``prefix``, after the first fallback without.
-        Returns the keys looked up (the rest of ``out`` unset)."""
-        cdef Py_ssize_t i, j
+        """Look up ``nk`` keys (key ``i``: ``arena[offs[i]:offs[i + 1]]``, hash
+        ``hashes[i]``) in one C loop: ``out[i]`` is R_HIT / R_MISS / R_FALLBACK per key.
+        Stops after the first key that is not a hit with ``prefix``, after the first
+        fallback without; returns the keys looked up (the rest of ``out`` unset).
+
+        Fast (``fast_batch``): the two slots from the home of the key AHEAD places on
+        are prefetched before each lookup; a key whose probe goes past them is put aside
+        with the next MORE_SLOTS slots prefetched, and finished at the end of its chunk
+        of C_CHUNK keys (so that its misses overlap the next keys' instead of stalling
+        the loop). The tables are read from the header once per chunk. A hit stands
+        (its slot's version was the same before and after); a miss stands only when the
+        table sequence did not change over its chunk, otherwise it is looked up again
+        alone (a key may have been moving). A slot written meanwhile sends its key to
+        the full lookup (:meth:`_find`). Otherwise one :meth:`_find` per key."""
+        cdef Py_ssize_t i, j, c0, lim, nd, d
         cdef Found f
         cdef int r
-        cdef uint64_t ts = kvx_load_acq(&self._h.table_seq)
-        cdef uint64_t nslots = kvx_load_acq(&self._h.nslots)
-        cdef uint64_t base = kvx_load_acq(&self._h.base)
-        cdef uint64_t onslots = kvx_load_acq(&self._h.old_nslots)
-        # no migration under way (and a size the server writes): one check at the end
-        cdef bint quick = not (ts & 1) and onslots == 0 and nslots != 0 and \
-            nslots <= self._cap and base + nslots <= self._cap
-        cdef uint64_t home
-        if not quick:
-            nslots = 1                       # (the prefetches below: slot 0)
-            base = 0
-        for i in range(nk):
-            hashes[i] = kvx_hash(arena + offs[i], offs[i + 1] - offs[i])
-        # each key's home slot and the one after it (a third of the keys of a table half
-        # full are one slot past home: without the second, they wait for memory)
-        # (a prefetch never faults: the one past the last slot needs no wrap)
-        for i in range(min(nk, AHEAD)):
-            home = base + kvx_home(hashes[i], nslots)
-            kvx_prefetch(self._slot(home))
-            kvx_prefetch(self._slot(home + 1))
-        for i in range(nk):
-            j = i + AHEAD
-            if j < nk:
-                home = base + kvx_home(hashes[j], nslots)
-                kvx_prefetch(self._slot(home))
-                kvx_prefetch(self._slot(home + 1))
-            r = self._probe1(arena + offs[i], offs[i + 1] - offs[i], hashes[i], base, nslots) \
-                if quick else R_FALLBACK
-            if r == R_FALLBACK:       # a slot in a write, or a rebuild: the full lookup
+        cdef uint64_t ts, base, nslots, obase, onslots, pos, left, q
+        cdef const char* k
+        cdef Py_ssize_t n
+        cdef bint quick
+        cdef uint32_t dkey[C_CHUNK]          # keys put aside in this chunk
+        cdef uint64_t dpos[C_CHUNK]          # (the slot their probe goes on from)
+        cdef uint64_t dleft[C_CHUNK]         # (slots left to it)
+        if not self.fast_batch:
+            for i in range(nk):
                 r = self._find(arena + offs[i], offs[i + 1] - offs[i], hashes[i], &f, False)
-            out[i] = <char>r
-            if r == R_FALLBACK or (prefix and r != R_HIT):
-                nk = i + 1
-                break
-        if quick:
-            kvx_fence_acq()
-            if kvx_load_rlx(&self._h.table_seq) != ts:
-                # the table was rebuilt meanwhile: a miss may have been a key moving
-                # (rare: those keys are asked of the server)
-                for i in range(nk):
-                    if out[i] == R_MISS:
-                        out[i] = <char>R_FALLBACK
-                        if not prefix:
-                            return i + 1
+                out[i] = <char>r
+                if r == R_FALLBACK or (prefix and r != R_HIT):
+                    return i + 1
+            return nk
+        i = 0
+        while i < nk:
+            quick = self._tables(&ts, &base, &nslots, &obase, &onslots)
+            c0 = i
+            lim = min(nk, i + C_CHUNK)
+            nd = 0
+            if quick and i == 0:
+                for j in range(min(nk, AHEAD)):
+                    KVX_PREFETCH_KEY(self._slots, hashes[j], base, nslots, obase, onslots)
+            while i < lim:
+                k = arena + offs[i]
+                n = offs[i + 1] - offs[i]
+                if not quick:
+                    r = self._find(k, n, hashes[i], &f, False)
+                else:
+                    j = i + AHEAD
+                    if j < nk:
+                        KVX_PREFETCH_KEY(self._slots, hashes[j], base, nslots, obase, onslots)
+                    if onslots:             # a migration: the old table, then the new one
+                        r = self._probe1(k, n, hashes[i], obase, onslots)
+                        if r == R_MISS:
+                            r = self._probe1(k, n, hashes[i], base, nslots)
+                    else:
+                        pos = kvx_home(hashes[i], nslots)
+                        left = nslots
+                        r = self._probe_part(k, n, hashes[i], base, nslots, &pos, &left,
+                                             FIRST_SLOTS)
+                        if r == R_MORE:
+                            for q in range(MORE_SLOTS):
+                                kvx_prefetch(self._slot(base + pos + q))   # (never faults)
+                            dkey[nd] = <uint32_t>(i - c0)
+                            dpos[nd] = pos
+                            dleft[nd] = left
+                            nd += 1
+                            out[i] = <char>R_MORE
+                            i += 1
+                            continue
+                    if r == R_FALLBACK:     # a slot in a write: the full lookup
+                        r = self._find(k, n, hashes[i], &f, False)
+                out[i] = <char>r
+                i += 1
+                if r == R_FALLBACK or (prefix and r != R_HIT):
+                    break
+            for d in range(nd):             # the keys put aside, their slots fetched by now
+                j = c0 + dkey[d]
+                k = arena + offs[j]
+                n = offs[j + 1] - offs[j]
+                r = self._probe_part(k, n, hashes[j], base, nslots, &dpos[d], &dleft[d],
+                                     dleft[d])
+                if r == R_FALLBACK or r == R_MORE:
+                    r = self._find(k, n, hashes[j], &f, False)
+                out[j] = <char>r
+            if quick:
+                kvx_fence_acq()
+                if kvx_load_rlx(&self._h.table_seq) != ts:
+                    # the tables changed during the chunk: its misses may have been keys
+                    # moving; each is looked up again alone (rare)
+                    for j in range(c0, i):
+                        if out[j] == R_MISS:
+                            out[j] = <char>self._find(arena + offs[j], offs[j + 1] - offs[j],
+                                                      hashes[j], &f, False)
+            for j in range(c0, i):
+                if out[j] == R_FALLBACK or (prefix and out[j] != R_HIT):
+                    return j + 1
         return nk
+
+    cdef inline int _probe_part(self, const char* k, Py_ssize_t n, uint64_t h,
+                                uint64_t base, uint64_t nslots, uint64_t* pos,
+                                uint64_t* left, uint64_t most) noexcept nogil:
+        """Part of one key's probe (as :meth:`_probe1`) of the table of ``nslots`` slots
+        from ``base``: at most ``most`` slots from slot ``pos[0]`` of the table, with
+        ``left[0]`` slots left to the whole probe. R_HIT, R_MISS, R_FALLBACK (a slot on
+        the way was being written), or R_MORE with ``pos`` and ``left`` moved past the
+        slots looked at."""
+        cdef uint64_t i = pos[0], m, v1
+        cdef const Slot* s
+        cdef const char* kp
+        cdef size_t room
+        cdef uint32_t st
+        for m in range(most):
+            if left[0] == 0:
+                return R_MISS
+            s = self._slot(base + i)
+            v1 = kvx_load_acq(&s.version)
+            if v1 & 1:
+                return R_FALLBACK
+            st = s.state
+            if st == S_LIVE and s.hash == h and s.keylen == n:
+                kp = _slot_key(s, self._wide, self._wide_cap, n, &room)
+                if kp != NULL and kvx_keyeq(kp, k, n):
+                    kvx_fence_acq()
+                    return R_HIT if kvx_load_rlx(&s.version) == v1 else R_FALLBACK
+            kvx_fence_acq()
+            if kvx_load_rlx(&s.version) != v1:
+                return R_FALLBACK
+            if st == S_EMPTY:
+                return R_MISS
+            left[0] -= 1
+            i += 1
+            if i == nslots:
+                i = 0
+        pos[0] = i
+        return R_MORE
 
     cdef inline int _probe1(self, const char* k, Py_ssize_t n, uint64_t h,
                             uint64_t base, uint64_t nslots) noexcept nogil:
@@ -2234,8 +2392,8 @@ cdef class IndexReader:
     cdef object _batch(self, object keys, bint prefix):
         """The C lookup of every key of ``keys`` (a list or tuple): ``(flags, keys
         done)``, or None when a key is not one the table can hold (or the reader is not
-        usable). The keys are copied into one buffer first (no reference to them is needed
-        once the GIL is released for the loop, and they lie in order for it);
+        usable). The keys are copied into one buffer and hashed first (no reference to
+        them is needed once the GIL is released for the loop, and they lie in order for it);
         ``_busy`` keeps close() from unmapping under the loop."""
         cdef Py_ssize_t i, nk, done, n, total, cap
         cdef const char* k
@@ -2247,7 +2405,7 @@ cdef class IndexReader:
         cdef bytes flags
         cdef bint own
         cdef size_t need
-        cdef object key
+        cdef PyObject** items
         cdef Py_ssize_t maxk = <Py_ssize_t>self.max_key
         if not self._usable():
             return None
@@ -2290,14 +2448,11 @@ cdef class IndexReader:
                 c_free(arena)
             raise MemoryError()
         offs = <uint32_t*>(hashes + nk + 1)
+        items = PySequence_Fast_ITEMS(keys)    # borrowed: nothing here runs Python code
         try:
             total = 0
             for i in range(nk):
-                key = (<list>keys)[i] if type(keys) is list else (<tuple>keys)[i]
-                if type(key) is bytes:
-                    k = PyBytes_AS_STRING(key)
-                    n = PyBytes_GET_SIZE(key)
-                elif not _key_ptr(key, &k, &n):
+                if not kvx_key_of(items[i], &k, &n):
                     n = 0
                 if not 0 < n <= maxk:
                     # a key the table cannot hold: the whole batch goes to the client's
@@ -2316,6 +2471,7 @@ cdef class IndexReader:
                         self._scr_cap[1] = cap
                 offs[i] = <uint32_t>total
                 memcpy(arena + total, k, n)
+                hashes[i] = kvx_hash(k, n)
                 total += n
             offs[nk] = <uint32_t>total
             if nk >= 2048:
@@ -2358,10 +2514,11 @@ cdef class IndexReader:
             return None
         if memchr(out, <char>R_MISS, nk) != NULL and not self._misses_final():
             return None
-        res = [False] * nk
+        res = PyList_New(nk)
         for i in range(nk):
-            if out[i] == R_HIT:
-                res[i] = True
+            v = True if out[i] == R_HIT else False
+            Py_INCREF(v)
+            PyList_SET_ITEM(res, i, v)
         return res
 
     def match_prefix(self, keys):
