@@ -8,7 +8,8 @@ into a table sized as a server sizes it (2 slots per pool block) for a pool of
 ``--keys`` 4 KiB blocks; ``IndexReader.exists_batch`` over batches of ``--batch`` keys
 (half present, shuffled) and ``match_prefix`` over 64-key requests, in keys/s; the
 baseline is ``IndexWriter.publish`` (what the server does per key) and a Python
-``dict`` membership test of the same keys (``[k in d for k in batch]``).
+``dict`` membership test of the same keys (``[k in d for k in batch]``); the same lookups
+one key at a time (``IndexReader.fast_batch`` off, ``KVSHM_NO_FAST_BATCH_READS``) follow.
 
 Part 2, a real server: ``Client.exists``, ``Client.exists_batch`` of 64 keys and
 ``Client.match_prefix`` of 64 keys, on a local client vs a client made with
@@ -102,12 +103,19 @@ def part_table(args: argparse.Namespace) -> None:
         ex = rate(exists_all, len(mixed), args.reps)
         dc = rate(dict_all, len(mixed), args.reps)
         mp = rate(prefix_all, 64 * len(reqs), args.reps)
+        r.fast_batch = False                 # KVSHM_NO_FAST_BATCH_READS's path, this run
+        ex_slow = rate(exists_all, len(mixed), args.reps)
+        mp_slow = rate(prefix_all, 64 * len(reqs), args.reps)
+        r.fast_batch = True
         print(f"table: {args.keys} keys of {args.key_bytes} B, {w.nslots} slots "
               f"({w.nslots * SLOT_SIZE >> 20} MiB)")
         print(f"  publish (server, per key)        {pub / 1e6:7.2f} M keys/s")
         print(f"  exists_batch ({args.batch}/batch, half hit) {ex / 1e6:7.2f} M keys/s "
               f"(target >= 20); python dict {dc / 1e6:.2f} M keys/s -> {ex / dc:.2f}x")
         print(f"  match_prefix (64 keys, all hit)  {mp / 1e6:7.2f} M keys/s (target >= 20)")
+        print(f"  one key at a time (KVSHM_NO_FAST_BATCH_READS): exists_batch "
+              f"{ex_slow / 1e6:.2f}, match_prefix {mp_slow / 1e6:.2f} M keys/s -> fast/slow "
+              f"{ex / ex_slow:.2f}x, {mp / mp_slow:.2f}x")
     finally:
         r.close()
         w.unlink()

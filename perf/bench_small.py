@@ -17,7 +17,8 @@ local (a shm client of a server on this host, default 64 KiB blocks)
     the same sizes over an equally large working set (MB/s of the median op);
     single-key ``exists`` and ``match_prefix`` of 64 keys (p50) vs the echo round trip;
     batch ``exists_batch`` / ``match_prefix`` of --batch keys (keys/s) vs a Python dict
-    membership test of the same keys in this process.
+    membership test of the same keys in this process, and vs the same lookups one key at
+    a time (``KVSHM_NO_FAST_BATCH_READS``'s path, switched per rep in this run).
 remote (TCP transport, i.e. what a client on another host gets)
     single-key requests/s with N client processes for N in --clients, 4 KiB values, put
     then get phases, beside Redis SET/GET (redis-server + redis-py, same N, same values);
@@ -293,39 +294,51 @@ def bench_local_queries(c: Any, n: int) -> dict[str, Any]:
     return {"exists": lat_stats(ex), "match_prefix_64": lat_stats(mp)}
 
 
-def bench_batch_queries(c: Any, keys: list[bytes], reps: int) -> dict[str, float]:
+def bench_batch_queries(c: Any, keys: list[bytes], reps: int) -> dict[str, Any]:
     """exists_batch / match_prefix keys/s vs a dict membership test (same keys); also by
     this thread's CPU time (the lookups run in it, the GIL released or not), which a
-    loaded machine disturbs less than the wall clock."""
+    loaded machine disturbs less than the wall clock. Each rep also runs both with the
+    shared index reader's one-key-at-a-time lookups (``fast_batch`` off, what
+    ``KVSHM_NO_FAST_BATCH_READS`` selects: the A/B of kvshm._shmindex's prefetching
+    lookups), interleaved with the fast ones."""
     n = len(keys)
     d = dict.fromkeys(keys, 0)
-    ex, mp, dm = [], [], []
-    exc, mpc, dmc = [], [], []
+    lr = c.session.local
+    modes = [True, False] if lr is not None and hasattr(lr, "fast_batch") else [None]
+    wall: dict[str, list[float]] = {}
+    cpus: dict[str, list[float]] = {}
     cpu = time.thread_time
-    for _ in range(reps):
+
+    def timed(label: str, fn: Any) -> Any:
         t, tc = _now(), cpu()
-        found = [k in d for k in keys]
-        dm.append(n / (_now() - t))
-        dmc.append(n / max(cpu() - tc, 1e-9))
-        assert all(found)
-        t, tc = _now(), cpu()
-        r = c.exists_batch(keys)
-        ex.append(n / (_now() - t))
-        exc.append(n / max(cpu() - tc, 1e-9))
-        if not all(r):
-            raise RuntimeError("exists_batch missed keys that are there")
-        t, tc = _now(), cpu()
-        m = c.match_prefix(keys)
-        mp.append(n / (_now() - t))
-        mpc.append(n / max(cpu() - tc, 1e-9))
-        if m != n:
-            raise RuntimeError(f"match_prefix said {m} of {n}")
-    return {"keys": n, "exists_keys_per_s": statistics.median(ex),
-            "match_prefix_keys_per_s": statistics.median(mp),
-            "dict_keys_per_s": statistics.median(dm),
-            "exists_keys_per_cpu_s": statistics.median(exc),
-            "match_prefix_keys_per_cpu_s": statistics.median(mpc),
-            "dict_keys_per_cpu_s": statistics.median(dmc)}
+        r = fn()
+        wall.setdefault(label, []).append(n / (_now() - t))
+        cpus.setdefault(label, []).append(n / max(cpu() - tc, 1e-9))
+        return r
+
+    try:
+        for _ in range(reps):
+            found = timed("dict", lambda: [k in d for k in keys])
+            assert all(found)
+            for fast in modes:
+                if fast is not None:
+                    lr.fast_batch = fast
+                sfx = "" if fast in (True, None) else "_slow"
+                r = timed("exists" + sfx, lambda: c.exists_batch(keys))
+                if not all(r):
+                    raise RuntimeError("exists_batch missed keys that are there")
+                m = timed("match_prefix" + sfx, lambda: c.match_prefix(keys))
+                if m != n:
+                    raise RuntimeError(f"match_prefix said {m} of {n}")
+    finally:
+        if modes[0] is not None:
+            lr.fast_batch = True
+    med = statistics.median
+    out: dict[str, Any] = {"keys": n}
+    for label in wall:
+        out[f"{label}_keys_per_s"] = med(wall[label])
+        out[f"{label}_keys_per_cpu_s"] = med(cpus[label])
+    return out
 
 
 # --------------------------------------------------------------------------- report
@@ -385,6 +398,15 @@ def report(res: dict[str, Any]) -> None:
                   f"{bq['exists_keys_per_cpu_s'] / 1e6:.2f}, match_prefix "
                   f"{bq['match_prefix_keys_per_cpu_s'] / 1e6:.2f}, dict membership "
                   f"{bq['dict_keys_per_cpu_s'] / 1e6:.2f} M keys/s")
+            if "exists_slow_keys_per_s" in bq:
+                print(f"    one key at a time (KVSHM_NO_FAST_BATCH_READS), same run: exists_batch "
+                      f"{bq['exists_slow_keys_per_s'] / 1e6:.2f} (CPU "
+                      f"{bq['exists_slow_keys_per_cpu_s'] / 1e6:.2f}), match_prefix "
+                      f"{bq['match_prefix_slow_keys_per_s'] / 1e6:.2f} (CPU "
+                      f"{bq['match_prefix_slow_keys_per_cpu_s'] / 1e6:.2f}) M keys/s; fast/slow "
+                      f"{bq['exists_keys_per_cpu_s'] / bq['exists_slow_keys_per_cpu_s']:.2f}x,"
+                      f" {bq['match_prefix_keys_per_cpu_s'] / bq['match_prefix_slow_keys_per_cpu_s']:.2f}x"
+                      " by CPU time")
     rem = res.get("remote")
     if rem:
         print(f"\nREMOTE (TCP transport), single-key 4 KiB, requests/s per phase of "
