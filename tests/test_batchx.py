@@ -258,6 +258,12 @@ def test_bystander_between_slices(bed: Bed) -> None:
             break
     assert bed.loop.in_progress == 1
     other.send_multipart([_head(Op.EXISTS, 78, {"keys": [_key(0)]})])
+    # wait until the small request is queued at the server before the next turn: else,
+    # on a loaded machine, the turns could run every slice before it arrives
+    poller = zmq.Poller()
+    poller.register(bed.loop._sock, zmq.POLLIN)
+    assert poller.poll(10_000), "the small request never reached the server"
+    assert bed.loop.in_progress == 1
     for _ in range(1000):
         bed.loop.turn(5)
         if other.poll(0):

@@ -76,7 +76,7 @@ def test_migration_names_the_tables_with_release_stores_in_order():
     assert end[1:-1] == [("rel", "old_nslots"), ("rel", "old_base")]
 
 
-@pytest.mark.parametrize("fn", ["_find", "_probe_all", "validate", "_prefault"])
+@pytest.mark.parametrize("fn", ["_find", "_tables", "validate", "_prefault"])
 def test_readers_load_the_names_with_acquire_in_the_opposite_order(fn):
     """Each name once, nslots first: a reader that loaded a name stored later than
     another loads that other one after it (sees it as new)."""
