@@ -66,7 +66,7 @@ from kvshm.errors import (
     ProtocolError,
     ServerUnavailable,
 )
-from kvshm.zmq_ctrl.channel import check_resolvable, endpoint_of
+from kvshm.zmq_ctrl.channel import check_resolvable, dealer_options, endpoint_of
 from kvshm.zmq_ctrl.protocol import DecodeError, Op, Status, decode_reply, encode_request
 from kvshm.zmq_ctrl.serverwatch import IDLE_S, POLL_S, ServerGone
 
@@ -114,10 +114,7 @@ class _Conn:
         s = client._ctx.socket(zmq.DEALER)
         self.monitor: Any = None
         try:
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.IPV6, 1)
-            # one routing id per connection (the server hands none over; HELLO first)
-            s.setsockopt(zmq.ROUTING_ID, os.urandom(16))
+            dealer_options(s)    # one routing id per connection; CONNECT_TIMEOUT_MS
             if client._socket_setup is not None:
                 client._socket_setup(s)
             if not endpoint.startswith("inproc://"):

@@ -38,6 +38,14 @@ __all__ = ["Channel", "endpoint_of"]
 #: failures), the server watch and the deadline are looked at. A reply ends the
 #: receive at once; only a wait with no reply pays a wake-up per slice.
 WAIT_SLICE_S = 0.05
+#: Longest wait for a TCP connect to complete (ms; ZMQ_CONNECT_TIMEOUT), after which
+#: libzmq abandons it and connects again RECONNECT_IVL (100 ms) later. Without it a lost
+#: SYN is only sent again by the kernel 1 s later (TCP_TIMEOUT_INIT, RFC 6298), then 3 s,
+#: 7 s: as long as a whole call's timeout. Seen on the cluster bed: after a partition
+#: healed, the peer's kernel dropped the first SYN of the reconnection (TcpExt ListenDrops
+#: 1), the call waited 1 s and the member was marked suspect although it was back. 500 ms
+#: is ~1,000 LAN round trips, so a connect that is merely slow is not cut.
+CONNECT_TIMEOUT_MS = 500
 #: Frames of at least this many bytes are sent zero-copy (as pyzmq's copy_threshold).
 ZERO_COPY_BYTES = zmq.COPY_THRESHOLD
 
@@ -155,6 +163,19 @@ def check_resolvable(endpoint: str) -> None:
                                 f"{exc}") from None
 
 
+def dealer_options(s: zmq.Socket) -> bytes:
+    """Set a client DEALER's options (no linger, IPv6 allowed, CONNECT_TIMEOUT_MS) and a
+    new random 16-byte routing id, which it returns: the server does not hand a connected
+    id over to a new connection (ROUTER_HANDOVER off), and the client says HELLO on every
+    new socket before anything else."""
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.IPV6, 1)
+    s.setsockopt(zmq.CONNECT_TIMEOUT, CONNECT_TIMEOUT_MS)
+    rid = os.urandom(16)
+    s.setsockopt(zmq.ROUTING_ID, rid)
+    return rid
+
+
 class Channel:
     """A request/reply channel to one server endpoint.
 
@@ -205,13 +226,7 @@ class Channel:
             self._pid = os.getpid()
         if self._sock is None:
             s = self._ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.IPV6, 1)
-            # a routing id of its own for each connection: the server does not hand a
-            # connected id over to a new connection (ROUTER_HANDOVER off), and the
-            # client says HELLO on every new socket before anything else
-            self.routing_id = os.urandom(16)
-            s.setsockopt(zmq.ROUTING_ID, self.routing_id)
+            self.routing_id = dealer_options(s)
             s.setsockopt(zmq.RCVTIMEO, self._slice_ms)
             self._rcvtimeo = self._slice_ms
             if self._setup is not None:
