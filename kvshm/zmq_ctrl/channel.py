@@ -10,6 +10,21 @@ A same-host client sets :attr:`Channel.watch` (:class:`~kvshm.zmq_ctrl.serverwat
 ServerWatch`): then a server the kernel proves gone or replaced ends a wait at once with
 :class:`~kvshm.zmq_ctrl.serverwatch.ServerGone` instead of the timeout (checked before a
 send after ``IDLE_S`` idle, and every ``POLL_S`` while waiting).
+
+Transport: on ``tcp://`` and ``ipc://`` endpoints without CURVE the channel speaks ZMTP 3.x
+itself (:mod:`kvshm.zmq_ctrl._zmtp`: a non-blocking stream socket, ``poll(2)`` waits on
+the caller's thread, the NULL mechanism, a DEALER with the channel's routing id) to the
+server's unchanged ROUTER, instead of going through libzmq's I/O thread. The semantics
+are libzmq's: a request made while the server is down waits (reconnecting every slice)
+until the server is up or the deadline passes; a connection the server closed is found
+(a zero-timeout poll after 1 ms idle) and made again, with the same routing id, before the
+next send; a forked child makes its own. Where they differ, they differ for the better:
+a send respects the call's deadline (libzmq's blocks with no limit once its queue is
+full), and the server closing the connection while a reply is awaited ends the wait at
+once (ServerGone when the watch proves the server gone, else ServerUnavailable) instead
+of at the deadline. ``KVSHM_ZMTP=0`` in the environment (read at import; also
+:data:`ZMTP`) turns it off: libzmq carries every endpoint, as it carries CURVE ones,
+``inproc://`` and the async client's (kvshm.aio) always.
 """
 
 from __future__ import annotations
@@ -100,6 +115,17 @@ if _zmqc is not None:
     _call1, _recv1, _AGAIN, _PUT1 = _zmqc.call1, _zmqc.recv1, _zmqc.AGAIN, _zmqc.PUT1
     _SendFailed = _zmqc.SendFailed
 _monotonic = time.monotonic
+
+try:    # the ZMTP transport (kvshm.zmq_ctrl._zmtp); libzmq carries all without it
+    from kvshm.zmq_ctrl import _zmtp
+except ImportError:
+    _zmtp = None  # type: ignore[assignment]
+#: Whether tcp:// and ipc:// endpoints without CURVE use the ZMTP transport (the
+#: environment's ``KVSHM_ZMTP``, read at import: ``0`` for libzmq); read when a channel
+#: is made or moved (reset with an endpoint).
+ZMTP = _zmtp is not None and os.environ.get("KVSHM_ZMTP", "1").strip() != "0"
+#: a connection idle this long (ms) is polled for the server's close before a send
+ALIVE_IDLE_MS = 1
 # os.getpid() is a system call; this is the pid, kept right across fork()
 _pid = [os.getpid()]
 
@@ -219,6 +245,14 @@ class Channel:
         self.fast = 0               # one-key replies read in C (call1)
         self.timeouts = 0           # waits that ran to their end (ServerUnavailable)
         self.gone = 0               # servers found gone by the watch (ServerGone)
+        #: whether this endpoint is carried by the ZMTP transport (kvshm.zmq_ctrl._zmtp)
+        self.zmtp = self._zmtp_for(endpoint)
+        self._zlive = False         # (ZMTP) a routing id is chosen: a "socket" exists
+        self.reconnects = 0         # (ZMTP) connections made again under one routing id
+
+    def _zmtp_for(self, endpoint: str) -> bool:
+        return (ZMTP and _zmtp is not None and self._setup is None
+                and endpoint.startswith(("tcp://", "ipc://")))
 
     def _socket(self) -> zmq.Socket:
         if self._pid != os.getpid():   # forked: never touch the parent's socket
@@ -270,6 +304,9 @@ class Channel:
         """
         if _zmqc is None:           # (tests take it away: pyzmq then carries all)
             return NOT_SENT
+        if self.zmtp:
+            return self._zcall1(kind, op, key, value, checksum, out, req_id, epoch,
+                                max_size)
         sock = self._sock
         if sock is None or self._pid != _pid[0]:
             sock = self._socket()
@@ -337,7 +374,11 @@ class Channel:
 
     def reset(self, endpoint: str | None = None) -> None:
         """Drop the socket (and anything queued on it); optionally move to ``endpoint``."""
-        if self._sock is not None and self._pid == os.getpid():
+        if self.zmtp:
+            if self._sock is not None:
+                self._sock.close()  # (in a forked child: its copy only, no shutdown)
+            self._zlive = False
+        elif self._sock is not None and self._pid == os.getpid():
             if self._monitor is not None:
                 self._sock.disable_monitor()
                 self._monitor.close(0)
@@ -347,6 +388,7 @@ class Channel:
         self.watch = None
         if endpoint is not None:
             self.endpoint = endpoint
+            self.zmtp = self._zmtp_for(endpoint)
 
     def close(self) -> None:
         self.reset()
@@ -382,6 +424,8 @@ class Channel:
         """
         if req_id is None:
             req_id = self.new_id()
+        if self.zmtp:
+            return self._zrequest(op, body, frames, epoch, req_id, timeout)
         sock = self._sock
         if sock is None or self._pid != os.getpid():
             sock = self._socket()
@@ -458,6 +502,12 @@ class Channel:
         """Send one request whose reply nobody waits for: it goes to :attr:`on_stray`
         when a later :meth:`request` or :meth:`drain` reads it. Call with :attr:`lock`
         held. Raises ServerUnavailable when it cannot be sent (the socket is reset)."""
+        if self.zmtp:
+            self._zsend(self._zconn(time.monotonic() + self.timeout, self.watch,
+                                    self.timeout), encode_request(op, req_id, epoch, body),
+                        frames, time.monotonic() + self.timeout)
+            self.sent += 1
+            return
         sock = self._sock
         if sock is None or self._pid != os.getpid():
             sock = self._socket()
@@ -483,6 +533,9 @@ class Channel:
             that reply for good), so the socket is reset, and the replies still to come
             are lost with it; the caller says HELLO again.
         """
+        if self.zmtp:
+            self._zdrain()
+            return
         sock = self._sock
         if sock is None or self._pid != os.getpid():
             return
@@ -542,3 +595,246 @@ class Channel:
             why = ("the security handshake failed: the server needs CURVE "
                    "(curve_server_key=...) or the key given is not the server's")
         raise AuthenticationFailed(f"kvshm server at {where} refused the connection: {why}")
+
+    # ------------------------------------------------------------- the ZMTP transport
+
+    def _zconn(self, deadline: float, watch: ServerWatch | None, wait: float) -> Any:
+        """The live ZMTP connection, made (again) when there is none or the server closed
+        it: until ``deadline``, retried every slice (the watch and the deadline checked
+        between, as a wait's slices). Raises ServerUnavailable (deadline), ServerGone,
+        AuthenticationFailed (a CURVE server, or the server's ZMTP ERROR),
+        ProtocolError (not a ZMTP 3 ROUTER)."""
+        zt = self._sock
+        if self._pid != _pid[0]:        # forked: never touch the parent's connection
+            if zt is not None:
+                zt.close()              # (the child's copy of the descriptor only)
+            zt = self._sock = None
+            self._zlive = False
+            self._pid = _pid[0]
+        if zt is not None:
+            if zt.alive(ALIVE_IDLE_MS):
+                return zt
+            self._zdrain()              # replies whole before the close are not lost
+            self._sock = None
+            self.reconnects += 1
+        if not self._zlive:
+            # a routing id of its own for each "socket" (as _socket: the server does not
+            # hand a connected id over, and the client says HELLO on every new one);
+            # kept across reconnects, as libzmq keeps a socket's
+            self.routing_id = os.urandom(16)
+            self._zlive = True
+        self._watch_at = time.monotonic() + POLL_S
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                zt = self._zopen(max(0.001, left))
+            except _zmtp.MechanismMismatch as exc:
+                where = self._where()
+                self.reset()
+                raise AuthenticationFailed(
+                    f"kvshm server at {where} refused the connection: the security "
+                    f"handshake failed: the server needs CURVE (curve_server_key=...) "
+                    f"({exc})") from None
+            except _zmtp.PeerError as exc:
+                where = self._where()
+                self.reset()
+                raise AuthenticationFailed(f"kvshm server at {where} refused the "
+                                           f"connection: {exc.reason}") from None
+            except (_zmtp.PeerClosed, _zmtp.Timeout):
+                pass                    # a dying or starting server: again next slice
+            except _zmtp.ZmtpError as exc:
+                where = self._where()
+                self.reset()
+                raise ProtocolError(f"bad ZMTP handshake from {where}: {exc}") from None
+            except OSError:
+                pass                    # refused, no such ipc path yet: as libzmq, retry
+            else:
+                self._sock = zt
+                return zt
+            self._zwaited(watch, deadline, wait, sent=False)
+            time.sleep(max(0.0, min(self._slice_ms / 1000, deadline - time.monotonic())))
+
+    def _zopen(self, left: float) -> Any:
+        ep = self.endpoint
+        if ep.startswith("ipc://"):
+            path = ep[len("ipc://"):]
+            if path.startswith("@"):
+                path = "\0" + path[1:]     # (an abstract socket, as libzmq names it)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                s.settimeout(left)
+                s.connect(path)
+            except BaseException:
+                s.close()
+                raise
+        else:
+            host, _, port = ep[len("tcp://"):].rpartition(":")
+            s = socket.create_connection((host.strip("[]"), int(port)), timeout=left)
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        zt = _zmtp.Conn(s.detach())
+        zt.handshake(self.routing_id, max(1, int(min(left, 1.0) * 1000)))
+        return zt
+
+    def _zwaited(self, watch: ServerWatch | None, deadline: float, wait: float,
+                 sent: bool = True) -> int:
+        """A slice passed with no reply (or no connection): the watch (every POLL_S) and
+        the deadline end the wait (raising, as _waited); else the next slice's ms."""
+        now = time.monotonic()
+        if watch is not None and now >= self._watch_at:
+            self._watch_at = now + POLL_S
+            self._check(watch, sent=sent)
+        left = deadline - now
+        if left <= 0:
+            self.timeouts += 1
+            self.reset()
+            raise ServerUnavailable(
+                f"no reply from kvshm server at {self._where()} within {wait:g} s")
+        return max(1, min(self._slice_ms, int(left * 1000)))
+
+    def _zlost(self, watch: ServerWatch | None, exc: BaseException) -> None:
+        """The server closed the connection (or broke ZMTP) while a reply was awaited:
+        raises ServerGone when the watch proves it gone (looked at a few times over
+        ~50 ms: the close may come a moment before the kernel lets go of its lock), else
+        ServerUnavailable or ProtocolError. The request may have been done."""
+        where = self._where()
+        if not isinstance(exc, _zmtp.PeerClosed) and isinstance(exc, _zmtp.ZmtpError):
+            self.reset()
+            if isinstance(exc, _zmtp.PeerError):
+                raise ServerUnavailable(f"kvshm server at {where} ended the connection: "
+                                        f"{exc.reason}") from None
+            raise ProtocolError(f"bad reply from {where}: {exc}") from None
+        if watch is not None:
+            for _ in range(5):
+                self._check(watch, sent=True)
+                time.sleep(0.01)
+        self.reset()
+        raise ServerUnavailable(f"kvshm server at {where} closed the connection before "
+                                f"replying ({exc})") from None
+
+    def _zsend(self, zt: Any, header: bytes, frames: Sequence[Any], deadline: float
+               ) -> None:
+        try:
+            zt.send(header, frames, max(1, int((deadline - time.monotonic()) * 1000)))
+        except _zmtp.Timeout:
+            self.reset()
+            raise ServerUnavailable(f"cannot send to kvshm server at {self._where()}: "
+                                    f"it took nothing within {self.timeout:g} s") from None
+        except OSError as exc:
+            self.reset()
+            raise ServerUnavailable(f"cannot send to kvshm server at {self._where()}: "
+                                    f"{exc}") from None
+        except BaseException:
+            self.reset()
+            raise
+
+    def _zrequest(self, op: int, body: dict[str, Any], frames: Sequence[Any], epoch: int,
+                  req_id: int, timeout: float | None
+                  ) -> tuple[int, int, dict[str, Any], list[Any]]:
+        header = encode_request(op, req_id, epoch, body)
+        wait = self.timeout if timeout is None else timeout
+        watch = self.watch
+        now = time.monotonic()
+        if watch is not None and now - self._last > IDLE_S:
+            self._check(watch, sent=False)
+        zt = self._zconn(now + wait, watch, wait)
+        self.sent += 1
+        self._zsend(zt, header, frames, now + wait)
+        now = time.monotonic()
+        deadline = now + wait
+        self._watch_at = now + POLL_S
+        ms = self._slice_ms
+        while True:
+            try:
+                msg = zt.recv(ms)
+            except OSError as exc:
+                self._zlost(watch, exc)
+                raise                   # (not reached)
+            if msg is None:
+                ms = self._zwaited(watch, deadline, wait)
+                continue
+            try:
+                status, rid, rbody = decode_reply(msg[0])
+            except DecodeError as exc:
+                self.reset()
+                raise ProtocolError(f"bad reply from {self._where()}: {exc}") from None
+            if rid != req_id:
+                if self.on_stray is not None:
+                    self.on_stray(rid, status, rbody)
+                continue
+            self._last = time.monotonic()
+            return rid, status, rbody, msg[1:]
+
+    def _zcall1(self, kind: int, op: int, key: bytes, value: Any, checksum: int | None,
+                out: Any, req_id: int, epoch: int, max_size: int) -> Any:
+        """call1 on the ZMTP transport (the same waits, slices and checks)."""
+        watch = self.watch
+        t0 = _monotonic()
+        if watch is not None and t0 - self._last > IDLE_S:
+            self._check(watch, sent=False)
+        zt = self._sock
+        if zt is None or self._pid != _pid[0] or not zt.alive(ALIVE_IDLE_MS):
+            zt = self._zconn(t0 + self.timeout, watch, self.timeout)
+        try:
+            r = zt.call1(kind, op, req_id, epoch, key, value if kind == _PUT1 else None,
+                         checksum, max_size, out, max(1, int(self.timeout * 1000)),
+                         self._slice_ms)
+        except _zmtp.Timeout:
+            self.reset()
+            raise ServerUnavailable(f"cannot send to kvshm server at {self._where()}: "
+                                    f"it took nothing within {self.timeout:g} s") from None
+        except OSError as exc:
+            self._zlost(watch, exc)
+            raise                       # (not reached)
+        except BaseException:
+            self.reset()
+            raise
+        if r is None:
+            return NOT_SENT
+        self.sent += 1
+        if r is _zmtp.AGAIN or type(r) is list:
+            deadline = t0 + self.timeout
+            self._watch_at = t0 + POLL_S
+            while True:
+                if r is _zmtp.AGAIN:
+                    ms = self._zwaited(watch, deadline, self.timeout)
+                elif type(r) is not list:
+                    break
+                else:
+                    try:
+                        status, rid, rbody = decode_reply(r[0])
+                    except DecodeError as exc:
+                        self.reset()
+                        raise ProtocolError(f"bad reply from {self._where()}: "
+                                            f"{exc}") from None
+                    if rid == req_id:
+                        self._last = _monotonic()
+                        return status, rbody, r[1:]
+                    if self.on_stray is not None:
+                        self.on_stray(rid, status, rbody)
+                    ms = self._slice_ms
+                try:
+                    r = zt.recv1(kind, req_id, out, ms)
+                except OSError as exc:
+                    self._zlost(watch, exc)
+                    raise               # (not reached)
+        self.fast += 1
+        self._last = _monotonic()
+        return r
+
+    def _zdrain(self) -> None:
+        zt = self._sock
+        if zt is None or self._pid != _pid[0]:
+            return
+        while True:
+            try:
+                msg = zt.recv(0)
+            except OSError:
+                return                  # (closed: the next call makes a new connection)
+            if msg is None:
+                return
+            try:
+                status, rid, rbody = decode_reply(msg[0])
+            except DecodeError:
+                continue
+            if self.on_stray is not None:
+                self.on_stray(rid, status, rbody)
