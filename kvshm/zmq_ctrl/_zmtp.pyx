@@ -776,6 +776,17 @@ cdef class Conn:
             return False
         return True
 
+    def poll(self, int timeout_ms, int events=1):
+        """1 (POLLIN) when bytes are buffered or arrive within ``timeout_ms`` (a message
+        may be whole: :meth:`recv` tells), or the peer closed; else 0. For callers that
+        wait as on a zmq socket (``events`` must include POLLIN, 1)."""
+        cdef int rc
+        if self.re > self.rs and self.fr == NULL or self.fd < 0:
+            return 1
+        with nogil:
+            rc = kz_poll1(self.fd, POLLIN, timeout_ms)
+        return 1 if rc > 0 else 0
+
     # -------------------------------------------------------------- one-key path
 
     def call1(self, int kind, int op, kz_u64 req_id, kz_u64 epoch, bytes key not None,

@@ -20,9 +20,10 @@ until the server is up or the deadline passes; a connection the server closed is
 (a zero-timeout poll after 1 ms idle) and made again, with the same routing id, before the
 next send; a forked child makes its own. Where they differ, they differ for the better:
 a send respects the call's deadline (libzmq's blocks with no limit once its queue is
-full), and the server closing the connection while a reply is awaited ends the wait at
-once (ServerGone when the watch proves the server gone, else ServerUnavailable) instead
-of at the deadline. ``KVSHM_ZMTP=0`` in the environment (read at import; also
+full). The server closing the connection while a reply is awaited ends the wait as
+libzmq's: at the deadline (ServerUnavailable), or sooner when the watch proves the
+server gone (ServerGone; looked at every slice once the close was seen); a ZMTP protocol
+violation by the peer is a ProtocolError at once. ``KVSHM_ZMTP=0`` in the environment (read at import; also
 :data:`ZMTP`) turns it off: libzmq carries every endpoint, as it carries CURVE ones,
 ``inproc://`` and the async client's (kvshm.aio) always.
 """
@@ -248,6 +249,9 @@ class Channel:
         #: whether this endpoint is carried by the ZMTP transport (kvshm.zmq_ctrl._zmtp)
         self.zmtp = self._zmtp_for(endpoint)
         self._zlive = False         # (ZMTP) a routing id is chosen: a "socket" exists
+        #: (ZMTP) messages of send() made while no connection could be made: sent first
+        #: once one is (libzmq's queue of a connecting socket); dropped by reset
+        self._zpending: list[tuple[bytes, list[bytes]]] = []
         self.reconnects = 0         # (ZMTP) connections made again under one routing id
 
     def _zmtp_for(self, endpoint: str) -> bool:
@@ -378,6 +382,7 @@ class Channel:
             if self._sock is not None:
                 self._sock.close()  # (in a forked child: its copy only, no shutdown)
             self._zlive = False
+            self._zpending = []
         elif self._sock is not None and self._pid == os.getpid():
             if self._monitor is not None:
                 self._sock.disable_monitor()
@@ -503,10 +508,7 @@ class Channel:
         when a later :meth:`request` or :meth:`drain` reads it. Call with :attr:`lock`
         held. Raises ServerUnavailable when it cannot be sent (the socket is reset)."""
         if self.zmtp:
-            self._zsend(self._zconn(time.monotonic() + self.timeout, self.watch,
-                                    self.timeout), encode_request(op, req_id, epoch, body),
-                        frames, time.monotonic() + self.timeout)
-            self.sent += 1
+            self._zsend_nowait(encode_request(op, req_id, epoch, body), frames)
             return
         sock = self._sock
         if sock is None or self._pid != os.getpid():
@@ -598,10 +600,23 @@ class Channel:
 
     # ------------------------------------------------------------- the ZMTP transport
 
-    def _zconn(self, deadline: float, watch: ServerWatch | None, wait: float) -> Any:
+    def _zsend_nowait(self, header: bytes, frames: Sequence[Any]) -> None:
+        """send() on the ZMTP transport: on the connection, made again (one try) when the
+        server closed it; queued when none can be made now (as libzmq queues)."""
+        now = time.monotonic()
+        zt = self._zconn(now + self.timeout, None, self.timeout, once=True)
+        self.sent += 1
+        if zt is None:
+            self._zpending.append((header, [bytes(memoryview(f)) for f in frames]))
+            return
+        self._zsend(zt, header, frames, now + self.timeout)
+
+    def _zconn(self, deadline: float, watch: ServerWatch | None, wait: float,
+               once: bool = False) -> Any:
         """The live ZMTP connection, made (again) when there is none or the server closed
         it: until ``deadline``, retried every slice (the watch and the deadline checked
-        between, as a wait's slices). Raises ServerUnavailable (deadline), ServerGone,
+        between, as a wait's slices; ``once``: one try, None when it failed). Messages
+        queued by send() go first. Raises ServerUnavailable (deadline), ServerGone,
         AuthenticationFailed (a CURVE server, or the server's ZMTP ERROR),
         ProtocolError (not a ZMTP 3 ROUTER)."""
         zt = self._sock
@@ -610,6 +625,7 @@ class Channel:
                 zt.close()              # (the child's copy of the descriptor only)
             zt = self._sock = None
             self._zlive = False
+            self._zpending = []
             self._pid = _pid[0]
         if zt is not None:
             if zt.alive(ALIVE_IDLE_MS):
@@ -650,7 +666,13 @@ class Channel:
                 pass                    # refused, no such ipc path yet: as libzmq, retry
             else:
                 self._sock = zt
+                if self._zpending:
+                    pending, self._zpending = self._zpending, []
+                    for header, frames in pending:
+                        self._zsend(zt, header, frames, deadline)
                 return zt
+            if once:
+                return None
             self._zwaited(watch, deadline, wait, sent=False)
             time.sleep(max(0.0, min(self._slice_ms / 1000, deadline - time.monotonic())))
 
@@ -691,11 +713,13 @@ class Channel:
                 f"no reply from kvshm server at {self._where()} within {wait:g} s")
         return max(1, min(self._slice_ms, int(left * 1000)))
 
-    def _zlost(self, watch: ServerWatch | None, exc: BaseException) -> None:
-        """The server closed the connection (or broke ZMTP) while a reply was awaited:
-        raises ServerGone when the watch proves it gone (looked at a few times over
-        ~50 ms: the close may come a moment before the kernel lets go of its lock), else
-        ServerUnavailable or ProtocolError. The request may have been done."""
+    def _zlost(self, watch: ServerWatch | None, exc: BaseException, deadline: float,
+               wait: float) -> None:
+        """The server closed the connection (or broke ZMTP) while a reply was awaited.
+        A close: the wait goes on to its deadline as libzmq's does (the reply cannot come,
+        a new connection is made by the next call), the watch looked at every slice
+        (ServerGone); then ServerUnavailable as a timeout. A protocol violation:
+        ProtocolError at once; the server's ERROR command: ServerUnavailable at once."""
         where = self._where()
         if not isinstance(exc, _zmtp.PeerClosed) and isinstance(exc, _zmtp.ZmtpError):
             self.reset()
@@ -703,13 +727,11 @@ class Channel:
                 raise ServerUnavailable(f"kvshm server at {where} ended the connection: "
                                         f"{exc.reason}") from None
             raise ProtocolError(f"bad reply from {where}: {exc}") from None
-        if watch is not None:
-            for _ in range(5):
-                self._check(watch, sent=True)
-                time.sleep(0.01)
-        self.reset()
-        raise ServerUnavailable(f"kvshm server at {where} closed the connection before "
-                                f"replying ({exc})") from None
+        self._sock = None               # (closed; the routing id stays, as libzmq's)
+        while True:
+            self._watch_at = 0.0        # the watch each slice: the close says "look"
+            ms = self._zwaited(watch, deadline, wait)
+            time.sleep(ms / 1000)
 
     def _zsend(self, zt: Any, header: bytes, frames: Sequence[Any], deadline: float
                ) -> None:
@@ -747,7 +769,7 @@ class Channel:
             try:
                 msg = zt.recv(ms)
             except OSError as exc:
-                self._zlost(watch, exc)
+                self._zlost(watch, exc, deadline, wait)
                 raise                   # (not reached)
             if msg is None:
                 ms = self._zwaited(watch, deadline, wait)
@@ -783,7 +805,7 @@ class Channel:
             raise ServerUnavailable(f"cannot send to kvshm server at {self._where()}: "
                                     f"it took nothing within {self.timeout:g} s") from None
         except OSError as exc:
-            self._zlost(watch, exc)
+            self._zlost(watch, exc, t0 + self.timeout, self.timeout)
             raise                       # (not reached)
         except BaseException:
             self.reset()
@@ -815,7 +837,7 @@ class Channel:
                 try:
                     r = zt.recv1(kind, req_id, out, ms)
                 except OSError as exc:
-                    self._zlost(watch, exc)
+                    self._zlost(watch, exc, deadline, self.timeout)
                     raise               # (not reached)
         self.fast += 1
         self._last = _monotonic()
