@@ -726,7 +726,17 @@ cdef class Conn:
         3 peer, a bad READY), MechanismMismatch, PeerError (the peer's ERROR)."""
         cdef long long deadline = kz_now_ms() + timeout_ms
         self.write_raw(GREETING, timeout_ms)
-        g = self.read_raw(64, max(0, deadline - kz_now_ms()))
+        try:
+            g = self.read_raw(64, max(0, deadline - kz_now_ms()))
+        except PeerClosed:
+            # a peer of another mechanism may close as soon as it read this greeting:
+            # what it sent of its own before may name its mechanism
+            if self.re - self.rs >= 32 and self.rbuf[self.rs] == 0xFF:
+                mech = PyBytes_FromStringAndSize(<const char *>self.rbuf + self.rs + 12,
+                                                 20).rstrip(b"\x00")
+                if mech != b"NULL":
+                    raise MechanismMismatch(mech.decode("ascii", "replace")) from None
+            raise
         if g[0] != 0xFF or not g[9] & 1:
             self._fail(ZmtpError("the peer is not a ZeroMQ peer (bad ZMTP signature)"))
         if g[10] < 3:

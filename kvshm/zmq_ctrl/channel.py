@@ -640,6 +640,7 @@ class Channel:
             self.routing_id = os.urandom(16)
             self._zlive = True
         self._watch_at = time.monotonic() + POLL_S
+        hs_closed = 0
         while True:
             left = deadline - time.monotonic()
             try:
@@ -656,8 +657,19 @@ class Channel:
                 self.reset()
                 raise AuthenticationFailed(f"kvshm server at {where} refused the "
                                            f"connection: {exc.reason}") from None
-            except (_zmtp.PeerClosed, _zmtp.Timeout):
-                pass                    # a dying or starting server: again next slice
+            except _zmtp.PeerClosed:
+                # closed in the handshake: a dying server, or a CURVE server refusing
+                # this NULL client; again, as libzmq's NO_DETAIL: twice is a refusal
+                hs_closed += 1
+                if hs_closed >= 2:
+                    where = self._where()
+                    self.reset()
+                    raise AuthenticationFailed(
+                        f"kvshm server at {where} refused the connection: the security "
+                        "handshake failed: the server needs CURVE (curve_server_key=...) "
+                        "or the key given is not the server's") from None
+            except _zmtp.Timeout:
+                pass                    # a starting server: again next slice
             except _zmtp.ZmtpError as exc:
                 where = self._where()
                 self.reset()
