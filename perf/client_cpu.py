@@ -12,6 +12,11 @@ and of the server, read from /proc/PID/task/*/stat (clock ticks: run a few secon
 ``--ab REPS``: the client's one-key path in C (Channel.call1) and the Python path it
 replaced, alternating in blocks of ``--seconds`` (the same load for both; the main
 thread's CPU from ``time.thread_time``).
+``--zmtp-ab REPS``: the client's own ZMTP transport (kvshm.zmq_ctrl._zmtp) and libzmq
+(``KVSHM_ZMTP=0``), two clients of one server in this process, alternating in blocks of
+``--seconds`` (with ``--redis``, redis-py SET/GET blocks alternate with them); CPU per
+request of the whole client process (all threads: ZeroMQ's I/O thread included) and of
+the server, from /proc.
 ``--redis``: the same for redis-py SET/GET against a redis-server of this run. The figures
 are CPU time, so they mean something on a loaded machine; the load average is printed.
 """
@@ -117,6 +122,35 @@ def ab(c: Any, fn: Any, seconds: float, reps: int, pids: dict[str, int]) -> dict
     return out
 
 
+def alternate(modes: dict[str, tuple[Any, dict[str, int]]], seconds: float, reps: int
+              ) -> dict[str, Any]:
+    """``modes``: name -> (fn, pids); blocks of ``seconds`` of each in turn, ``reps``
+    rounds. Per mode: requests/s and CPU us per request of each pid (all its threads)."""
+    acc: dict[str, dict[str, float]] = {m: {"n": 0, "wall": 0.0} for m in modes}
+    for _ in range(reps):
+        for mode, (fn, pids) in modes.items():
+            for _ in range(100):
+                fn()
+            b = {w: sum(threads(p).values()) for w, p in pids.items()}
+            t0 = time.monotonic()
+            n = 0
+            while time.monotonic() < t0 + seconds:
+                for _ in range(50):
+                    fn()
+                n += 50
+            r = acc[mode]
+            r["wall"] += time.monotonic() - t0
+            r["n"] += n
+            for w, p in pids.items():
+                r[w] = r.get(w, 0.0) + sum(threads(p).values()) - b[w]
+    out: dict[str, Any] = {}
+    for mode, r in acc.items():
+        count = r.pop("n")
+        wall = r.pop("wall")
+        out[mode] = {"rps": count / wall, **{k: v / count * 1e6 for k, v in r.items()}}
+    return out
+
+
 def show(label: str, r: dict[str, Any]) -> None:
     print(f"{label:12} {r['rps']:9.0f} req/s", end="")
     for w, v in r.items():
@@ -136,8 +170,13 @@ def main() -> int:
     ap.add_argument("--ab", type=int, default=0, metavar="REPS",
                     help="alternate the C one-key path and the Python one (REPS blocks "
                          "of --seconds each)")
+    ap.add_argument("--zmtp-ab", type=int, default=0, metavar="REPS",
+                    help="alternate the ZMTP transport and libzmq (REPS blocks of "
+                         "--seconds each; with --redis, Redis blocks too)")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.zmtp_ab:
+        return zmtp_ab(args)
     import kvshm
     from servers import ServerProcess
 
@@ -185,6 +224,69 @@ def main() -> int:
             import shutil
 
             shutil.rmtree(d, ignore_errors=True)
+    res["load_end"] = os.getloadavg()
+    print(f"load average {res['load_start'][0]:.2f} -> {res['load_end'][0]:.2f}")
+    if args.json:
+        _common.write_json(res, args.json)
+    return 0
+
+
+def zmtp_ab(args: Any) -> int:
+    import kvshm
+    from kvshm.zmq_ctrl import channel as chmod
+    from servers import ServerProcess
+
+    res: dict[str, Any] = {"load_start": os.getloadavg()}
+    val = _common.pattern(7, args.size)
+    vb = val.tobytes()
+    out = np.empty(args.size, np.uint8)
+    me = os.getpid()
+    proc = None
+    with ServerProcess(prealloc_size=0.0625) as srv:
+        clients = {}
+        for on in (True, False):
+            chmod.ZMTP = on
+            clients["zmtp" if on else "libzmq"] = c = kvshm.Client(
+                srv.address, transport="tcp", timeout=30)
+            assert c._chan.zmtp is on
+        c.put("k", val)
+        pids = {"client": me, "server": srv.pid}
+        rc = None
+        if args.redis:
+            import redis
+
+            proc, port, d = _common.start_redis(1 << 30)
+            rc = redis.Redis(host="127.0.0.1", port=port)
+            rc.set("k", vb)
+        try:
+            for op in args.ops.split(","):
+                modes: dict[str, tuple[Any, dict[str, int]]] = {}
+                for name, c in clients.items():
+                    modes[name] = ({"put": lambda c=c: c.put("k", val),
+                                    "get": lambda c=c: c.get_into("k", out),
+                                    "exists": lambda c=c: c.exists("k")}[op], pids)
+                if rc is not None and op in ("put", "get"):
+                    modes["redis"] = ((lambda: rc.set("k", vb)) if op == "put"
+                                      else (lambda: rc.get("k")),
+                                      {"client": me, "server": proc.pid})
+                res[op] = r = alternate(modes, args.seconds, args.zmtp_ab)
+                for mode, v in r.items():
+                    print(f"{op:7} {mode:7} {v['rps']:7.0f} req/s  client process "
+                          f"{v['client']:6.1f} us/req  server {v['server']:6.1f} us/req")
+                if "redis" in r:
+                    for mode in clients:
+                        print(f"{op:7} {mode:7} / redis: req/s x"
+                              f"{r[mode]['rps'] / r['redis']['rps']:.2f}, client CPU x"
+                              f"{r[mode]['client'] / r['redis']['client']:.2f}")
+        finally:
+            for c in clients.values():
+                c.close()
+            if proc is not None:
+                rc.close()
+                _common.stop(proc)
+                import shutil
+
+                shutil.rmtree(d, ignore_errors=True)
     res["load_end"] = os.getloadavg()
     print(f"load average {res['load_start'][0]:.2f} -> {res['load_end'][0]:.2f}")
     if args.json:

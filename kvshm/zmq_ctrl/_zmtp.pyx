@@ -93,9 +93,20 @@ cdef extern from *:
     static ssize_t kz_recv(int fd, void *buf, size_t n) {
         return recv(fd, buf, n, MSG_DONTWAIT);
     }
+    /* a blocking receive of at most ms milliseconds (SO_RCVTIMEO, set when it differs
+       from *cur): one system call waits and reads */
+    static ssize_t kz_recv_wait(int fd, void *buf, size_t n, int ms, int *cur) {
+        if (ms != *cur) {
+            struct timeval tv; tv.tv_sec = ms / 1000; tv.tv_usec = (ms % 1000) * 1000;
+            if (setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv) < 0) return -1;
+            *cur = ms;
+        }
+        return recv(fd, buf, n, 0);
+    }
     static int kz_setup(int fd) {
         int fl = fcntl(fd, F_GETFL);
-        if (fl < 0 || fcntl(fd, F_SETFL, fl | O_NONBLOCK) < 0) return -1;
+        /* blocking: receives wait with SO_RCVTIMEO, sends never block (MSG_DONTWAIT) */
+        if (fl < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) < 0) return -1;
         fl = fcntl(fd, F_GETFD);
         if (fl < 0 || fcntl(fd, F_SETFD, fl | FD_CLOEXEC) < 0) return -1;
         return 0;
@@ -220,6 +231,7 @@ cdef extern from *:
     int kz_poll1(int fd, short ev, int ms) noexcept nogil
     Py_ssize_t kz_writev(int fd, iovec *iov, int n) noexcept nogil
     Py_ssize_t kz_recv(int fd, void *buf, size_t n) noexcept nogil
+    Py_ssize_t kz_recv_wait(int fd, void *buf, size_t n, int ms, int *cur) noexcept nogil
     int kz_setup(int fd) noexcept nogil
     int kz_errno() noexcept nogil
     int close(int fd) noexcept nogil
@@ -334,6 +346,7 @@ cdef class Conn:
     cdef bint fr_more
     cdef long long last_us          # kz_now_us() of the last byte received or sent
     cdef readonly object peer       # the peer's READY properties (dict)
+    cdef int rcv_ms                 # the socket's SO_RCVTIMEO now (ms; 0: none)
 
     def __cinit__(self, int fd):
         self.fd = -1
@@ -516,19 +529,11 @@ cdef class Conn:
                 dst = self.rbuf + self.re
                 want = _RBUF - self.re
             left = <int>max(0, deadline - kz_now_ms())
-            if left > 0 or not first:
-                # wait first: a reply to a request just sent is not here yet
+            if left > 0:
                 with nogil:
-                    rc = kz_poll1(self.fd, POLLIN, left)
-                if rc == 0:
-                    return 0
-                if rc < 0:
-                    if kz_errno() == EINTR:
-                        PyErr_CheckSignals()
-                        first = False
-                        continue
-                    self._fail(OSError(kz_errno(), "poll on the ZMTP socket failed"))
-            r = kz_recv(self.fd, dst, want)
+                    r = kz_recv_wait(self.fd, dst, want, left, &self.rcv_ms)
+            else:
+                r = kz_recv(self.fd, dst, want)
             if r > 0:
                 if direct:
                     self.fr_got += r
@@ -542,15 +547,12 @@ cdef class Conn:
             if err == EINTR:
                 PyErr_CheckSignals()
             elif err == EAGAIN or err == EWOULDBLOCK:
-                if left == 0 and first:
-                    first = False
-                    if kz_now_ms() >= deadline:
-                        return 0
+                if left == 0 or kz_now_ms() >= deadline:
+                    return 0
             elif err == ECONNRESET or err == EPIPE:
                 self._fail(PeerClosed(err, "the peer reset the ZMTP connection"))
             else:
                 self._fail(OSError(err, _os.strerror(err)))
-            first = False
 
     cdef int _grow(self) except -1:
         cdef Py_ssize_t na = min(self.fr_size, self.fr_alloc * 2)
