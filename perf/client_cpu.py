@@ -265,7 +265,7 @@ def zmtp_ab(args: Any) -> int:
                     modes[name] = ({"put": lambda c=c: c.put("k", val),
                                     "get": lambda c=c: c.get_into("k", out),
                                     "exists": lambda c=c: c.exists("k")}[op], pids)
-                if rc is not None and op in ("put", "get"):
+                if rc is not None and proc is not None and op in ("put", "get"):
                     modes["redis"] = ((lambda: rc.set("k", vb)) if op == "put"
                                       else (lambda: rc.get("k")),
                                       {"client": me, "server": proc.pid})
@@ -282,7 +282,8 @@ def zmtp_ab(args: Any) -> int:
             for c in clients.values():
                 c.close()
             if proc is not None:
-                rc.close()
+                if rc is not None:
+                    rc.close()
                 _common.stop(proc)
                 import shutil
 
