@@ -554,3 +554,39 @@ def test_header_bytes_equal_the_libzmq_path():
     finally:
         ch.close()
         fake.close()
+
+
+def test_sends_made_while_the_server_is_down_go_first_once_it_is_up():
+    """send() (a write-behind PLACE) while nothing listens is queued, as libzmq queues
+    on a connecting socket; the next request's connection carries it first."""
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))                  # bound, not listening: refused
+    ep = f"tcp://127.0.0.1:{lst.getsockname()[1]}"
+    ch = Channel(ep, 5.0)
+    seen: list[list[bytes]] = []
+    try:
+        ch.send(Op.EXISTS, {"keys": [b"q"]}, req_id=41)
+        assert ch.zmtp and ch._sock is None and len(ch._zpending) == 1
+        lst.listen(1)
+
+        def serve() -> None:
+            s, _ = lst.accept()
+            with s:
+                _accept(s)
+                for _ in range(2):
+                    seen.append(_read_message(s))
+                    _, _, rid, _, _ = decode_request(seen[-1][0])
+                    s.sendall(_frames([encode_reply(0, rid, {"found": [rid == 41]})]))
+                time.sleep(0.2)
+
+        th = threading.Thread(target=serve, daemon=True)
+        th.start()
+        strays: list[int] = []
+        ch.on_stray = lambda rid, st, body: strays.append(rid)
+        _, st, body, _ = ch.request(Op.EXISTS, {"keys": [b"r"]}, req_id=42)
+        assert body == {"found": [False]} and strays == [41]
+        assert [decode_request(m[0])[2] for m in seen] == [41, 42]
+        th.join(10)
+    finally:
+        ch.close()
+        lst.close()
