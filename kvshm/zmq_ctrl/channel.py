@@ -631,7 +631,7 @@ class Channel:
             if zt.alive(ALIVE_IDLE_MS):
                 return zt
             self._zdrain()              # replies whole before the close are not lost
-            self._sock = None
+            self._sock = None           # (a bad one among them: ProtocolError, reset)
             self.reconnects += 1
         if not self._zlive:
             # a routing id of its own for each "socket" (as _socket: the server does not
@@ -868,7 +868,8 @@ class Channel:
                 return
             try:
                 status, rid, rbody = decode_reply(msg[0])
-            except DecodeError:
-                continue
+            except DecodeError as exc:   # (as drain on libzmq: see drain)
+                self.reset()
+                raise ProtocolError(f"bad reply from {self._where()}: {exc}") from None
             if self.on_stray is not None:
                 self.on_stray(rid, status, rbody)
