@@ -703,7 +703,10 @@ class Channel:
                 raise
         else:
             host, _, port = ep[len("tcp://"):].rpartition(":")
-            s = socket.create_connection((host.strip("[]"), int(port)), timeout=left)
+            # a connect not done in CONNECT_TIMEOUT_MS is made again (a lost SYN is
+            # resent by the kernel only after 1 s), as libzmq's ZMQ_CONNECT_TIMEOUT
+            s = socket.create_connection((host.strip("[]"), int(port)),
+                                         timeout=min(left, CONNECT_TIMEOUT_MS / 1000))
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         zt = _zmtp.Conn(s.detach())
         zt.handshake(self.routing_id, max(1, int(min(left, 1.0) * 1000)))
