@@ -49,3 +49,30 @@ def test_the_async_client_socket_has_it_too() -> None:
             await c.close()
 
     assert asyncio.run(main()) == channel.CONNECT_TIMEOUT_MS
+
+
+def test_the_zmtp_transport_cuts_a_connect_at_the_same_time(monkeypatch) -> None:
+    """The sync client's own ZMTP transport connects with a timeout of at most
+    CONNECT_TIMEOUT_MS too (then tries again next slice)."""
+    import socket
+
+    import pytest
+
+    from kvshm.errors import ServerUnavailable
+
+    seen: list[float] = []
+
+    def fake(addr, timeout=None, *a, **kw):      # a SYN that is never answered
+        seen.append(timeout)
+        raise TimeoutError("timed out")
+
+    monkeypatch.setattr(socket, "create_connection", fake)
+    ch = channel.Channel("tcp://127.0.0.1:9", timeout=1.5)
+    if not ch.zmtp:
+        pytest.skip("the ZMTP transport is off (KVSHM_ZMTP=0)")
+    try:
+        with ch.lock, pytest.raises(ServerUnavailable):
+            ch.request(1, {})
+    finally:
+        ch.close()
+    assert len(seen) >= 2 and max(seen) <= channel.CONNECT_TIMEOUT_MS / 1000
