@@ -24,6 +24,11 @@ class BitmapAllocator:
         """One run per count (a sequence of int, or an int64 buffer); -1 for a run that
         did not fit, the others stay allocated. ValueError for a count < 1 (checked before
         anything is allocated)."""
+    def alloc_runs(self, counts: Buffer, out: Buffer) -> int:
+        """alloc_many into an int64 buffer (-1 where a run did not fit); returns how many
+        did not fit."""
+    def free_runs(self, starts: Buffer, counts: Buffer) -> None:
+        """Free runs given as int64 buffers; ValueError (nothing freed) as free_extents."""
     def alloc_extents(self, n: int, max_extents: int = 8) -> tuple[tuple[int, int], ...] | None:
         """``n`` blocks as ``(first block, count)`` runs in block order: one run by first
         fit if one holds them, else the fewest runs (the longest free runs whole, then

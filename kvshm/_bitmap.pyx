@@ -444,6 +444,50 @@ cdef class BitmapAllocator:
             PyList_SET_ITEM(out, i, o)
         return out
 
+    def alloc_runs(self, counts, out):
+        """:meth:`alloc_many` into a buffer: one run per count, first fit, in order, the
+        start block of each written to ``out[i]`` (-1 where it did not fit; the others
+        stay allocated). No int object per run (the server's batch PUT).
+
+        ``counts``, ``out``: int64 buffers of one length (``out`` writable). Returns how
+        many did not fit. ValueError for lengths that differ or a count < 1 (checked
+        before anything is allocated).
+        """
+        cdef const int64_t[:] c = counts
+        cdef int64_t[:] o = out
+        cdef Py_ssize_t i, k = c.shape[0], failed = 0
+        if o.shape[0] != k:
+            raise ValueError(f"{k} counts but room for {o.shape[0]} starts")
+        for i in range(k):
+            self._check_count(c[i])
+        for i in range(k):
+            o[i] = self._alloc(c[i])
+            if o[i] < 0:
+                failed += 1
+        return failed
+
+    def free_runs(self, starts, counts):
+        """Free runs ``(starts[i], counts[i])`` (int64 buffers of one length), as
+        :meth:`free_extents` frees its runs: ValueError, nothing freed, when a run is out
+        of range, not all allocated, or overlaps another of them."""
+        cdef const int64_t[:] s = starts
+        cdef const int64_t[:] c = counts
+        cdef Py_ssize_t i, j, k = s.shape[0]
+        if c.shape[0] != k:
+            raise ValueError(f"{k} starts but {c.shape[0]} counts")
+        for i in range(k):
+            self._check_run(s[i], c[i])
+            if not self._range_is(s[i], c[i], False):
+                raise ValueError(
+                    f"blocks [{s[i]}, {s[i] + c[i]}) are not all allocated (double free?)")
+        for i in range(k):
+            if not self._range_is(s[i], c[i], False):     # overlaps an earlier run
+                for j in range(i):
+                    self._mark(s[j], c[j], False)
+                raise ValueError(f"run [{s[i]}, {s[i] + c[i]}) overlaps another run of "
+                                 "the same call")
+            self._mark(s[i], c[i], True)
+
     def alloc_extents(self, Py_ssize_t n, int max_extents=8):
         """Allocate ``n`` blocks as one run if one fits, else as few runs as possible.
 

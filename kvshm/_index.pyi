@@ -82,3 +82,7 @@ def make_entries(keys: Sequence[Any], sizes: Sequence[Any], sums: Sequence[Any] 
 def places(entries: Sequence[Entry | None], bs: int
            ) -> tuple[list[Any], list[Entry], int]: ...
 def sum_blocks(entries: Sequence[Entry]) -> int: ...
+def put_packed(store: Any, keys: Any, values: Any, sizes: Any, ok: Any
+               ) -> list[Any] | None:
+    """Store.put of a plain batch of packed values in one C pass; None: declined,
+    nothing changed (the general path answers)."""

@@ -932,3 +932,151 @@ def sum_blocks(entries):
     for x in entries:
         n += _entry(x).nblocks
     return n
+
+
+def put_packed(store, keys, values, sizes, ok):
+    """:meth:`Store.put` of a plain batch in one C pass, or None (declined: nothing has
+    changed; the caller's general path answers it).
+
+    Plain: ``keys`` a list of bytes each 1 .. ``max_key_bytes`` long, ``sizes`` a list of
+    int each 0 .. ``store.max_value`` (the bytes of each value of ``values``, a
+    :class:`kvshm._pool.PackedValues`), no tier below the pool, and room for every value
+    in one free run each without evicting (else None: the general path allocates, evicts
+    and refuses as it always has). Does what the general path does for such a batch, in
+    the same order (the blocks by first fit in key order, the values copied, the recorded
+    reads applied, each key installed as the most recently used in key order, the shared
+    table's slots written in key order before any old value's blocks are freed, pinned
+    old values kept until their last pin goes, the counters), without a list, tuple or
+    int object per key. Returns a Status per key (``ok`` each).
+    """
+    cdef Py_ssize_t n, i, kl, nold = 0, freed = 0
+    cdef long long bs = store.block_size
+    cdef long long max_value = store.max_value
+    cdef Py_ssize_t max_key = store.config.limits.max_key_bytes
+    cdef long long sz, nb, total = 0, nbytes = 0
+    cdef Index index = store.index
+    cdef Entry e, old
+    cdef object k, s, o
+    cdef array.array nbs, szs, starts, offs, fs, fc
+    cdef long long* pnb
+    cdef long long* psz
+    cdef long long* pst
+    cdef long long* pof
+    cdef long long* pfs
+    cdef long long* pfc
+    if type(keys) is not list or type(sizes) is not list or store.tier is not None:
+        return None
+    n = len(keys)
+    if n == 0 or len(sizes) != n or len(values) != n:
+        return None
+    nbs = array.clone(_Q, n, False)
+    szs = array.clone(_Q, n, False)
+    pnb = nbs.data.as_longlongs
+    psz = szs.data.as_longlongs
+    for i in range(n):
+        k = keys[i]
+        s = sizes[i]
+        if type(k) is not bytes or type(s) is not int:
+            return None
+        kl = len(<bytes>k)
+        if kl == 0 or kl > max_key or s < 0 or s > max_value:
+            return None
+        sz = s
+        nb = (sz + bs - 1) // bs if sz > 0 else 1
+        psz[i] = sz
+        pnb[i] = nb
+        total += nb
+        nbytes += sz
+    alloc = store.alloc
+    if alloc.num_free < total:
+        return None                 # evictions: the general path
+    starts = array.clone(_Q, n, False)
+    pst = starts.data.as_longlongs
+    store._wait = False
+    if alloc.alloc_runs(nbs, starts):
+        # a value with no free run of its own (fragmented): give the runs back (the same
+        # free blocks as before, so first fit places alike) and let the general path go
+        fs = array.clone(_Q, n, False)
+        fc = array.clone(_Q, n, False)
+        pfs = fs.data.as_longlongs
+        pfc = fc.data.as_longlongs
+        for i in range(n):
+            if pst[i] >= 0:
+                pfs[nold] = pst[i]
+                pfc[nold] = pnb[i]
+                nold += 1
+        array.resize(fs, nold)
+        array.resize(fc, nold)
+        alloc.free_runs(fs, fc)
+        return None
+    # the entries, pending, and where their bytes go
+    offs = array.clone(_Q, n, False)
+    pof = offs.data.as_longlongs
+    entries = [None] * n
+    for i in range(n):
+        e = Entry.__new__(Entry)
+        e.key = keys[i]
+        e.start = pst[i]
+        e.nblocks = <int>pnb[i]
+        e.size = psz[i]
+        e.pins = 0
+        e.state = C_PENDING
+        e.checksum = None
+        e.meta = None
+        e._ext = None
+        entries[i] = e
+        pof[i] = pst[i] * bs
+    store.pool.write_values(offs, values)
+    index.sync()                # lock-free reads recorded before this write go first
+    # install (install_entries without a tier): every key in the dict and the LRU, then
+    # the shared table's slots, then the old values retired
+    shared = index._shared
+    olds = []
+    for i in range(n):
+        o = index._insert_local(<Entry>entries[i])
+        if o is not None:
+            olds.append(o)
+    if shared is not None:
+        if n > 1:
+            shared.publish_runs(keys, szs, starts, nbs)
+        else:
+            e = <Entry>entries[0]
+            shared.publish(e.key, e.size, _runs(e), e.checksum)
+    for i in range(n):
+        (<Entry>entries[i]).state = C_LIVE
+    nold = len(olds)
+    if nold:
+        dead = store._dead
+        fs = array.clone(_Q, nold, False)
+        fc = array.clone(_Q, nold, False)
+        pfs = fs.data.as_longlongs
+        pfc = fc.data.as_longlongs
+        nb = 0
+        try:
+            for o in olds:
+                old = _entry(o)
+                if old.pins:
+                    old.state = C_DEAD
+                    dead.add(old)
+                elif _nruns(old) == 1:
+                    pfs[nb] = old.start
+                    pfc[nb] = old.nblocks
+                    nb += 1
+                    old.state = C_DEAD
+                    old.start = -1
+                    old._ext = ()
+                else:
+                    _free_entry(store, old)
+                    freed += 1
+            if nb:
+                array.resize(fs, nb)
+                array.resize(fc, nb)
+                alloc.free_runs(fs, fc)
+                freed += nb
+        finally:
+            if freed:
+                store.progress += freed
+    c = store.counters
+    c["puts"] += n
+    c["bytes_in"] += nbytes
+    return [ok] * n

@@ -106,6 +106,9 @@ class IndexWriter:
     ) -> int:
         """:meth:`publish` of each, in order, slots prefetched ahead; how many were not
         published."""
+    def publish_runs(self, keys: list[bytes], sizes: Any, starts: Any, counts: Any) -> int:
+        """publish_many of one-run values without checksums from int64 buffers; how many
+        were not published."""
     def unpublish(self, key: bytes | str) -> bool:
         """The slot's version has changed when this returns."""
     def contains_many(self, keys: Sequence[Any]) -> list[bool]:

@@ -951,21 +951,74 @@ cdef class IndexWriter:
                 self.max_step = self._work
         return refused
 
+    def publish_runs(self, keys, sizes, starts, counts):
+        """:meth:`publish_many` of values in one run each and without checksums, from C
+        arrays: ``keys[i]`` -> (``sizes[i]``, ``((starts[i], counts[i]),)``), in order,
+        with no tuple or int object per key (the server's batch PUT).
+
+        ``keys``: a list of bytes; ``sizes``, ``starts``, ``counts``: int64 buffers as long
+        as ``keys``. Every argument is checked before any slot changes (TypeError: a key
+        not bytes; ValueError: lengths differ, a run out of 0 .. 2**32 - 1, a negative
+        size). Returns how many were not published (too long, table full)."""
+        cdef Py_ssize_t i, n, refused = 0, pn
+        cdef const int64_t[:] sz = sizes
+        cdef const int64_t[:] st = starts
+        cdef const int64_t[:] ct = counts
+        cdef uint64_t* hs
+        cdef uint32_t ext[1][2]
+        cdef const char* pk
+        cdef object k
+        self._check()
+        if type(keys) is not list:
+            raise TypeError("keys must be a list")
+        n = len(keys)
+        if sz.shape[0] != n or st.shape[0] != n or ct.shape[0] != n:
+            raise ValueError("keys, sizes, starts and counts differ in length")
+        for i in range(n):
+            if type(keys[i]) is not bytes:
+                raise TypeError("keys must be bytes")
+            if (st[i] < 0 or ct[i] < 0 or st[i] > 0xFFFFFFFF or ct[i] > 0xFFFFFFFF
+                    or sz[i] < 0):
+                raise ValueError(f"bad run ({st[i]}, {ct[i]}) or size {sz[i]}")
+        hs = <uint64_t*>malloc(max(n, 1) * sizeof(uint64_t))
+        if hs == NULL:
+            raise MemoryError()
+        try:
+            for i in range(n):
+                k = keys[i]
+                pn = PyBytes_GET_SIZE(k)
+                hs[i] = kvx_hash(PyBytes_AS_STRING(k), pn) if 0 < pn <= C_KEY_MAX else 0
+            for i in range(min(n, AHEAD)):
+                kvx_prefetch(self._slot(self._base + kvx_home(hs[i], self._nslots)))
+            for i in range(n):
+                if i + AHEAD < n:
+                    kvx_prefetch(self._slot(self._base +
+                                            kvx_home(hs[i + AHEAD], self._nslots)))
+                k = keys[i]
+                pk = PyBytes_AS_STRING(k)
+                pn = PyBytes_GET_SIZE(k)
+                self._work = 0
+                if pn == 0 or pn > C_KEY_MAX:
+                    self._refuse(k, pk, pn)
+                    refused += 1
+                else:
+                    ext[0][0] = <uint32_t>st[i]
+                    ext[0][1] = <uint32_t>ct[i]
+                    if self._publish_c(pk, pn, hs[i], <uint64_t>sz[i], ext, 1, False, 0) < 0:
+                        refused += 1
+                if self._work > self.max_step:
+                    self.max_step = self._work
+        finally:
+            c_free(hs)
+        return refused
+
     cdef int64_t _publish(self, key, uint64_t size, extents, checksum) except -2:
         cdef long long a, b
         cdef const char* k
         cdef Py_ssize_t n
-        cdef uint64_t h
-        cdef int64_t i, free_at
-        cdef Slot* s
         cdef Py_ssize_t j, ne
         cdef uint32_t ext[C_MAX_EXT][2]
         cdef uint64_t csum = 0
-        cdef char* tail
-        cdef char* rec
-        cdef bint wide, was_wide, fresh
-        cdef int64_t w = -1
-        cdef uint32_t w32
         self._check()
         if not _key_ptr(key, &k, &n):
             raise TypeError("key must be bytes or str")
@@ -986,7 +1039,22 @@ cdef class IndexWriter:
                 raise ValueError(f"bad extent {extents[j]!r}")
             ext[j][0] = <uint32_t>a
             ext[j][1] = <uint32_t>b
-        h = kvx_hash(k, n)
+        return self._publish_c(k, n, kvx_hash(k, n), size, ext, ne, checksum is not None,
+                               csum)
+
+    cdef int64_t _publish_c(self, const char* k, Py_ssize_t n, uint64_t h, uint64_t size,
+                            uint32_t (*ext)[2], Py_ssize_t ne, bint has_sum, uint64_t csum
+                            ) except -2:
+        # _publish once its arguments are C values: the key's bytes k[:n] (1 .. KEY_MAX)
+        # and hash, 1 .. MAX_EXTENTS runs in range
+        cdef int64_t i, free_at
+        cdef Slot* s
+        cdef Py_ssize_t j
+        cdef char* tail
+        cdef char* rec
+        cdef bint wide, was_wide, fresh
+        cdef int64_t w = -1
+        cdef uint32_t w32
         if self._phase != P_IDLE:
             self._step()
         i = self._find(k, n, h, &free_at)
@@ -1020,11 +1088,11 @@ cdef class IndexWriter:
         fresh = s.state != S_LIVE
         was_wide = not fresh and (s.flags & SF_WIDE) != 0
         # a wide record for what a slot cannot hold (once wide, an entry stays wide)
-        wide = was_wide or n + 8 * ne + (0 if checksum is None else 8) > C_DATA
+        wide = was_wide or n + 8 * ne + (8 if has_sum else 0) > C_DATA
         if wide and not was_wide:
             w = self._wide_alloc()
             if w < 0:                  # none left: as a key too long for the table
-                self._refuse(key, k, n)
+                self._refuse(None, k, n)
                 return -1
         self._begin_write(s)
         if fresh:
@@ -1049,7 +1117,7 @@ cdef class IndexWriter:
         s.size = size
         tail = rec + n
         s.flags = SF_WIDE if wide else 0
-        if checksum is not None:
+        if has_sum:
             s.flags |= SF_SUM
             memcpy(tail, &csum, 8)
             tail += 8

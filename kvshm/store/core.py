@@ -2,7 +2,14 @@
 EXISTS, MATCH_PREFIX, DELETE, PURGE). The rest of its methods come from the parts it is
 made of: :mod:`~kvshm.store.sessions` (sessions, grants, leases),
 :mod:`~kvshm.store.space` (allocation, eviction, compaction), :mod:`~kvshm.store.tiered`
-(a tier below), :mod:`~kvshm.store.accounting` (budgets, stats)."""
+(a tier below), :mod:`~kvshm.store.accounting` (budgets, stats).
+
+A PUT of packed values (TCP) with no tier and no checksums, whose values all fit in free
+runs without evicting, is done in one C pass (:func:`kvshm._index.put_packed`: no list,
+tuple or int object per key); anything else, and every such PUT with the environment
+variable ``KVSHM_FAST_PUT=0`` (read at import, for A/B figures), goes the general way,
+with the same results.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +31,9 @@ from kvshm.store.space import _Space
 from kvshm.store.tiered import ReadHold, _Promotion, _Tiered
 
 __all__ = ["Store"]
+
+#: Batch PUTs of packed values in one C pass (module docstring); ``KVSHM_FAST_PUT=0``: off.
+FAST_PUT = os.environ.get("KVSHM_FAST_PUT", "1") != "0"
 
 
 class Store(_Sessions, _Space, _Tiered, _Accounting, _Reserving):
@@ -185,6 +195,10 @@ class Store(_Sessions, _Space, _Tiered, _Accounting, _Reserving):
         """
         packed = type(values) is PackedValues
         sizes = values.sizes() if packed else _index.value_sizes(values)
+        if packed and sums is None and FAST_PUT and self.tier is None:
+            st = _index.put_packed(self, keys, values, sizes, Outcome.OK)
+            if st is not None:
+                return st
         r = self._new_entries(keys, sizes, sums, None, defer, drop)
         if r is None:
             return None
