@@ -1,0 +1,371 @@
+"""A batch PUT of packed values in one C pass (:func:`kvshm._index.put_packed`, the
+shared table's :meth:`IndexWriter.publish_runs`, :meth:`BitmapAllocator.alloc_runs` /
+:meth:`free_runs`) against the general path (``KVSHM_FAST_PUT=0``): the same batches give
+the same replies, counters, accounting, blocks, LRU order, eviction victims, values and
+shared-table bytes; what the C pass does not take (evictions, fragmented free space,
+hostile keys and sizes, checksums) it declines before anything changes."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+
+from kvshm import Pool, _index
+from kvshm._bitmap import BitmapAllocator
+from kvshm._pool import PackedValues
+from kvshm._shmindex import IndexWriter, default_slots
+from kvshm.index import DEAD
+from kvshm.limits import Limits
+from kvshm.store import Store, StoreConfig
+from kvshm.store import core as store_core
+from kvshm.store.outcome import Outcome
+from kvshm.zmq_ctrl import router as router_mod
+from kvshm.zmq_ctrl.protocol import PROTOCOL_VERSION, Op, decode_reply
+
+BS = 4096
+BLOCKS = 256
+
+
+def _packed(values: list[bytes], per_frame: int) -> PackedValues:
+    frames, counts = [], []
+    for a in range(0, len(values), per_frame):
+        frames.append(b"".join(values[a:a + per_frame]))
+        counts.append(len(values[a:a + per_frame]))
+    pv = PackedValues.of(frames, counts, [len(v) for v in values])
+    assert pv is not None
+    return pv
+
+
+class Twin:
+    """A store with a shared table; ``fast`` says which path its PUTs take."""
+
+    def __init__(self, name: str, fast: bool, limits: Limits | None = None) -> None:
+        self.fast = fast
+        self.name = name
+        self.pool = Pool.create(name, BLOCKS * BS, BS)
+        self.writer = IndexWriter.create(name + "-index", name + "-reads",
+                                         default_slots(BLOCKS), epoch=3, block_size=BS,
+                                         num_blocks=BLOCKS, token=b"t" * 16)
+        self.store = Store(self.pool, StoreConfig(limits=limits or Limits(
+            max_key_bytes=200, max_batch=100_000)))
+        self.store.index.attach_shared(self.writer)
+
+    def put(self, keys: list[Any], values: list[bytes], per_frame: int = 7) -> Any:
+        store_core.FAST_PUT = self.fast
+        try:
+            return self.store.put(keys, _packed(values, per_frame))
+        finally:
+            store_core.FAST_PUT = True
+
+    def state(self) -> dict[str, Any]:
+        s = self.store
+        entries = [(e.key, e.extents, e.size, e.state, e.pins, e.checksum)
+                   for e in s.index.lru()]
+        values = {e.key: b"".join(s.pool.read_bytes(o, k) for o, k in e.byte_extents(BS))
+                  for e in s.index.lru()}
+        with open("/dev/shm/" + self.name + "-index", "rb") as f:
+            table = f.read()[4096:]             # the slots and wide records
+        ws = self.writer.stats()
+        return {"counters": dict(s.counters), "progress": s.progress, "pins": s._pins,
+                "pinned": s._pinned_entries, "dead": sorted(e.key for e in s._dead),
+                "pending": s._pending, "free": bytes(s.alloc.free_map()),
+                "entries": entries, "values": values, "table": table,
+                "writer": {k: ws[k] for k in ("live", "tombstones", "slots",
+                                               "unpublished", "rebuilds", "phase")}}
+
+    def close(self) -> None:
+        self.store.index.detach_shared()
+        self.writer.unlink()
+        self.pool.close()
+        self.pool.unlink()
+
+
+@pytest.fixture
+def twins(shm_name):
+    made: list[Twin] = []
+
+    def make(limits: Limits | None = None) -> tuple[Twin, Twin]:
+        a = Twin(shm_name + f"-f{len(made)}", True, limits)
+        made.append(a)
+        b = Twin(shm_name + f"-p{len(made)}", False, limits)
+        made.append(b)
+        return a, b
+
+    yield make
+    for t in made:
+        t.close()
+
+
+@pytest.fixture
+def taken(monkeypatch):
+    """How many PUTs the C pass answered (not declined)."""
+    box = {"n": 0, "declined": 0}
+    real = _index.put_packed
+
+    def counting(*a: Any) -> Any:
+        r = real(*a)
+        box["n" if r is not None else "declined"] += 1
+        return r
+
+    monkeypatch.setattr(_index, "put_packed", counting)
+    return box
+
+
+def _both(fast: Twin, slow: Twin, op: str, *args: Any) -> None:
+    if op == "put":
+        ra = fast.put(*args)
+        rb = slow.put(*args)
+    else:
+        ra = getattr(fast.store, op)(*args)
+        rb = getattr(slow.store, op)(*args)
+    if op == "pin_for_send":
+        ra, rb = [e is not None for e in ra[0]], [e is not None for e in rb[0]]
+    assert ra == rb, op
+    assert fast.state() == slow.state(), op
+
+
+def test_random_batches_same_as_the_general_path(twins, taken):
+    fast, slow = twins()
+    rnd = random.Random(13)
+    for step in range(120):
+        r = rnd.random()
+        if r < 0.7:
+            n = rnd.choice([1, 2, 5, 40, 120])
+            keys = [b"k%03d" % rnd.randrange(150) for _ in range(n)]   # repeats
+            sizes = [rnd.choice([0, 1, 64, BS - 1, BS, BS + 1, 3 * BS])
+                     for _ in range(n)]
+            values = [bytes([(step + i) % 256]) * s for i, s in enumerate(sizes)]
+            _both(fast, slow, "put", keys, values, rnd.choice([1, 7, 1000]))
+        elif r < 0.8:
+            _both(fast, slow, "delete", [b"k%03d" % rnd.randrange(150) for _ in range(20)])
+        elif r < 0.9:
+            # pins on some keys: their overwrite keeps the old value until the unpin
+            keys = [b"k%03d" % rnd.randrange(150) for _ in range(5)]
+            ea, _ = fast.store.pin_for_send(keys)
+            eb, _ = slow.store.pin_for_send(keys)
+            assert [e is not None for e in ea] == [e is not None for e in eb]
+            assert fast.state() == slow.state()
+            fast.pinned = [e for e in ea if e is not None]      # type: ignore[attr-defined]
+            slow.pinned = [e for e in eb if e is not None]      # type: ignore[attr-defined]
+        else:
+            for t in (fast, slow):
+                t.store.unpin(getattr(t, "pinned", []))
+                t.pinned = []                                   # type: ignore[attr-defined]
+            assert fast.state() == slow.state()
+    assert taken["n"] > 20 and taken["declined"] > 5     # both ways were exercised
+
+
+def test_overwrite_keeps_a_pinned_old_value_readable(twins, taken):
+    fast, slow = twins()
+    keys = [b"a", b"b", b"c"]
+    _both(fast, slow, "put", keys, [b"1" * 10, b"2" * 10, b"3" * 10])
+    olds = []
+    for t in (fast, slow):
+        es, _ = t.store.pin_for_send([b"b"])
+        olds.append(es[0])
+    _both(fast, slow, "put", keys, [b"x", b"y", b"z"])
+    for t, e in zip((fast, slow), olds):
+        assert e.state == DEAD and t.store.view(e).tobytes() == b"2" * 10
+        assert t.store.index.get(b"b") is not e
+    assert fast.state() == slow.state()
+    for t, e in zip((fast, slow), olds):
+        t.store.unpin([e])
+    assert fast.state() == slow.state()
+    assert taken["n"] == 2
+
+
+def test_duplicate_keys_in_one_batch(twins, taken):
+    fast, slow = twins()
+    _both(fast, slow, "put", [b"d", b"e", b"d", b"d"], [b"1", b"2", b"3", b"4" * 5000])
+    assert fast.store.view(fast.store.index.get(b"d")).tobytes() == b"4" * 5000
+    assert taken["n"] == 1
+
+
+def test_a_full_pool_evicts_the_same_victims(twins, taken):
+    fast, slow = twins()
+    keys = [b"v%03d" % i for i in range(BLOCKS)]
+    # fill the pool (fast: fits), then a batch that needs evictions (declined: general)
+    _both(fast, slow, "put", keys[:200], [b"x" * 100] * 200)
+    _both(fast, slow, "pin_for_send", keys[:3])       # the oldest pinned: skipped
+    _both(fast, slow, "put", keys[200:], [b"y" * BS] * 56 + [b"z" * 2 * BS] * 0)
+    _both(fast, slow, "put", [b"w%d" % i for i in range(30)], [b"w" * 2 * BS] * 30)
+    assert fast.store.counters["evictions"] > 0
+    assert taken["n"] >= 2 and taken["declined"] >= 1
+
+
+def test_fragmented_free_space_declines_and_changes_nothing(twins, taken):
+    fast, slow = twins()
+    keys = [b"f%03d" % i for i in range(BLOCKS)]
+    _both(fast, slow, "put", keys, [b"f"] * BLOCKS)
+    _both(fast, slow, "delete", keys[::2])           # 128 free blocks, none adjacent
+    before = fast.state()
+    store_core.FAST_PUT = True
+    r = _index.put_packed(fast.store, [b"big"], _packed([b"b" * 3 * BS], 1),
+                          [3 * BS], Outcome.OK)
+    assert r is None and fast.state() == before      # declined: nothing changed
+    # the general path places it in several runs, and both stores agree
+    _both(fast, slow, "put", [b"s", b"big", b"t"], [b"s", b"b" * 3 * BS, b"t"])
+    assert fast.store.index.get(b"big").nruns > 1
+    # an overwrite of a value in several runs by the C pass frees all its runs
+    _both(fast, slow, "put", [b"big"], [b"c" * 10])
+    assert taken["n"] >= 1
+
+
+@pytest.mark.parametrize("keys", [
+    [b"a", 12, b"b"], [b"a", "str", b"b"], [b"a", None], [b""], [b"a", b"x" * 201],
+    [b"a", bytearray(b"b")],
+])
+def test_hostile_keys_same_statuses(twins, taken, keys):
+    fast, slow = twins()
+    _both(fast, slow, "put", [b"a", b"b"], [b"old-a", b"old-b"])
+    n0 = taken["n"]
+    _both(fast, slow, "put", keys, [b"v%d" % i for i in range(len(keys))])
+    assert taken["n"] == n0                           # declined before any change
+
+
+def test_too_large_and_limits_same_statuses(twins, taken):
+    fast, slow = twins(Limits(max_key_bytes=8, max_batch=100, max_value_bytes=2 * BS))
+    _both(fast, slow, "put", [b"a", b"b"], [b"1", b"2"])
+    _both(fast, slow, "put", [b"a", b"toolongkey"], [b"1", b"2"])
+    _both(fast, slow, "put", [b"a", b"b"], [b"1", b"2" * (2 * BS + 1)])
+    _both(fast, slow, "put", [b"a", b"b"], [b"3", b"4" * (2 * BS)])
+    assert taken["n"] == 2 and taken["declined"] == 2
+
+
+def test_alloc_runs_and_free_runs_as_their_one_run_twins():
+    import array
+
+    a, b = BitmapAllocator(100), BitmapAllocator(100)
+    counts = array.array("q", [3, 1, 40, 50, 20, 1])
+    out = array.array("q", [0] * len(counts))
+    assert a.alloc_runs(counts, out) == b.alloc_many(list(counts)).count(-1) == 1
+    assert list(out) == b.alloc_many([]) + [0, 3, 4, 44, -1, 94]
+    with pytest.raises(ValueError):
+        a.alloc_runs(array.array("q", [1, 0]), array.array("q", [0, 0]))
+    with pytest.raises(ValueError):
+        a.alloc_runs(counts, array.array("q", [0]))
+    st = array.array("q", [0, 4])
+    ct = array.array("q", [3, 40])
+    with pytest.raises(ValueError):                    # overlaps: nothing freed
+        a.free_runs(array.array("q", [0, 1]), array.array("q", [3, 1]))
+    with pytest.raises(ValueError):                    # not allocated: nothing freed
+        a.free_runs(array.array("q", [0, 95]), array.array("q", [3, 1]))
+    assert a.num_free == 100 - 95
+    a.free_runs(st, ct)
+    b.free(0, 3)
+    b.free(4, 40)
+    assert a.free_map() == b.free_map()
+
+
+def test_publish_runs_writes_what_publish_many_writes(shm_name):
+    ws = [IndexWriter.create(shm_name + f"-{i}", shm_name + f"-r{i}", 1 << 12, epoch=1,
+                             block_size=BS, num_blocks=1 << 12, token=b"t" * 16)
+          for i in range(2)]
+    import array
+    try:
+        rnd = random.Random(5)
+        for _ in range(4):
+            keys = [b"p%04d" % rnd.randrange(3000) for _ in range(2500)]
+            keys[3] = b"x" * 200                        # too long: not published
+            sizes = [rnd.randrange(10_000) for _ in keys]
+            starts = [rnd.randrange(1 << 20) for _ in keys]
+            counts = [rnd.randrange(1, 9) for _ in keys]
+            r0 = ws[0].publish_many(keys, sizes, [((s, c),) for s, c in zip(starts, counts)])
+            r1 = ws[1].publish_runs(keys, array.array("q", sizes), array.array("q", starts),
+                                    array.array("q", counts))
+            assert r0 == r1 == 1
+            ws[0].unpublish(keys[0])
+            ws[1].unpublish(keys[0])
+            tabs = []
+            for i in range(2):
+                with open(f"/dev/shm/{shm_name}-{i}", "rb") as f:
+                    tabs.append(f.read()[4096:])
+            assert tabs[0] == tabs[1]
+            assert ws[0].unpublished == ws[1].unpublished
+        with pytest.raises(TypeError):
+            ws[1].publish_runs([b"a", "b"], array.array("q", [1, 1]),
+                               array.array("q", [1, 1]), array.array("q", [1, 1]))
+        with pytest.raises(ValueError):
+            ws[1].publish_runs([b"a"], array.array("q", [1]), array.array("q", [1 << 33]),
+                               array.array("q", [1]))
+        with pytest.raises(ValueError):
+            ws[1].publish_runs([b"a"], array.array("q", [1, 2]), array.array("q", [1]),
+                               array.array("q", [1]))
+    finally:
+        for w in ws:
+            w.unlink()
+
+
+# ------------------------------------------------------------------ through the router
+
+
+def _loop_replies(name: str, fast: bool, script: list[tuple[dict[str, Any], list[bytes]]]
+                  ) -> tuple[list[Any], dict[str, Any]]:
+    ctx = zmq.Context()
+    pool = Pool.create(name, 512 * BS, BS)
+    store = Store(pool, StoreConfig(limits=Limits(max_batch=100_000, max_key_bytes=64)))
+    loop = router_mod.ServiceLoop(store, ["tcp://127.0.0.1:0"],
+                                  {"version": PROTOCOL_VERSION}, 7, context=ctx,
+                                  slice_keys=64)
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(loop.endpoints[0])
+    out = []
+    store_core.FAST_PUT = fast
+    try:
+        for rid, (body, frames) in enumerate(script, 1):
+            head = msgpack.packb([PROTOCOL_VERSION, int(Op.PUT), rid, 7, body],
+                                 use_bin_type=True)
+            sock.send_multipart([head, *frames])
+            for _ in range(4000):
+                loop.turn(5)
+                if sock.poll(0):
+                    break
+            else:
+                raise AssertionError("no reply")
+            parts = sock.recv_multipart()
+            out.append((decode_reply(parts[0]), parts[1:]))
+        stats = store.stats()
+        got = [store.view(e).tobytes() if e.nruns == 1 else None for e in store.index.lru()]
+        return out, {"stats": stats, "values": got, "counters": dict(store.counters)}
+    finally:
+        store_core.FAST_PUT = True
+        sock.close(0)
+        loop.close()
+        ctx.term()
+        pool.close()
+        pool.unlink()
+
+
+def test_hostile_frames_same_replies_through_the_router(shm_name, taken):
+    keys = [b"r%04d" % i for i in range(300)]        # > slice_keys: served in slices
+    vals = [bytes([i % 256]) * (i % 70) for i in range(300)]
+    script: list[tuple[dict[str, Any], list[bytes]]] = [
+        ({"keys": keys, "sizes": [len(v) for v in vals], "counts": [300]},
+         [b"".join(vals)]),
+        ({"keys": keys[:3], "sizes": [1, 2, 3], "counts": [3]}, [b"abcdef"]),
+        ({"keys": [b"a", 12, b"b"], "sizes": [1, 1, 1], "counts": [3]}, [b"xyz"]),
+        ({"keys": [b"a", b""], "sizes": [1, 1], "counts": [2]}, [b"xy"]),
+        ({"keys": [b"a", b"k" * 65], "sizes": [1, 1], "counts": [2]}, [b"xy"]),
+        ({"keys": [b"a", b"b"], "sizes": [1, 5], "counts": [2]}, [b"xy"]),
+        ({"keys": [b"a", b"b"], "sizes": [1, -1], "counts": [2]}, [b"x"]),
+        ({"keys": [b"a", b"b"], "sizes": [1, "1"], "counts": [2]}, [b"xy"]),
+        ({"keys": [b"a", b"b"], "sizes": [1, 1], "counts": [1, 1]}, [b"x", b"y"]),
+        ({"keys": [b"a", b"b"], "sizes": [1, 1], "counts": [3]}, [b"xy"]),
+        ({"keys": [b"a", b"b"], "sizes": [1, 1], "counts": [2], "sums": [1]}, [b"xy"]),
+        ({"keys": [b"a", b"b"], "sizes": [1, 1], "counts": [2], "sums": [1, 2]}, [b"xy"]),
+        ({"keys": [b"a", b"b"], "sizes": [1], "counts": [2]}, [b"xy"]),
+        ({"keys": keys[::-1], "sizes": [len(v) for v in vals][::-1], "counts": [150, 150]},
+         [b"".join(vals[::-1][:150]), b"".join(vals[::-1][150:])]),
+        ({"keys": [b"big"] + keys[:2], "sizes": [600 * BS, 1, 1], "counts": [3]},
+         [b"b" * (600 * BS) + b"xy"]),
+    ]
+    fast = _loop_replies(shm_name + "-a", True, script)
+    n = taken["n"]
+    slow = _loop_replies(shm_name + "-b", False, script)
+    assert fast == slow
+    assert n >= 8 and taken["n"] == n              # the C pass served the plain ones
