@@ -23,3 +23,8 @@ def fill(frames: Sequence[Any], counts: Sequence[Any], sizes: list[Any],
          outs: list[memoryview] | None) -> list[Any] | None: ...
 def fill_outs(frames: Sequence[Any], counts: Sequence[Any], sizes: list[Any],
               outs: Sequence[Any]) -> bool: ...
+def pack_request(version: int, op: int, req_id: int, epoch: int, body: Any) -> bytes | None:
+    """msgpack.packb([version, op, req_id, epoch, body], use_bin_type=True) byte for byte
+    for a plain body (str keys; None, bool, int, bytes, str or lists of them), else None."""
+def scan_plain(buf: Any, pos: int, k: int) -> int:
+    """End offset of k plain msgpack items (bin, int, nil, bool) from pos, or -1."""

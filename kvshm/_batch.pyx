@@ -10,7 +10,10 @@ calls that Python code itself. Results are those of the Python code they replace
 * :func:`keys` -- ``_Session.keys``'s normalisation (str -> UTF-8, checks lengths);
 * :func:`value_views` -- ``_Session._values``'s byte views and size checks;
 * :func:`plan`, :func:`pack`, :func:`unpack` -- :mod:`kvshm.zmq_ctrl.frames`';
-* :func:`fill` -- the per-key part of ``_Session.got`` (a GET reply's values).
+* :func:`fill` -- the per-key part of ``_Session.got`` (a GET reply's values);
+* :func:`pack_request` -- ``msgpack.packb`` of a batch PUT's or ALLOC's header frame,
+  byte for byte (:func:`kvshm.zmq_ctrl.protocol.encode_request` uses it; the environment
+  variable ``KVSHM_FAST_PACK=0``, read at import, turns that off for A/B figures).
 """
 
 from cpython.buffer cimport PyBuffer_IsContiguous
@@ -450,7 +453,8 @@ def pack_values(list bkeys, values, Py_ssize_t capacity, Py_ssize_t max_value, b
     return sizes, frames, counts
 
 
-from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_WRITABLE, PyBUF_C_CONTIGUOUS
+from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_WRITABLE,
+                             PyBUF_C_CONTIGUOUS, PyBUF_SIMPLE)
 
 
 cdef int _try_buffer(object o, Py_buffer *pb):
@@ -514,3 +518,330 @@ def fill_outs(frames, counts, list sizes, outs):
         src += n
         c -= 1
     return True
+
+
+# ---------------------------------------------------------------- request headers in C
+
+cdef extern from "Python.h":
+    const char* PyUnicode_AsUTF8AndSize(object s, Py_ssize_t* size) except NULL
+    const char* PyUnicode_AsUTF8AndSize_nx "PyUnicode_AsUTF8AndSize"(object s,
+                                                                     Py_ssize_t* size)
+    long long PyLong_AsLongLongAndOverflow(object v, int* overflow)
+
+from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int64_t
+
+
+cdef struct _Out:
+    char* p
+    Py_ssize_t n
+    Py_ssize_t cap
+
+
+cdef inline void _be16(char* d, uint16_t v) noexcept:
+    d[0] = <char>(v >> 8)
+    d[1] = <char>v
+
+
+cdef inline void _be32(char* d, uint32_t v) noexcept:
+    d[0] = <char>(v >> 24)
+    d[1] = <char>(v >> 16)
+    d[2] = <char>(v >> 8)
+    d[3] = <char>v
+
+
+cdef inline void _be64(char* d, uint64_t v) noexcept:
+    _be32(d, <uint32_t>(v >> 32))
+    _be32(d + 4, <uint32_t>v)
+
+
+cdef inline Py_ssize_t _int_len(long long v) noexcept:
+    if 0 <= v < 128 or -32 <= v < 0:
+        return 1
+    if 0 <= v < 256 or -128 <= v < 0:
+        return 2
+    if 0 <= v < 65536 or -32768 <= v < 0:
+        return 3
+    if 0 <= v <= 0xFFFFFFFF or -2147483648 <= v < 0:
+        return 5
+    return 9
+
+
+cdef inline Py_ssize_t _put_int(char* d, long long v) noexcept:
+    # msgpack's smallest form of v, as msgpack-python's Packer writes it
+    if v >= 0:
+        if v < 128:
+            d[0] = <char>v
+            return 1
+        if v < 256:
+            d[0] = <char>0xcc
+            d[1] = <char>v
+            return 2
+        if v < 65536:
+            d[0] = <char>0xcd
+            _be16(d + 1, <uint16_t>v)
+            return 3
+        if v <= 0xFFFFFFFF:
+            d[0] = <char>0xce
+            _be32(d + 1, <uint32_t>v)
+            return 5
+        d[0] = <char>0xcf
+        _be64(d + 1, <uint64_t>v)
+        return 9
+    if v >= -32:
+        d[0] = <char>(v & 0xff)
+        return 1
+    if v >= -128:
+        d[0] = <char>0xd0
+        d[1] = <char>(v & 0xff)
+        return 2
+    if v >= -32768:
+        d[0] = <char>0xd1
+        _be16(d + 1, <uint16_t>(v & 0xffff))
+        return 3
+    if v >= -2147483648:
+        d[0] = <char>0xd2
+        _be32(d + 1, <uint32_t>(v & 0xffffffff))
+        return 5
+    d[0] = <char>0xd3
+    _be64(d + 1, <uint64_t>v)
+    return 9
+
+
+cdef inline Py_ssize_t _head_len(Py_ssize_t n, int small, int fix) noexcept:
+    # an array, map, str or bin header of n items/bytes (fix: items in the fix form)
+    if n < fix:
+        return 1
+    if n < small:
+        return 2
+    if n < 65536:
+        return 3
+    return 5
+
+
+cdef Py_ssize_t _put_head(char* d, Py_ssize_t n, int kind) noexcept:
+    # kind 0: array, 1: map, 2: str, 3: bin
+    if kind == 0:
+        if n < 16:
+            d[0] = <char>(0x90 | n)
+            return 1
+        if n < 65536:
+            d[0] = <char>0xdc
+            _be16(d + 1, <uint16_t>n)
+            return 3
+        d[0] = <char>0xdd
+        _be32(d + 1, <uint32_t>n)
+        return 5
+    if kind == 1:
+        if n < 16:
+            d[0] = <char>(0x80 | n)
+            return 1
+        if n < 65536:
+            d[0] = <char>0xde
+            _be16(d + 1, <uint16_t>n)
+            return 3
+        d[0] = <char>0xdf
+        _be32(d + 1, <uint32_t>n)
+        return 5
+    if kind == 2:
+        if n < 32:
+            d[0] = <char>(0xa0 | n)
+            return 1
+        if n < 256:
+            d[0] = <char>0xd9
+            d[1] = <char>n
+            return 2
+        if n < 65536:
+            d[0] = <char>0xda
+            _be16(d + 1, <uint16_t>n)
+            return 3
+        d[0] = <char>0xdb
+        _be32(d + 1, <uint32_t>n)
+        return 5
+    if n < 256:
+        d[0] = <char>0xc4
+        d[1] = <char>n
+        return 2
+    if n < 65536:
+        d[0] = <char>0xc5
+        _be16(d + 1, <uint16_t>n)
+        return 3
+    d[0] = <char>0xc6
+    _be32(d + 1, <uint32_t>n)
+    return 5
+
+
+cdef Py_ssize_t _scalar_len(object v) except -2:
+    # bytes of v packed, or -1 when this packer does not take it
+    cdef Py_ssize_t n
+    cdef long long x
+    cdef int ovf = 0
+    if v is None or v is True or v is False:
+        return 1
+    if type(v) is bytes:
+        n = PyBytes_GET_SIZE(v)
+        if n > 0xFFFFFFFF:
+            return -1
+        return _head_len(n, 256, 0) + n
+    if type(v) is int:
+        x = PyLong_AsLongLongAndOverflow(v, &ovf)
+        if ovf:
+            return -1           # past 64 bits (or uint64 past int64): msgpack's job
+        return _int_len(x)
+    if type(v) is str:
+        try:
+            PyUnicode_AsUTF8AndSize(v, &n)
+        except UnicodeError:
+            return -1           # (a lone surrogate) msgpack raises its own error
+        if n > 0xFFFFFFFF:
+            return -1
+        return _head_len(n, 256, 32) + n
+    return -1
+
+
+cdef Py_ssize_t _put_scalar(char* d, object v) noexcept:
+    # (v as _scalar_len took it)
+    cdef Py_ssize_t n, h
+    cdef int ovf = 0
+    cdef const char* s
+    if v is None:
+        d[0] = <char>0xc0
+        return 1
+    if v is True:
+        d[0] = <char>0xc3
+        return 1
+    if v is False:
+        d[0] = <char>0xc2
+        return 1
+    if type(v) is bytes:
+        n = PyBytes_GET_SIZE(v)
+        h = _put_head(d, n, 3)
+        memcpy(d + h, PyBytes_AS_STRING(v), n)
+        return h + n
+    if type(v) is int:
+        return _put_int(d, PyLong_AsLongLongAndOverflow(v, &ovf))
+    s = PyUnicode_AsUTF8AndSize_nx(v, &n)      # (cached by _scalar_len)
+    h = _put_head(d, n, 2)
+    memcpy(d + h, s, n)
+    return h + n
+
+
+def pack_request(long long version, long long op, long long req_id, long long epoch,
+                 body):
+    """The header frame of a request, ``msgpack.packb([version, op, req_id, epoch, body],
+    use_bin_type=True)`` byte for byte, in two C passes (sizes, then bytes), or None
+    when ``body`` is not of the plain shape this packer takes (then the caller packs it
+    with msgpack): a dict of str keys whose values are None, bool, int (64-bit), bytes,
+    str, or lists of those; nothing else (no tuple, float, nested dict or list, no int
+    or bytes subclass). Used for batch PUT and ALLOC (:mod:`kvshm.zmq_ctrl.protocol`;
+    ``KVSHM_FAST_PACK=0`` turns it off)."""
+    cdef Py_ssize_t total, m, i, n, k
+    cdef list lst
+    cdef object key, v, out
+    cdef char* d
+    if type(body) is not dict:
+        return None
+    total = 1 + _int_len(version) + _int_len(op) + _int_len(req_id) + _int_len(epoch)
+    total += _head_len(len(body), 16, 16)
+    for key, v in (<dict>body).items():
+        if type(key) is not str:
+            return None
+        m = _scalar_len(key)
+        if m < 0:
+            return None
+        total += m
+        if type(v) is list:
+            lst = <list>v
+            n = len(lst)
+            if n > 0xFFFFFFFF:
+                return None
+            total += _head_len(n, 16, 16)
+            for i in range(n):
+                m = _scalar_len(lst[i])
+                if m < 0:
+                    return None
+                total += m
+        else:
+            m = _scalar_len(v)
+            if m < 0:
+                return None
+            total += m
+    out = PyBytes_FromStringAndSize(NULL, total)
+    d = PyBytes_AS_STRING(out)
+    k = 0
+    d[0] = <char>0x95
+    k = 1
+    k += _put_int(d + k, version)
+    k += _put_int(d + k, op)
+    k += _put_int(d + k, req_id)
+    k += _put_int(d + k, epoch)
+    k += _put_head(d + k, len(body), 1)
+    for key, v in (<dict>body).items():
+        k += _put_scalar(d + k, key)
+        if type(v) is list:
+            lst = <list>v
+            n = len(lst)
+            k += _put_head(d + k, n, 0)
+            for i in range(n):
+                k += _put_scalar(d + k, lst[i])
+        else:
+            k += _put_scalar(d + k, v)
+    if k != total:              # the body changed between the passes (another thread)
+        return None
+    return out
+
+
+def scan_plain(buf, Py_ssize_t pos, Py_ssize_t k):
+    """Where the ``k`` msgpack items from byte ``pos`` of ``buf`` end, when every one is a
+    bin (8/16/32), an int, nil or a bool and lies inside ``buf``; -1 otherwise (anything
+    else, or a truncated item: the caller decodes item by item and raises as always).
+    Lets a request's long arrays of keys and sizes be decoded in one ``msgpack.unpackb``
+    (:class:`kvshm.zmq_ctrl.protocol.RequestDecoder`)."""
+    cdef Py_buffer b
+    cdef const unsigned char* p
+    cdef Py_ssize_t n, i, end = -1
+    cdef unsigned char c
+    cdef uint64_t ln
+    PyObject_GetBuffer(buf, &b, PyBUF_SIMPLE)
+    try:
+        p = <const unsigned char*>b.buf
+        n = b.len
+        if pos < 0 or pos > n or k < 0:
+            return -1
+        for i in range(k):
+            if pos >= n:
+                return -1
+            c = p[pos]
+            if c < 0x80 or c >= 0xe0 or c == 0xc0 or c == 0xc2 or c == 0xc3:
+                pos += 1
+            elif c == 0xcc or c == 0xd0:
+                pos += 2
+            elif c == 0xcd or c == 0xd1:
+                pos += 3
+            elif c == 0xce or c == 0xd2:
+                pos += 5
+            elif c == 0xcf or c == 0xd3:
+                pos += 9
+            elif c == 0xc4:
+                if n - pos < 2:
+                    return -1
+                pos += 2 + p[pos + 1]
+            elif c == 0xc5:
+                if n - pos < 3:
+                    return -1
+                pos += 3 + ((<Py_ssize_t>p[pos + 1] << 8) | p[pos + 2])
+            elif c == 0xc6:
+                if n - pos < 5:
+                    return -1
+                ln = ((<uint64_t>p[pos + 1] << 24) | (<uint64_t>p[pos + 2] << 16) |
+                      (<uint64_t>p[pos + 3] << 8) | p[pos + 4])
+                if ln > <uint64_t>(n - pos - 5):
+                    return -1
+                pos += 5 + <Py_ssize_t>ln
+            else:
+                return -1
+            if pos > n:
+                return -1
+        end = pos
+    finally:
+        PyBuffer_Release(&b)
+    return end

@@ -369,3 +369,125 @@ def test_hostile_frames_same_replies_through_the_router(shm_name, taken):
     slow = _loop_replies(shm_name + "-b", False, script)
     assert fast == slow
     assert n >= 8 and taken["n"] == n              # the C pass served the plain ones
+
+
+# ------------------------------------------------------------------ the client's header
+
+
+_EDGE_INTS = [0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**63 - 1, 2**63,
+              2**64 - 1, -1, -32, -33, -128, -129, -32768, -32769, -2**31, -2**31 - 1,
+              -2**63]
+
+
+def _scalar(rnd: random.Random) -> Any:
+    r = rnd.random()
+    if r < 0.3:
+        return rnd.choice(_EDGE_INTS)
+    if r < 0.5:
+        return bytes(rnd.randrange(256) for _ in range(rnd.choice([0, 1, 31, 32, 255])))
+    if r < 0.55:
+        return rnd.choice([b"x" * 256, b"y" * 65535, b"z" * 65536])
+    if r < 0.7:
+        return "".join(rnd.choice("ab\u00e9\u4e2d") for _ in range(rnd.choice([0, 5, 31, 32, 300])))
+    if r < 0.8:
+        return rnd.choice([None, True, False])
+    return rnd.randrange(-10**6, 10**6)
+
+
+def test_pack_request_is_msgpack_byte_for_byte():
+    from kvshm import _batch
+
+    rnd = random.Random(21)
+    for _ in range(300):
+        body: dict[Any, Any] = {}
+        for j in range(rnd.choice([0, 1, 3, 15, 16, 17])):
+            body[f"f{j}"] = ([_scalar(rnd) for _ in range(rnd.choice([0, 1, 15, 16, 70]))]
+                             if rnd.random() < 0.5 else _scalar(rnd))
+        head = (1, rnd.choice([1, 200, 70000]), rnd.choice(_EDGE_INTS[:10]), 2**40)
+        want = msgpack.packb([*head, body], use_bin_type=True)
+        got = _batch.pack_request(*head, body)
+        assert got is None or got == want
+        if all(not (type(v) is int and v >= 2**63) and
+               not (type(v) is list and any(type(x) is int and x >= 2**63 for x in v))
+               for v in body.values()):
+            assert got == want
+    big = {"keys": [b"k%06d" % i for i in range(70000)], "sizes": [64] * 70000,
+           "counts": [70000]}
+    assert _batch.pack_request(1, 4, 9, 3, big) == msgpack.packb([1, 4, 9, 3, big],
+                                                                  use_bin_type=True)
+
+
+@pytest.mark.parametrize("body", [
+    {1: b"a"}, {"a": 1.5}, {"a": (1, 2)}, {"a": [[1]]}, {"a": {"b": 1}}, {"a": [1.0]},
+    {"a": bytearray(b"x")}, {"a": [memoryview(b"x")]}, {"a": "\ud800"}, {"a": [2**64]},
+    [b"a"], {"a": Op.PUT},
+])
+def test_pack_request_declines_what_msgpack_must_pack(body):
+    from kvshm import _batch
+    from kvshm.zmq_ctrl.protocol import encode_request
+
+    assert _batch.pack_request(1, 4, 9, 3, body) is None
+    try:
+        want = msgpack.packb([PROTOCOL_VERSION, int(Op.PUT), 9, 3, body], use_bin_type=True)
+    except Exception as exc:                             # the same error either way
+        with pytest.raises(type(exc)):
+            encode_request(Op.PUT, 9, 3, body)
+    else:
+        assert encode_request(Op.PUT, 9, 3, body) == want
+
+
+# ------------------------------------------------------------------ the server's decode
+
+
+def _decode_all(head: bytes, budget: int, fast: bool, monkeypatch) -> Any:
+    from kvshm import _batch
+    from kvshm.zmq_ctrl import protocol
+
+    monkeypatch.setattr(protocol, "_scan_plain", _batch.scan_plain if fast else None)
+    try:
+        d = protocol.RequestDecoder(head)
+        for _ in range(100_000):
+            r = d.step(budget)
+            if r is not None:
+                return ("ok", r)
+        raise AssertionError("never done")
+    except protocol.DecodeError as exc:
+        return ("error", str(exc))
+
+
+def test_decode_of_plain_runs_same_as_item_by_item(monkeypatch):
+    rnd = random.Random(8)
+    items = [lambda: b"k" * rnd.choice([0, 1, 255, 256, 70000]), lambda: rnd.choice(_EDGE_INTS),
+             lambda: None, lambda: True, lambda: "s\u00e9", lambda: 1.5, lambda: [1, b"x"],
+             lambda: {"a": 1}]
+    for case in range(150):
+        n = rnd.choice([0, 15, 16, 17, 100, 3000])
+        plain = rnd.random() < 0.5
+        arr = [rnd.choice(items[:4] if plain else items)() for _ in range(n)]
+        body = {"keys": arr, "sizes": list(range(n)), "x": 3}
+        head = msgpack.packb([PROTOCOL_VERSION, 4, 1, 7, body], use_bin_type=True)
+        cut = rnd.random()
+        if cut < 0.3:
+            head = head[:rnd.randrange(len(head))]          # truncated somewhere
+        elif cut < 0.4:
+            head = head + b"\x01"                           # extra data
+        elif cut < 0.5 and len(head) > 40:
+            i = rnd.randrange(20, len(head))                # a byte changed
+            head = head[:i] + bytes([rnd.randrange(256)]) + head[i + 1:]
+        budget = rnd.choice([16, 17, 64, 4096])
+        assert _decode_all(head, budget, True, monkeypatch) == \
+            _decode_all(head, budget, False, monkeypatch), case
+
+
+def test_scan_plain_bounds():
+    from kvshm import _batch
+
+    b = msgpack.packb([b"ab", 300, None, True, -5, b"x" * 300], use_bin_type=True)
+    assert _batch.scan_plain(b, 1, 6) == len(b)
+    assert _batch.scan_plain(b, 1, 7) == -1                  # past the end
+    assert _batch.scan_plain(b[:-1], 1, 6) == -1             # truncated bin
+    assert _batch.scan_plain(b, 1, 0) == 1
+    assert _batch.scan_plain(b, -1, 1) == -1
+    assert _batch.scan_plain(b, len(b) + 1, 1) == -1
+    assert _batch.scan_plain(msgpack.packb(["s"]), 1, 1) == -1   # a str: item by item
+    assert _batch.scan_plain(b"\xc6\xff\xff\xff\xff", 0, 1) == -1

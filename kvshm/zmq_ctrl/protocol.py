@@ -139,9 +139,33 @@ class DecodeError(ValueError):
 
 _packb = msgpack.Packer(use_bin_type=True, autoreset=True).pack
 
+#: A batch PUT's or ALLOC's header packed in C, the bytes msgpack makes
+#: (:func:`kvshm._batch.pack_request`); the environment variable ``KVSHM_FAST_PACK=0``
+#: (read at import) packs every header with msgpack, for A/B figures.
+_pack_request: Any = None
+if os.environ.get("KVSHM_FAST_PACK", "1") != "0":
+    try:
+        from kvshm._batch import pack_request as _pack_request
+    except ImportError:         # the extension not built: msgpack packs them all
+        _pack_request = None
+#: Runs of plain items of a long request's arrays found in C
+#: (:func:`kvshm._batch.scan_plain`) and decoded by one ``unpackb``; the environment
+#: variable ``KVSHM_FAST_DECODE=0`` (read at import) decodes item by item, for A/B figures.
+_scan_plain: Any = None
+if os.environ.get("KVSHM_FAST_DECODE", "1") != "0":
+    try:
+        from kvshm._batch import scan_plain as _scan_plain
+    except ImportError:
+        _scan_plain = None
+
 
 def encode_request(op: int, req_id: int, epoch: int, body: dict[str, Any]) -> bytes:
-    """Header frame of a request."""
+    """Header frame of a request (a batch PUT's or ALLOC's packed in C, the same bytes:
+    :func:`kvshm._batch.pack_request`; a keys-only batch's by ``_batchq``)."""
+    if (op == Op.PUT or op == Op.ALLOC) and _pack_request is not None:
+        h = _pack_request(PROTOCOL_VERSION, int(op), req_id, epoch, body)
+        if h is not None:
+            return h  # type: ignore[no-any-return]
     if _batchq is not None and len(body) == 1:
         keys = body.get("keys")
         if type(keys) is list and len(keys) >= _C_KEYS:
@@ -205,7 +229,7 @@ class RequestDecoder:
     ``(version, op, req_id, epoch, body)`` once done, None before.
     """
 
-    __slots__ = ("_u", "_size", "_gen")
+    __slots__ = ("_u", "_size", "_gen", "_frame")
 
     def __init__(self, frame: Any) -> None:
         size = memoryview(frame).nbytes
@@ -214,6 +238,7 @@ class RequestDecoder:
         u.feed(frame)
         self._u = u
         self._size = size
+        self._frame = frame
         self._gen = self._walk()
         next(self._gen)             # to its first yield: step() sends the budgets
 
@@ -272,6 +297,18 @@ class RequestDecoder:
                         budget = yield None
                         left = budget
                     k2 = min(m, left)
+                    if k2 >= 16 and _scan_plain is not None:
+                        # a run of plain items (bins, ints: a batch's keys and sizes)
+                        # decoded by one unpackb, the same objects as item by item
+                        pos = u.tell()
+                        end = _scan_plain(self._frame, pos, k2)
+                        if end >= 0:
+                            lst.extend(msgpack.unpackb(
+                                (b"\xdd" + k2.to_bytes(4, "big")) + u.read_bytes(end - pos),
+                                raw=False, use_list=True, strict_map_key=True))
+                            m -= k2
+                            left -= k2
+                            continue
                     for _ in range(k2):
                         app(unpack())
                     m -= k2
