@@ -166,7 +166,7 @@ def encode_request(op: int, req_id: int, epoch: int, body: dict[str, Any]) -> by
         h = _pack_request(PROTOCOL_VERSION, int(op), req_id, epoch, body)
         if h is not None:
             return h  # type: ignore[no-any-return]
-    if _batchq is not None and len(body) == 1:
+    if _batchq is not None and type(body) is dict and len(body) == 1:
         keys = body.get("keys")
         if type(keys) is list and len(keys) >= _C_KEYS:
             h = _batchq.pack_keys_request(PROTOCOL_VERSION, op, req_id, epoch, keys)
