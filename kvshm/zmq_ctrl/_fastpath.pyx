@@ -38,6 +38,7 @@ from cpython.ref cimport PyObject
 from libc.stdint cimport uint8_t, uint64_t, int64_t
 from libc.string cimport memcpy, memcmp
 from cpython.exc cimport PyErr_CheckSignals
+from kvshm.zmq_ctrl._mpint cimport Reader, _int, _one, _pack_int, _be, U32_END, I32_MIN, U64_ALL
 
 cdef extern from "<time.h>" nogil:
     ctypedef long time_t
@@ -62,15 +63,6 @@ _POOL_FULL = Outcome.POOL_FULL
 
 __all__ = ["FastPath"]
 
-cdef extern from *:
-    """
-    #define KV_U32_END ((long long)4294967296LL)
-    #define KV_I32_MIN ((long long)-2147483648LL)
-    #define KV_U64_ALL ((unsigned long long)0xFFFFFFFFFFFFFFFFULL)
-    """
-    const long long U32_END "KV_U32_END"
-    const long long I32_MIN "KV_I32_MIN"
-    const unsigned long long U64_ALL "KV_U64_ALL"
 
 # ops and statuses (kvshm.zmq_ctrl.protocol.Op / Status; checked by FastPath.__init__)
 cdef enum:
@@ -94,97 +86,6 @@ cdef inline double _now() noexcept nogil:
     cdef timespec ts
     clock_gettime(CLOCK_MONOTONIC, &ts)
     return <double>ts.tv_sec + <double>ts.tv_nsec * 1e-9
-
-
-cdef struct Reader:
-    const uint8_t *p
-    const uint8_t *end
-
-
-cdef inline int _int(Reader *r, int64_t *out, bint *big) noexcept nogil:
-    """A msgpack int (any width) into ``out``; ``big``: a uint64 above int64's range
-    (``out`` holds its bits). 0, or -1 when the next item is no int or is cut short."""
-    cdef uint8_t b
-    cdef uint64_t u = 0
-    cdef int n = 0, i
-    big[0] = False
-    if r.p >= r.end:
-        return -1
-    b = r.p[0]
-    r.p += 1
-    if b <= 0x7f:
-        out[0] = b
-        return 0
-    if b >= 0xe0:
-        out[0] = <int64_t>(<signed char>b)
-        return 0
-    if b == 0xcc or b == 0xd0:
-        n = 1
-    elif b == 0xcd or b == 0xd1:
-        n = 2
-    elif b == 0xce or b == 0xd2:
-        n = 4
-    elif b == 0xcf or b == 0xd3:
-        n = 8
-    else:
-        return -1
-    if r.end - r.p < n:
-        return -1
-    for i in range(n):
-        u = (u << 8) | r.p[i]
-    r.p += n
-    if b >= 0xd0:           # signed: sign-extend from n bytes
-        if n < 8 and (u >> (8 * n - 1)) & 1:
-            u |= U64_ALL << (8 * n)
-        out[0] = <int64_t>u
-    else:
-        out[0] = <int64_t>u
-        if n == 8 and (u >> 63):
-            big[0] = True
-    return 0
-
-
-cdef inline int _one(Reader *r) noexcept nogil:
-    """A one-element array header; 0, or -1."""
-    if r.p >= r.end or r.p[0] != 0x91:
-        return -1
-    r.p += 1
-    return 0
-
-
-cdef inline int _pack_int(uint8_t *o, int64_t v, bint big) noexcept nogil:
-    """msgpack-python's encoding of an int (the smallest that holds it): bytes written."""
-    cdef uint64_t u = <uint64_t>v
-    cdef int n, i
-    cdef uint8_t tag
-    if big or v >= 0:
-        if not big and v < 128:
-            o[0] = <uint8_t>v
-            return 1
-        if not big and v < 0x100:
-            tag, n = 0xcc, 1
-        elif not big and v < 0x10000:
-            tag, n = 0xcd, 2
-        elif not big and v < U32_END:
-            tag, n = 0xce, 4
-        else:
-            tag, n = 0xcf, 8
-    else:
-        if v >= -32:
-            o[0] = <uint8_t>(v & 0xff)
-            return 1
-        if v >= -128:
-            tag, n = 0xd0, 1
-        elif v >= -32768:
-            tag, n = 0xd1, 2
-        elif v >= I32_MIN:
-            tag, n = 0xd2, 4
-        else:
-            tag, n = 0xd3, 8
-    o[0] = tag
-    for i in range(n):
-        o[1 + i] = <uint8_t>((u >> (8 * (n - 1 - i))) & 0xff)
-    return 1 + n
 
 
 cdef class FastPath:
