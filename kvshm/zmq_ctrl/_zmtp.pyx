@@ -113,115 +113,6 @@ cdef extern from *:
     }
     static int kz_errno(void) { return errno; }
 
-    /* ---- the one-key request's header and usual reply: the same bytes as
-       kvshm/zmq_ctrl/_zmqc.pyx packs and reads (tests compare them) ---- */
-    typedef unsigned long long kz_u64;
-    static unsigned char *kz_mp_uint(unsigned char *p, kz_u64 v) {
-        if (v < 0x80) { *p++ = (unsigned char)v; }
-        else if (v <= 0xff) { *p++ = 0xcc; *p++ = (unsigned char)v; }
-        else if (v <= 0xffff) { *p++ = 0xcd; *p++ = v >> 8; *p++ = v; }
-        else if (v <= 0xffffffffULL) { *p++ = 0xce; *p++ = v >> 24; *p++ = v >> 16;
-                                       *p++ = v >> 8; *p++ = v; }
-        else { int i; *p++ = 0xcf; for (i = 7; i >= 0; i--) *p++ = v >> (8 * i); }
-        return p;
-    }
-    static size_t kz_encode1(unsigned char *buf, int op, kz_u64 rid, kz_u64 epoch,
-                             const char *key, size_t klen, int put, kz_u64 size,
-                             int has_sum, kz_u64 sum) {
-        unsigned char *p = buf;
-        *p++ = 0x95; *p++ = 0x02; *p++ = (unsigned char)op;
-        p = kz_mp_uint(p, rid);
-        p = kz_mp_uint(p, epoch);
-        *p++ = put ? (has_sum ? 0x84 : 0x83) : 0x81;
-        *p++ = 0xa4; memcpy(p, "keys", 4); p += 4; *p++ = 0x91;
-        if (klen <= 0xff) { *p++ = 0xc4; *p++ = klen; }
-        else if (klen <= 0xffff) { *p++ = 0xc5; *p++ = klen >> 8; *p++ = klen; }
-        else { *p++ = 0xc6; *p++ = klen >> 24; *p++ = klen >> 16; *p++ = klen >> 8;
-               *p++ = klen; }
-        memcpy(p, key, klen); p += klen;
-        if (put) {
-            if (has_sum) { *p++ = 0xa4; memcpy(p, "sums", 4); p += 4; *p++ = 0x91;
-                           p = kz_mp_uint(p, sum); }
-            *p++ = 0xa5; memcpy(p, "sizes", 5); p += 5; *p++ = 0x91;
-            p = kz_mp_uint(p, size);
-            *p++ = 0xa6; memcpy(p, "counts", 6); p += 6; *p++ = 0x91; *p++ = 0x01;
-        }
-        return (size_t)(p - buf);
-    }
-    typedef struct { const unsigned char *p, *end; } kz_rd;
-    static int kz_rd_int(kz_rd *r, long long *out) {
-        const unsigned char *p = r->p;
-        kz_u64 v = 0; int n = 0, i;
-        if (p >= r->end) return 0;
-        unsigned char c = *p++;
-        if (c < 0x80) { *out = c; r->p = p; return 1; }
-        if (c >= 0xe0) { *out = (signed char)c; r->p = p; return 1; }
-        if (c == 0xd0) { if (p + 1 > r->end) return 0; *out = (signed char)p[0]; r->p = p + 1; return 1; }
-        switch (c) { case 0xcc: n = 1; break; case 0xcd: n = 2; break;
-                     case 0xce: n = 4; break; case 0xcf: n = 8; break; default: return 0; }
-        if (p + n > r->end) return 0;
-        for (i = 0; i < n; i++) v = (v << 8) | p[i];
-        if (v > 0x7fffffffffffffffULL) return 0;
-        *out = (long long)v; r->p = p + n; return 1;
-    }
-    static int kz_rd_uint(kz_rd *r) {
-        const unsigned char *p = r->p;
-        if (p >= r->end) return 0;
-        unsigned char c = *p++; int n;
-        if (c < 0x80) { r->p = p; return 1; }
-        switch (c) { case 0xcc: n = 1; break; case 0xcd: n = 2; break;
-                     case 0xce: n = 4; break; case 0xcf: n = 8; break; default: return 0; }
-        if (p + n > r->end) return 0;
-        r->p = p + n; return 1;
-    }
-    static int kz_rd_key(kz_rd *r, const char *name, size_t n) {
-        const unsigned char *p = r->p;
-        if (p + 1 + n > r->end || *p != (0xa0 | n) || memcmp(p + 1, name, n)) return 0;
-        r->p = p + 1 + n; return 1;
-    }
-    static int kz_rd_arr(kz_rd *r, int n) {
-        if (r->p >= r->end || *r->p != (0x90 | n)) return 0;
-        r->p++; return 1;
-    }
-    static int kz_reply1(const unsigned char *buf, size_t len, int kind, kz_u64 rid,
-                         long long *val) {
-        kz_rd r = {buf, buf + len};
-        long long v; int i, nf, seen = 0;
-        if (len < 4 || buf[0] != 0x94 || buf[1] != 0x02 || buf[2] != 0x00) return 0;
-        r.p = buf + 3;
-        if (!kz_rd_int(&r, &v) || v < 0 || (kz_u64)v != rid) return 0;
-        if (r.p >= r.end || (*r.p & 0xf0) != 0x80) return 0;
-        nf = *r.p++ & 0x0f;
-        if (kind == 0) {
-            if (nf != 1 || !kz_rd_key(&r, "st", 2) || !kz_rd_arr(&r, 1) || r.p >= r.end
-                || *r.p != 0x00) return 0;
-            r.p++; *val = 0;
-        } else if (kind == 3) {
-            if (nf != 1 || !kz_rd_key(&r, "found", 5) || !kz_rd_arr(&r, 1) || r.p >= r.end
-                || (*r.p != 0xc2 && *r.p != 0xc3)) return 0;
-            *val = *r.p++ == 0xc3;
-        } else {
-            long long size = -3, count = -1;
-            for (i = 0; i < nf; i++) {
-                if (kz_rd_key(&r, "sizes", 5)) {
-                    if (seen & 1 || !kz_rd_arr(&r, 1) || !kz_rd_int(&r, &size)) return 0;
-                    seen |= 1;
-                } else if (kz_rd_key(&r, "counts", 6)) {
-                    if (seen & 2) return 0;
-                    seen |= 2;
-                    if (kz_rd_arr(&r, 0)) count = 0;
-                    else if (!kz_rd_arr(&r, 1) || !kz_rd_int(&r, &count) || count != 1) return 0;
-                } else if (kz_rd_key(&r, "sums", 4)) {
-                    if (seen & 4 || !kz_rd_arr(&r, 1) || !kz_rd_uint(&r)) return 0;
-                    seen |= 4;
-                } else return 0;
-            }
-            if (size >= 0 && count == 1) *val = size;
-            else if (size == -1 && count <= 0) *val = -1;
-            else return 0;
-        }
-        return r.p == r.end;
-    }
     """
     struct iovec:
         void *iov_base
@@ -244,10 +135,12 @@ cdef extern from *:
     int EINTR
     int ECONNRESET
     int EPIPE
-    ctypedef unsigned long long kz_u64
-    size_t kz_encode1(unsigned char *buf, int op, kz_u64 rid, kz_u64 epoch, const char *key,
-                      size_t klen, int put, kz_u64 size, int has_sum, kz_u64 sum) noexcept
-    int kz_reply1(const unsigned char *buf, size_t len, int kind, kz_u64 rid,
+
+cdef extern from "_kvone.h":
+    ctypedef unsigned long long kv_u64
+    size_t kv_encode1(unsigned char *buf, int op, kv_u64 rid, kv_u64 epoch, const char *key,
+                      size_t klen, int put, kv_u64 size, int has_sum, kv_u64 sum) noexcept
+    int kv_reply1(const unsigned char *buf, size_t len, int kind, kv_u64 rid,
                   long long *val) noexcept
 
 
@@ -801,7 +694,7 @@ cdef class Conn:
 
     # -------------------------------------------------------------- one-key path
 
-    def call1(self, int kind, int op, kz_u64 req_id, kz_u64 epoch, bytes key not None,
+    def call1(self, int kind, int op, kv_u64 req_id, kv_u64 epoch, bytes key not None,
               value, checksum, Py_ssize_t max_size, out, int send_ms, int slice_ms):
         """Send one single-key request (as kvshm.zmq_ctrl._zmqc.call1: PUT of ``value``
         when ``kind`` is PUT1, else a GET/EXISTS of ``key``), all bytes within
@@ -818,7 +711,7 @@ cdef class Conn:
         if klen > _MAX_KEY1:
             return None
         if kind != PUT1:
-            n = kz_encode1(buf + 2, op, req_id, epoch, PyBytes_AS_STRING(key), klen, 0, 0,
+            n = kv_encode1(buf + 2, op, req_id, epoch, PyBytes_AS_STRING(key), klen, 0, 0,
                            0, 0)
             if n <= 255:
                 buf[0] = 0
@@ -826,7 +719,7 @@ cdef class Conn:
                 io[0].iov_base = buf
                 io[0].iov_len = n + 2
             else:
-                n = kz_encode1(buf + 9, op, req_id, epoch, PyBytes_AS_STRING(key), klen,
+                n = kv_encode1(buf + 9, op, req_id, epoch, PyBytes_AS_STRING(key), klen,
                                0, 0, 0, 0)
                 self._long_hdr(buf, n, 0)
                 io[0].iov_base = buf
@@ -840,9 +733,9 @@ cdef class Conn:
         try:
             if view.len > MAX_VALUE1 or view.len > max_size:
                 return None
-            n = kz_encode1(buf + 9, op, req_id, epoch, PyBytes_AS_STRING(key), klen, 1,
+            n = kv_encode1(buf + 9, op, req_id, epoch, PyBytes_AS_STRING(key), klen, 1,
                            view.len, checksum is not None,
-                           0 if checksum is None else <kz_u64>checksum)
+                           0 if checksum is None else <kv_u64>checksum)
             if n <= 255:
                 memmove(buf + 2, buf + 9, n)
                 buf[0] = 1
@@ -873,7 +766,7 @@ cdef class Conn:
         for j in range(8):
             h[1 + j] = <unsigned char>(size >> (8 * (7 - j)))
 
-    cdef object _fast1(self, int kind, kz_u64 req_id, object out, int *st):
+    cdef object _fast1(self, int kind, kv_u64 req_id, object out, int *st):
         """The usual reply read straight from the buffer. ``st``: 1 read (the result
         returned), 0 more bytes are needed to tell, 2 not the usual reply or not
         readable here (the general reading takes it)."""
@@ -895,7 +788,7 @@ cdef class Conn:
         if avail < 2 + n1:
             st[0] = 0
             return None
-        if kz_reply1(p + 2, n1, 1 if kind == GET1_INTO else kind, req_id, &v) != 1:
+        if kv_reply1(p + 2, n1, 1 if kind == GET1_INTO else kind, req_id, &v) != 1:
             return None
         if not p[0] & 1:
             if (kind == GET1 or kind == GET1_INTO) and v >= 0:
@@ -948,7 +841,7 @@ cdef class Conn:
         st[0] = 1
         return res
 
-    cdef object _recv1(self, int kind, kz_u64 req_id, object out, int slice_ms):
+    cdef object _recv1(self, int kind, kv_u64 req_id, object out, int slice_ms):
         cdef long long deadline = kz_now_ms() + slice_ms
         cdef bint first = True
         cdef object m
@@ -967,7 +860,7 @@ cdef class Conn:
                 return AGAIN
             first = False
 
-    def recv1(self, int kind, kz_u64 req_id, out, int slice_ms):
+    def recv1(self, int kind, kv_u64 req_id, out, int slice_ms):
         """Wait up to ``slice_ms`` for the reply to the one-key request ``req_id`` of
         ``kind``. Returns as kvshm.zmq_ctrl._zmqc.recv1: the usual reply's value (PUT1 0;
         GET1 ``bytes`` or -1; GET1_INTO the size copied into ``out`` or -1; EXISTS1 a
