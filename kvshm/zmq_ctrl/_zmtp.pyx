@@ -545,7 +545,8 @@ cdef class Conn:
     def recv(self, int timeout_ms):
         """One whole message (a list of ``bytes``), or None when none completed within
         ``timeout_ms`` (0: only what is here now; a message begun stays for the next
-        call). Raises PeerClosed, ZmtpError, PeerError, OSError (the connection is then
+        call; it returns by its deadline even while the peer goes on sending: at most
+        one more buffer of bytes is read once it passed). Raises PeerClosed, ZmtpError, PeerError, OSError (the connection is then
         closed)."""
         cdef long long deadline = kz_now_ms() + timeout_ms
         cdef bint first = True
@@ -561,6 +562,8 @@ cdef class Conn:
             m = self._parse()
             if m is not None:
                 return m
+            if not first and kz_now_ms() >= deadline:
+                return None             # (bytes may still be coming: never past it)
             if not self._fill(deadline, first):
                 return None
             first = False
@@ -856,6 +859,8 @@ cdef class Conn:
                 m = self._parse()
                 if m is not None:
                     return m
+            if not first and kz_now_ms() >= deadline:
+                return AGAIN            # (bytes may still be coming: never past it)
             if not self._fill(deadline, first):
                 return AGAIN
             first = False

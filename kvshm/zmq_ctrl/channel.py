@@ -369,6 +369,8 @@ class Channel:
                     return status, rbody, r[1:]
                 if self.on_stray is not None:
                     self.on_stray(rid, status, rbody)
+                if _monotonic() >= deadline:        # (a flood of them: not past it)
+                    self._waited(sock, watch, deadline, self.timeout)
             r = _recv1(sock, kind, req_id, out, ZERO_COPY_BYTES)
 
     def _where(self) -> str:
@@ -474,6 +476,8 @@ class Channel:
                 # a reply sent without a wait (send), or of an abandoned request
                 if self.on_stray is not None:
                     self.on_stray(rid, status, rbody)
+                if time.monotonic() >= deadline:    # (a flood of them: not past it)
+                    self._waited(sock, watch, deadline, wait)
                 continue
             self._last = time.monotonic()
             return rid, status, rbody, msg[1:]
@@ -797,6 +801,8 @@ class Channel:
             if rid != req_id:
                 if self.on_stray is not None:
                     self.on_stray(rid, status, rbody)
+                if time.monotonic() >= deadline:    # (a flood of them: not past it)
+                    ms = self._zwaited(watch, deadline, wait)
                 continue
             self._last = time.monotonic()
             return rid, status, rbody, msg[1:]
@@ -849,6 +855,8 @@ class Channel:
                     if self.on_stray is not None:
                         self.on_stray(rid, status, rbody)
                     ms = self._slice_ms
+                    if _monotonic() >= deadline:    # (a flood of them: not past it)
+                        ms = self._zwaited(watch, deadline, self.timeout)
                 try:
                     r = zt.recv1(kind, req_id, out, ms)
                 except OSError as exc:
