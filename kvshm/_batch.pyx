@@ -725,8 +725,7 @@ cdef Py_ssize_t _put_scalar(char* d, object v) noexcept:
     return h + n
 
 
-def pack_request(long long version, long long op, long long req_id, long long epoch,
-                 body):
+def pack_request(version, op, req_id, epoch, body):
     """The header frame of a request, ``msgpack.packb([version, op, req_id, epoch, body],
     use_bin_type=True)`` byte for byte, in two C passes (sizes, then bytes), or None
     when ``body`` is not of the plain shape this packer takes (then the caller packs it
@@ -738,9 +737,16 @@ def pack_request(long long version, long long op, long long req_id, long long ep
     cdef list lst
     cdef object key, v, out
     cdef char* d
+    cdef long long c_version, c_op, c_req_id, c_epoch
     if type(body) is not dict:
         return None
-    total = 1 + _int_len(version) + _int_len(op) + _int_len(req_id) + _int_len(epoch)
+    # the four head fields: exact ints of 64 bits signed, else msgpack packs them (a bool,
+    # a float, None, an int subclass, an int of 2**63 .. 2**64 - 1 as msgpack's uint64)
+    for v in (version, op, req_id, epoch):
+        if type(v) is not int or not (-0x8000000000000000 <= v <= 0x7FFFFFFFFFFFFFFF):
+            return None
+    c_version, c_op, c_req_id, c_epoch = version, op, req_id, epoch
+    total = 1 + _int_len(c_version) + _int_len(c_op) + _int_len(c_req_id) + _int_len(c_epoch)
     total += _head_len(len(body), 16, 16)
     for key, v in (<dict>body).items():
         if type(key) is not str:
@@ -770,10 +776,10 @@ def pack_request(long long version, long long op, long long req_id, long long ep
     k = 0
     d[0] = <char>0x95
     k = 1
-    k += _put_int(d + k, version)
-    k += _put_int(d + k, op)
-    k += _put_int(d + k, req_id)
-    k += _put_int(d + k, epoch)
+    k += _put_int(d + k, c_version)
+    k += _put_int(d + k, c_op)
+    k += _put_int(d + k, c_req_id)
+    k += _put_int(d + k, c_epoch)
     k += _put_head(d + k, len(body), 1)
     for key, v in (<dict>body).items():
         k += _put_scalar(d + k, key)
