@@ -159,15 +159,11 @@ if os.environ.get("KVSHM_FAST_DECODE", "1") != "0":
         _scan_plain = None
 
 
-_I64_END = 1 << 63
-
-
 def encode_request(op: int, req_id: int, epoch: int, body: dict[str, Any]) -> bytes:
     """Header frame of a request (a batch PUT's or ALLOC's packed in C, the same bytes:
     :func:`kvshm._batch.pack_request`; a keys-only batch's by ``_batchq``)."""
-    if (op == Op.PUT or op == Op.ALLOC) and _pack_request is not None \
-            and 0 <= req_id < _I64_END and 0 <= epoch < _I64_END:
-        # (ids and epochs are uint64 on the wire; the C packer takes int64 ones)
+    if (op == Op.PUT or op == Op.ALLOC) and _pack_request is not None:
+        # (the C packer steps aside for a field that is not an int64: msgpack packs it)
         h = _pack_request(PROTOCOL_VERSION, int(op), req_id, epoch, body)
         if h is not None:
             return h  # type: ignore[no-any-return]
