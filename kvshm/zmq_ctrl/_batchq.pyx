@@ -48,7 +48,7 @@ from cpython.ref cimport PyObject
 from libc.stdint cimport uint8_t, uint64_t, int64_t
 from libc.string cimport memcpy, memcmp
 from libc.stdlib cimport malloc, free
-from kvshm.zmq_ctrl._mpint cimport Reader, _int, _one, _pack_int, _be, U32_END, I32_MIN, U64_ALL
+from kvshm.zmq_ctrl._mpint cimport Reader, _int, _one, _pack_int, _pack_array_head, _be, U32_END, I32_MIN, U64_ALL
 
 __all__ = ["BatchQuery", "SLICE_MULT", "PARSE_MAX", "pack_keys_request", "unpack_found_reply"]
 
@@ -159,21 +159,7 @@ cdef class _Job:
         head[k] = 0xa5
         memcpy(head + k + 1, b"found", 5)
         k += 6
-        if n <= 15:
-            head[k] = <uint8_t>(0x90 | n)
-            k += 1
-        elif n <= 0xFFFF:
-            head[k] = 0xdc
-            head[k + 1] = <uint8_t>(n >> 8)
-            head[k + 2] = <uint8_t>n
-            k += 3
-        else:
-            head[k] = 0xdd
-            head[k + 1] = <uint8_t>(n >> 24)
-            head[k + 2] = <uint8_t>(n >> 16)
-            head[k + 3] = <uint8_t>(n >> 8)
-            head[k + 4] = <uint8_t>n
-            k += 5
+        k += _pack_array_head(head + k, n)
         out = PyBytes_FromStringAndSize(NULL, k + n)
         o = <uint8_t *>PyBytes_AS_STRING(out)
         memcpy(o, head, k)
@@ -401,21 +387,7 @@ def pack_keys_request(int version, op, req_id, epoch, list keys):
     head[k + 1] = 0xa4
     memcpy(head + k + 2, b"keys", 4)
     k += 6
-    if n <= 15:
-        head[k] = <uint8_t>(0x90 | n)
-        k += 1
-    elif n <= 0xFFFF:
-        head[k] = 0xdc
-        head[k + 1] = <uint8_t>(n >> 8)
-        head[k + 2] = <uint8_t>n
-        k += 3
-    else:
-        head[k] = 0xdd
-        head[k + 1] = <uint8_t>(n >> 24)
-        head[k + 2] = <uint8_t>(n >> 16)
-        head[k + 3] = <uint8_t>(n >> 8)
-        head[k + 4] = <uint8_t>n
-        k += 5
+    k += _pack_array_head(head + k, n)
     out = PyBytes_FromStringAndSize(NULL, k + total)
     o = <uint8_t *>PyBytes_AS_STRING(out)
     memcpy(o, head, k)

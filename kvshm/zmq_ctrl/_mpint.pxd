@@ -115,3 +115,22 @@ cdef inline uint64_t _be(const uint8_t *p, int n) noexcept nogil:
     for i in range(n):
         u = (u << 8) | p[i]
     return u
+
+
+cdef inline int _pack_array_head(uint8_t *o, Py_ssize_t n) noexcept nogil:
+    """A msgpack array header for ``n`` (>= 0, < 2**32) items, in its shortest form
+    (fixarray, array 16, array 32); returns its length in bytes."""
+    if n <= 15:
+        o[0] = <uint8_t>(0x90 | n)
+        return 1
+    if n <= 0xFFFF:
+        o[0] = 0xdc
+        o[1] = <uint8_t>(n >> 8)
+        o[2] = <uint8_t>n
+        return 3
+    o[0] = 0xdd
+    o[1] = <uint8_t>(n >> 24)
+    o[2] = <uint8_t>(n >> 16)
+    o[3] = <uint8_t>(n >> 8)
+    o[4] = <uint8_t>n
+    return 5
