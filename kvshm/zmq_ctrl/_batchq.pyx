@@ -48,7 +48,7 @@ from cpython.ref cimport PyObject
 from libc.stdint cimport uint8_t, uint64_t, int64_t
 from libc.string cimport memcpy, memcmp
 from libc.stdlib cimport malloc, free
-from kvshm.zmq_ctrl._mpint cimport Reader, _int, _one, _pack_int, _pack_array_head, _be, U32_END, I32_MIN, U64_ALL
+from kvshm.zmq_ctrl._mpint cimport Reader, _int, _one, _pack_int, _pack_array_head, _array_head, _be, U32_END, I32_MIN, U64_ALL
 
 __all__ = ["BatchQuery", "SLICE_MULT", "PARSE_MAX", "pack_keys_request", "unpack_found_reply"]
 
@@ -263,19 +263,7 @@ cdef class BatchQuery:
         if r.end - r.p < 6 or r.p[0] != 0x81 or r.p[1] != 0xa4 or memcmp(r.p + 2, b"keys", 4):
             return self._decline()
         r.p += 6
-        if r.p >= r.end:
-            return self._decline()
-        b = r.p[0]
-        if 0x90 <= b <= 0x9f:
-            n = b & 0x0f
-            r.p += 1
-        elif b == 0xdc and r.end - r.p >= 3:
-            n = <Py_ssize_t>_be(r.p + 1, 2)
-            r.p += 3
-        elif b == 0xdd and r.end - r.p >= 5:
-            n = <Py_ssize_t>_be(r.p + 1, 4)
-            r.p += 5
-        else:
+        if _array_head(&r, &n) < 0:
             return self._decline()
         # every key takes at least 2 bytes: a count the frame cannot hold allocates nothing
         if n > max_batch or n > (r.end - r.p) // 2 or n > _PARSE_MAX:
@@ -439,19 +427,7 @@ def unpack_found_reply(frame, int version):
         if r.end - r.p < 7 or r.p[0] != 0x81 or r.p[1] != 0xa5 or memcmp(r.p + 2, b"found", 5):
             return None
         r.p += 7
-        if r.p >= r.end:
-            return None
-        b = r.p[0]
-        if 0x90 <= b <= 0x9f:
-            n = b & 0x0f
-            r.p += 1
-        elif b == 0xdc and r.end - r.p >= 3:
-            n = <Py_ssize_t>_be(r.p + 1, 2)
-            r.p += 3
-        elif b == 0xdd and r.end - r.p >= 5:
-            n = <Py_ssize_t>_be(r.p + 1, 4)
-            r.p += 5
-        else:
+        if _array_head(&r, &n) < 0:
             return None
         if n != r.end - r.p:
             return None

@@ -134,3 +134,24 @@ cdef inline int _pack_array_head(uint8_t *o, Py_ssize_t n) noexcept nogil:
     o[3] = <uint8_t>(n >> 8)
     o[4] = <uint8_t>n
     return 5
+
+
+cdef inline int _array_head(Reader *r, Py_ssize_t *n) noexcept nogil:
+    """A msgpack array header (fixarray, array 16, array 32) into ``n``; 0, or -1 when
+    the next item is no array header or is cut short (``r`` unmoved then)."""
+    cdef uint8_t b
+    if r.p >= r.end:
+        return -1
+    b = r.p[0]
+    if 0x90 <= b <= 0x9f:
+        n[0] = b & 0x0f
+        r.p += 1
+    elif b == 0xdc and r.end - r.p >= 3:
+        n[0] = <Py_ssize_t>_be(r.p + 1, 2)
+        r.p += 3
+    elif b == 0xdd and r.end - r.p >= 5:
+        n[0] = <Py_ssize_t>_be(r.p + 1, 4)
+        r.p += 5
+    else:
+        return -1
+    return 0
