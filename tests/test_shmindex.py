@@ -693,9 +693,17 @@ def test_clients_read_while_other_clients_overwrite_and_evict(shm_name):
             th.start()
         with Client(srv.address) as w:
             v = 0
+            # at least 3 s of writes, and on until the pool has evicted (12 keys of up to
+            # 40 blocks in 256 fill it only when the sizes drawn add up: under load 3 s
+            # can pass before they do); the bound only stops a broken store looping
             deadline = time.monotonic() + 3.0
-            while time.monotonic() < deadline:
+            bound = deadline + 60.0
+            evicted = False
+            while time.monotonic() < deadline or (not evicted
+                                                  and time.monotonic() < bound):
                 v += 1
+                if v % 20 == 0 and time.monotonic() >= deadline:
+                    evicted = w.stats()["evictions"] > 0
                 keys = [b"key-%d" % ((v + j) % NKEYS) for j in range(3)]
                 try:
                     w.put_batch(keys, [_value((v + j) % NKEYS, v,
