@@ -52,7 +52,7 @@ from kvshm.errors import (
 )
 from kvshm.movers import Layout, OneSidedMover, ShmMover, placed
 from kvshm.zmq_ctrl.channel import CALL1 as _CALL1, NOT_SENT as _NOT_SENT, _pid
-from kvshm.zmq_ctrl.channel import Channel, check_resolvable, endpoint_of
+from kvshm.zmq_ctrl.channel import DRAIN_MAX, Channel, check_resolvable, endpoint_of
 from kvshm.zmq_ctrl import serverwatch
 from kvshm.zmq_ctrl.frames import FrameLayoutError
 from kvshm.zmq_ctrl.frames import pack as pack_frames
@@ -1601,7 +1601,9 @@ class Client:
         s.need_hello = True
         if s.wb is not None and s.wb.outstanding:
             try:
-                self._chan.drain()  # replies already here are not lost with the socket
+                # replies already here are not lost with the socket (all of them: the
+                # bound is for floods, not for what this client has in flight)
+                self._chan.drain(max(DRAIN_MAX, 2 * len(s.wb.outstanding) + 2))
             except ProtocolError:
                 pass                # (reset: the writes it left unanswered are reported lost)
         self._chan.reset(self._base_endpoint)

@@ -62,6 +62,11 @@ WAIT_SLICE_S = 0.05
 #: 1), the call waited 1 s and the member was marked suspect although it was back. 500 ms
 #: is ~1,000 LAN round trips, so a connect that is merely slow is not cut.
 CONNECT_TIMEOUT_MS = 500
+#: Most replies one :meth:`Channel.drain` hands on (the rest stay queued for the next
+#: drain or request): a server that floods replies cannot hold a caller that only meant to
+#: pick up what was there. Far above what one client has in flight (write-behind keeps a
+#: few PLACEs and one RESERVE outstanding).
+DRAIN_MAX = 4096
 #: Frames of at least this many bytes are sent zero-copy (as pyzmq's copy_threshold).
 ZERO_COPY_BYTES = zmq.COPY_THRESHOLD
 
@@ -527,8 +532,9 @@ class Channel:
             self.reset()
             raise
 
-    def drain(self) -> None:
-        """Hand the replies already here to :attr:`on_stray`, without waiting. Call with
+    def drain(self, limit: int = DRAIN_MAX) -> None:
+        """Hand the replies already here to :attr:`on_stray`, without waiting, at most
+        ``limit`` of them (the rest stay queued: see :data:`DRAIN_MAX`). Call with
         :attr:`lock` held.
 
         Raises
@@ -540,12 +546,12 @@ class Channel:
             are lost with it; the caller says HELLO again.
         """
         if self.zmtp:
-            self._zdrain()
+            self._zdrain(limit)
             return
         sock = self._sock
         if sock is None or self._pid != os.getpid():
             return
-        while True:
+        for _ in range(limit):
             try:
                 if _zmqc is not None:
                     msg = _zmqc.recv_multipart(sock, _zmqc.DONTWAIT, ZERO_COPY_BYTES)
@@ -634,7 +640,9 @@ class Channel:
         if zt is not None:
             if zt.alive(ALIVE_IDLE_MS):
                 return zt
-            self._zdrain()              # replies whole before the close are not lost
+            # replies whole before the close are not lost (all of them: a closed
+            # connection's bytes are finite, no flood can go on)
+            self._zdrain(1 << 62)
             self._sock = None           # (a bad one among them: ProtocolError, reset)
             self.reconnects += 1
         if not self._zlive:
@@ -866,11 +874,11 @@ class Channel:
         self._last = _monotonic()
         return r
 
-    def _zdrain(self) -> None:
+    def _zdrain(self, limit: int) -> None:
         zt = self._sock
         if zt is None or self._pid != _pid[0]:
             return
-        while True:
+        for _ in range(limit):
             try:
                 msg = zt.recv(0)
             except OSError:
