@@ -521,9 +521,9 @@ class _Session:
         """Keep the lazily committed writes a reply says were refused (their lease ran
         out): the next put or :meth:`Client.flush` raises LeaseExpired for them."""
         failed = body.get("commit_failed")
-        if failed:
-            for rid in failed:
-                if rid in self.lazy_rids:
+        if failed and type(failed) is list:     # (anything else: a reply the server
+            for rid in failed:                  # never sends; late_reply must not raise)
+                if type(rid) is int and rid in self.lazy_rids:
                     del self.lazy_rids[rid]
                     self.lost_commits.append(rid)
 
