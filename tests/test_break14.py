@@ -10,6 +10,7 @@ from typing import Any
 import msgpack
 import pytest
 
+from kvshm.zmq_ctrl import protocol
 from kvshm.zmq_ctrl import router as router_mod
 from kvshm.zmq_ctrl.protocol import Op
 import test_batchx
@@ -176,3 +177,77 @@ def test_async_reader_survives_hostile_commit_failed(srv: Any,
             await c.delete(keys + ["b14-awarm"])
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("op", [Op.EXISTS, Op.MATCH_PREFIX])
+def test_changes_between_slices(bed: Bed, op: Op) -> None:
+    """A request of many C slices while, between two turns, keys are deleted and new
+    ones put (the shared table grows: a migration under way between slices): a key
+    untouched is answered as it is, one deleted or put meanwhile either way."""
+    n = _batchq.SLICE_MULT * 16 * 40
+    keys = [_key(i) for i in range(n)]          # even ones present
+    if op == Op.MATCH_PREFIX:
+        keys = [_key(2 * i) for i in range(n)] + [_key(1)]
+    gone = set(keys[3::7])
+    new = [_key(i) for i in range(1, n, 2)][::5]
+    c0 = bed.loop.fast_counts()[f"{op.name}_batch"]
+    bed.sock.send_multipart([_head(op, 21, {"keys": keys})])
+    steps = 0
+    todo_del = sorted(gone)
+    todo_put = list(new) + [b"b14-fill-%d" % i for i in range(1500)]
+    while not bed.sock.poll(0):
+        bed.loop.turn(5)
+        steps += 1
+        assert steps < 100_000
+        if todo_del:
+            bed.store.delete(todo_del[:5])
+            del todo_del[:5]
+        if todo_put:
+            assert set(bed.store.put(todo_put[:60], [b"n"] * len(todo_put[:60]))) == {0}
+            del todo_put[:60]
+    st_, rid, body = protocol.decode_reply(bed.sock.recv_multipart()[0])
+    assert (st_, rid) == (0, 21)
+    assert bed.loop.fast_counts()[f"{op.name}_batch"] == c0 + 1
+    if bed.writer is not None:
+        assert bed.writer.rebuilds >= 1, "the table grew meanwhile"
+    was = {_key(i) for i in range(0, 3000, 2)}
+    newset = set(new)
+    if op == Op.EXISTS:
+        for k, f in zip(keys, body["found"]):
+            if k in gone or k in newset:
+                continue
+            assert f == (k in was), k
+    else:
+        m = body["n"]
+        assert all(k in was for k in keys[:m])
+        assert m < len(keys) and (keys[m] not in was or keys[m] in gone), m
+
+
+def _item(rng: random.Random) -> Any:
+    r = rng.random()
+    if r < 0.75:
+        return _key(rng.randrange(300))
+    return rng.choice([b"", b"k" * 201, b"k" * 152, b"k" * 153, "strkey", 5, None, True,
+                       [b"a"], {"a": b"b"}, 1.5, b"\xff" * 3, "\u00e9" * 3])
+
+
+def test_fuzz_structured_same_reply(bed: Bed) -> None:
+    """Random request headers of the usual outline (keys of every kind, extra fields,
+    bytes packed as str or bin, ints of every width): the same reply bytes with the batch
+    path on and off."""
+    rng = random.Random(1414)
+    for _ in range(250):
+        n = rng.choice([16, 30, 64, 65, 100, 300])
+        pure = rng.random() < 0.5
+        keys = [_key(rng.randrange(300)) if pure else _item(rng) for _ in range(n)]
+        body: dict[str, Any] = {"keys": keys}
+        if rng.random() < 0.15:
+            body[rng.choice(["release", "abort", "commit", "x"])] = rng.choice([[], [1], 0])
+        op = rng.choice([Op.EXISTS, Op.MATCH_PREFIX, Op.EXISTS, 77])
+        rid = rng.choice([0, 1, 127, 128, 255, 256, 65535, 65536, 2**32, 2**63, 2**64 - 1,
+                          -1, -33, -129, -2**31 - 1, -2**63])
+        epoch = rng.choice([7, 0, 8, 2**40, -1])
+        head = [protocol.PROTOCOL_VERSION, int(op), rid, epoch, body]
+        f = msgpack.packb(head, use_bin_type=rng.random() < 0.85)
+        on, off, _ = bed.both([f])
+        assert on == off, (op, rid, epoch, keys[:5])
