@@ -821,6 +821,8 @@ class AsyncClient:
 
     async def exists_batch(self, keys: Sequence[Key]) -> list[bool]:
         """Whether each key is present (committed, or written behind by this client)."""
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = list(keys)       # (an iterator: own_flags would use it up first)
         own = self._session.own_flags(keys)
         if own is not None:
             return [a or b for a, b in zip(own, await self._exists(keys))]
@@ -839,6 +841,8 @@ class AsyncClient:
 
     async def match_prefix(self, keys: Sequence[Key]) -> int:
         """How many leading keys of ``keys`` the store holds."""
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = list(keys)       # (an iterator: own_flags would use it up first)
         if self._session.own_flags(keys) is not None:
             found = await self.exists_batch(keys)
             return found.index(False) if False in found else len(found)

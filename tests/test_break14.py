@@ -251,3 +251,38 @@ def test_fuzz_structured_same_reply(bed: Bed) -> None:
         f = msgpack.packb(head, use_bin_type=rng.random() < 0.85)
         on, off, _ = bed.both([f])
         assert on == off, (op, rid, epoch, keys[:5])
+
+
+@pytest.mark.timeout(120)
+def test_exists_of_an_iterator_while_writes_are_behind(srv: Any) -> None:
+    """exists_batch / match_prefix of a one-shot iterator of keys while a value written
+    behind is not yet answered: the same answer as for a list (before: own_flags used
+    the iterator up, so the lookup got no keys: ``[]`` and 0)."""
+    import asyncio
+
+    from kvshm import Client
+    from kvshm.aio import AsyncClient
+
+    with Client(srv.address, write_behind=True, timeout=10) as c:
+        c.put("b14-it-warm", b"w")
+        c.flush()
+        c.put("b14-it-a", b"x" * 100)
+        assert c.session.wb is not None and c.session.wb.placed, "the put is in flight"
+        assert c.exists_batch(iter(["b14-it-a", "b14-it-b"])) == [True, False]
+        assert c.match_prefix(iter(["b14-it-a", "b14-it-b"])) == 1
+        assert c.match_prefix(k for k in ["b14-it-a", "b14-it-warm"]) == 2
+        c.flush()
+        c.delete(["b14-it-a", "b14-it-warm"])
+
+    async def main() -> None:
+        async with AsyncClient(srv.address, write_behind=True, timeout=5) as c:
+            await c.put("b14-ait-warm", b"w")
+            await c.flush()
+            await c.put("b14-ait-a", b"x" * 100)
+            assert c._session.wb is not None and c._session.wb.placed
+            assert await c.exists_batch(iter(["b14-ait-a", "b14-ait-b"])) == [True, False]
+            assert await c.match_prefix(iter(["b14-ait-a", "b14-ait-b"])) == 1
+            await c.flush()
+            await c.delete(["b14-ait-a", "b14-ait-warm"])
+
+    asyncio.run(main())
