@@ -286,3 +286,42 @@ def test_exists_of_an_iterator_while_writes_are_behind(srv: Any) -> None:
             await c.delete(["b14-ait-a", "b14-ait-warm"])
 
     asyncio.run(main())
+
+
+def test_fuzz_client_reply_reader_and_packer() -> None:
+    """unpack_found_reply of cut and flipped replies: whatever it takes is what msgpack
+    decodes (else None); pack_keys_request of mixed lists: msgpack's bytes or None."""
+    rng = random.Random(7)
+    V = protocol.PROTOCOL_VERSION
+    for _ in range(3000):
+        n = rng.choice([0, 1, 15, 16, 100, 65535, 65536]) if rng.random() < 0.05 else \
+            rng.randrange(80)
+        found = [rng.random() < 0.5 for _ in range(n)]
+        f = bytearray(msgpack.packb([V, rng.choice([0, 3, 200, -1]),
+                                     rng.choice([0, 5, 2**64 - 1, -2**63]), {"found": found}]))
+        for _ in range(rng.randint(0, 3)):
+            if not f:
+                break
+            i = rng.randrange(len(f))
+            r = rng.random()
+            if r < 0.6:
+                f[i] = rng.randrange(256)
+            elif r < 0.8:
+                del f[i:]
+            else:
+                f[i:i] = bytes([rng.choice([0xc2, 0xc3, 0x90, 0xdc, 0x00])])
+        got = _batchq.unpack_found_reply(bytes(f), V)
+        if got is not None:
+            h = msgpack.unpackb(bytes(f), raw=False, strict_map_key=True)
+            assert got == (h[1], h[2], h[3]) and h[0] == V and len(h) == 4
+    for _ in range(500):
+        keys = [rng.choice([b"k", b"", b"x" * 300, "s", bytearray(b"b"), 1])
+                if rng.random() < 0.02 else rng.randbytes(rng.randrange(1, 40))
+                for _ in range(rng.randrange(40))]
+        rid = rng.choice([1, 2**64 - 1, -2**63, True, 2**64, 1.0])
+        got = _batchq.pack_keys_request(V, 8, rid, 3, keys)
+        if got is not None:
+            assert got == msgpack.packb([V, 8, rid, 3, {"keys": keys}], use_bin_type=True)
+        else:
+            assert any(type(k) is not bytes for k in keys) or type(rid) is not int \
+                or not -2**63 <= rid < 2**64
