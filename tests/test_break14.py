@@ -325,3 +325,15 @@ def test_fuzz_client_reply_reader_and_packer() -> None:
         else:
             assert any(type(k) is not bytes for k in keys) or type(rid) is not int \
                 or not -2**63 <= rid < 2**64
+
+
+@pytest.mark.parametrize("kind", ["strided", "str"])
+def test_decode_reply_error_class_with_the_c_reader(kind: str) -> None:
+    """decode_reply raises DecodeError for what it cannot read, C reader on or off
+    (before: the C reader's buffer request raised BufferError for a strided view and
+    TypeError for a str, where msgpack's path says DecodeError)."""
+    good = msgpack.packb([protocol.PROTOCOL_VERSION, 0, 5, {"found": [True] * 80}])
+    frame: Any = memoryview(good * 2)[::2] if kind == "strided" else good.decode("latin-1")
+    assert _batchq.unpack_found_reply(frame, protocol.PROTOCOL_VERSION) is None
+    with pytest.raises(protocol.DecodeError):
+        protocol.decode_reply(frame)

@@ -415,7 +415,10 @@ def unpack_found_reply(frame, int version):
     cdef bint big, rbig
     cdef Py_ssize_t n, i
     cdef uint8_t b
-    PyObject_GetBuffer(frame, &fb, PyBUF_SIMPLE)
+    try:
+        PyObject_GetBuffer(frame, &fb, PyBUF_SIMPLE)
+    except (TypeError, BufferError):
+        return None         # (not contiguous bytes: msgpack's path says what it is)
     try:
         r.p = <const uint8_t *>fb.buf
         r.end = r.p + fb.len
