@@ -337,3 +337,37 @@ def test_decode_reply_error_class_with_the_c_reader(kind: str) -> None:
     assert _batchq.unpack_found_reply(frame, protocol.PROTOCOL_VERSION) is None
     with pytest.raises(protocol.DecodeError):
         protocol.decode_reply(frame)
+
+
+def _hostile_heads() -> list[tuple[str, bytes]]:
+    V, E = protocol.PROTOCOL_VERSION, int(Op.EXISTS)
+    g = b"".join(msgpack.packb(_key(i), use_bin_type=True) for i in range(40))
+    head = bytes([0x95, V, E, 4, 7]) + b"\x81\xa4keys"
+    return [
+        ("array32 of 2**32-1", head + b"\xdd\xff\xff\xff\xff" + g),
+        ("array32 of 2**31", head + b"\xdd\x80\x00\x00\x00" + g),
+        ("array32 of 40 (long form)", head + b"\xdd\x00\x00\x00\x28" + g),
+        ("array16 of 40 (long form)", head + b"\xdc\x00\x28" + g),
+        ("bin32 of 2**32-1", head + b"\xdc\x00\x29" + g + b"\xc6\xff\xff\xff\xff" + b"x" * 8),
+        ("bin16 of 0", head + b"\xdc\x00\x29" + g + b"\xc5\x00\x00"),
+        ("bin8 of 200 (max_key)", head + b"\xdc\x00\x29" + g + b"\xc4\xc8" + b"k" * 200),
+        ("bin16 of 201", head + b"\xdc\x00\x29" + g + b"\xc5\x00\xc9" + b"k" * 201),
+        ("duplicates", head + b"\xdc\x00\x50" + g + g),
+        ("map16 of one", bytes([0x95, V, E, 4, 7]) + b"\xde\x00\x01\xa4keys\xdc\x00\x28" + g),
+        ("str8 'keys'", bytes([0x95, V, E, 4, 7]) + b"\x81\xd9\x04keys\xdc\x00\x28" + g),
+        ("version as uint8", bytes([0x95, 0xcc, V, E, 4, 7]) + b"\x81\xa4keys\xdc\x00\x28" + g),
+        ("op as int64", bytes([0x95, V, 0xd3]) + (E).to_bytes(8, "big") + bytes([4, 7])
+         + b"\x81\xa4keys\xdc\x00\x28" + g),
+        ("epoch nil", bytes([0x95, V, E, 4, 0xc0]) + b"\x81\xa4keys\xdc\x00\x28" + g),
+        ("req_id as uint64 small", bytes([0x95, V, E, 0xcf]) + (4).to_bytes(8, "big")
+         + bytes([7]) + b"\x81\xa4keys\xdc\x00\x28" + g),
+        ("header array16", bytes([0xdc, 0, 5, V, E, 4, 7]) + b"\x81\xa4keys\xdc\x00\x28" + g),
+        ("6-element header", bytes([0x96, V, E, 4, 7]) + b"\x81\xa4keys\xdc\x00\x28" + g
+         + b"\x00"),
+    ]
+
+
+@pytest.mark.parametrize("name,frame", _hostile_heads(), ids=[c[0] for c in _hostile_heads()])
+def test_more_hostile_heads_same_reply(bed: Bed, name: str, frame: bytes) -> None:
+    on, off, _ = bed.both([frame])
+    assert on == off, name
