@@ -92,6 +92,15 @@ from libc.errno cimport errno
 cdef extern from "<sys/mman.h>" nogil:
     void* MAP_FAILED
     int MAP_POPULATE
+    int madvise(void* addr, size_t length, int advice)
+
+cdef extern from *:
+    """
+    #ifndef MADV_POPULATE_READ
+    #define MADV_POPULATE_READ 22   /* Linux 5.14 */
+    #endif
+    """
+    int MADV_POPULATE_READ
 
 cdef extern from "<fcntl.h>" nogil:
     int posix_fallocate(int fd, long offset, long length)
@@ -231,6 +240,20 @@ cdef extern from *:
         }
         return 0;
     }
+    /* items[i] = True where out[i] == hit, else False (a new list's items), with the
+       references added once for each of the two, not one Py_INCREF an item */
+    static inline void kvx_fill_bools(PyObject **items, const char *out, Py_ssize_t n,
+                                      char hit) {
+        Py_ssize_t i, hits = 0;
+        PyObject *t = Py_True, *f = Py_False;
+        for (i = 0; i < n; i++) {
+            int h = out[i] == hit;
+            items[i] = h ? t : f;
+            hits += h;
+        }
+        t->ob_refcnt += hits;
+        f->ob_refcnt += n - hits;
+    }
     static inline double kvx_now(void) {
         struct timespec ts;
         clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
@@ -254,6 +277,7 @@ cdef extern from *:
     double kvx_now() nogil
     int kvx_key_of(PyObject* o, const char** p, Py_ssize_t* n) except -1
     double kvx_fine_now() nogil
+    void kvx_fill_bools(PyObject** items, const char* out, Py_ssize_t n, char hit)
     double kvx_thread_cpu() nogil
     int kvx_punch(int fd, long off, long length) nogil
     int kvx_watch_forks() nogil
@@ -1651,6 +1675,8 @@ cdef class IndexReader:
     cdef const Header* _h
     cdef const char* _slots
     cdef uint64_t _sink          # what _prefault read (so that the reads are made)
+    cdef uint64_t _pf_base       # the table _prefault last looked at (base, nslots)
+    cdef uint64_t _pf_n
     cdef uint64_t _cap           # slots mapped (2 regions of the table's capacity)
     cdef const char* _wide
     cdef uint64_t _wide_cap
@@ -1776,16 +1802,25 @@ cdef class IndexReader:
 
     cdef void _prefault(self) noexcept:
         # the slots in use now, when few enough (the pool's rule, kvshm.client): the
-        # first reads do not fault them in one by one
+        # first reads do not fault them in one by one (and a batch lookup's prefetches,
+        # which a page not yet mapped here drops, work from its first key). At attach,
+        # and from a batch lookup once the table has moved (grown) since
         # (nslots, then base, each once: the order _begin_migration's stores keep; base
         # loaded twice round nslots could name slots of neither table)
         cdef uint64_t n = kvx_load_acq(&self._h.nslots)
         cdef uint64_t b = kvx_load_acq(&self._h.base)
-        cdef size_t used = C_HEADER + (b + n) * C_SLOT, off
+        cdef size_t used = C_HEADER + (b + n) * C_SLOT, off, start
         cdef uint64_t acc = 0
+        self._pf_base = b
+        self._pf_n = n
         if used > POPULATE_MAX_BYTES or used > self._map_size:
             return
-        for off in range(C_HEADER + b * C_SLOT, used, 4096):
+        start = C_HEADER + b * C_SLOT
+        start -= start % 4096
+        # one call for the whole range (Linux >= 5.14), else a read of a byte a page
+        if madvise(self._map + start, used - start, MADV_POPULATE_READ) == 0:
+            return
+        for off in range(start, used, 4096):
             acc += <uint8_t>self._map[off]
         self._sink = acc
 
@@ -2480,6 +2515,9 @@ cdef class IndexReader:
         if type(keys) is not list and type(keys) is not tuple:
             keys = list(keys)
         nk = len(keys)
+        if nk >= 2048 and (kvx_load_rlx(&self._h.nslots) != self._pf_n or
+                           kvx_load_rlx(&self._h.base) != self._pf_base):
+            self._prefault()            # the table moved since: map its pages here first
         flags = PyBytes_FromStringAndSize(NULL, nk)
         out = PyBytes_AS_STRING(flags)
         if nk == 0:
@@ -2583,10 +2621,7 @@ cdef class IndexReader:
         if memchr(out, <char>R_MISS, nk) != NULL and not self._misses_final():
             return None
         res = PyList_New(nk)
-        for i in range(nk):
-            v = True if out[i] == R_HIT else False
-            Py_INCREF(v)
-            PyList_SET_ITEM(res, i, v)
+        kvx_fill_bools(PySequence_Fast_ITEMS(res), out, nk, <char>R_HIT)
         return res
 
     def match_prefix(self, keys):
