@@ -187,6 +187,31 @@ cdef extern from *:
         h ^= w * 0x87c37b91114253d5ULL;
         return kvx_fmix(h);
     }
+    /* kvx_hash(s, n), copying the key to d on the way: the words the hash reads are
+       the words written (d must have room for n + 8 bytes: the last word is written
+       whole, its bytes past n zero) */
+    static inline uint64_t kvx_hash_copy(const char *s, size_t n, char *d) {
+        uint64_t h = 0x9e3779b97f4a7c15ULL ^ (n * 0xc2b2ae3d27d4eb4fULL);
+        uint64_t w;
+        while (n >= 8) {
+            memcpy(&w, s, 8);
+            memcpy(d, &w, 8);
+            h ^= w * 0x87c37b91114253d5ULL;
+            h = (h << 31) | (h >> 33);
+            h *= 0x4cf5ad432745937fULL;
+            s += 8; d += 8; n -= 8;
+        }
+        w = 0;
+    #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+        for (size_t b = 0; b < n; b++) w |= (uint64_t)(unsigned char)s[b] << (8 * b);
+        memcpy(d, &w, 8);
+    #else
+        memcpy(&w, s, n);
+        memcpy(d, s, n);
+    #endif
+        h ^= w * 0x87c37b91114253d5ULL;
+        return kvx_fmix(h);
+    }
     /* memcmp(a, b, n) == 0 for the short keys of a slot, inline */
     static inline int kvx_keyeq(const char *a, const char *b, size_t n) {
         uint64_t x, y;
@@ -272,6 +297,7 @@ cdef extern from *:
                           uint64_t obase, uint64_t on) nogil
     void kvx_pause() nogil
     uint64_t kvx_hash(const char* s, size_t n) nogil
+    uint64_t kvx_hash_copy(const char* s, size_t n, char* d) nogil
     uint64_t kvx_home(uint64_t h, uint64_t n) nogil
     int kvx_keyeq(const char* a, const char* b, size_t n) nogil
     double kvx_now() nogil
@@ -2558,6 +2584,8 @@ cdef class IndexReader:
         try:
             total = 0
             for i in range(nk):
+                if i + 8 < nk:
+                    kvx_prefetch(items[i + 8])  # the key object's header, 8 keys ahead
                 if not kvx_key_of(items[i], &k, &n):
                     n = 0
                 if not 0 < n <= maxk:
@@ -2566,8 +2594,8 @@ cdef class IndexReader:
                     # empty, over the server's limit) and asks the server otherwise
                     # (a match answered here before such a key would hide that error)
                     return None
-                if total + n > cap:
-                    cap = 2 * cap + n
+                if total + n + 8 > cap:       # (+ 8: kvx_hash_copy's last word)
+                    cap = 2 * cap + n + 8
                     grown = <char*>realloc(arena, cap)
                     if grown == NULL:
                         raise MemoryError()
@@ -2576,8 +2604,7 @@ cdef class IndexReader:
                         self._scr[1] = arena
                         self._scr_cap[1] = cap
                 offs[i] = <uint32_t>total
-                memcpy(arena + total, k, n)
-                hashes[i] = kvx_hash(k, n)
+                hashes[i] = kvx_hash_copy(k, n, arena + total)
                 total += n
             offs[nk] = <uint32_t>total
             if nk >= 2048:
