@@ -329,3 +329,31 @@ def test_reader_processes_never_answer_wrong_while_keys_are_overwritten_and_dele
                 p.kill()
                 p.wait()
         t.close()
+
+
+def test_a_reader_made_before_the_table_grew_answers_its_next_batches(shm_name):
+    """The readers attach to a table of INITIAL_SLOTS; the writer then grows it (and
+    migrates it) many times over: the next batches (>= 2048 keys: the reader first
+    maps the pages of the table it now sees, kvshm._shmindex.IndexReader._prefault) and
+    the ones after answer as the model, fast and slow, the list's bools counted right."""
+    t = Tables(shm_name, blocks=65536, initial=4096)
+    try:
+        w = t.writer
+        keys = [b"grow-%08d" % i for i in range(40_000)]
+        present = set()
+        for step in (3000, 12_000, 40_000):         # grown between the batches
+            for i, k in enumerate(keys[len(present):step], len(present)):
+                assert w.publish(k, 10, [(i % 65000, 1)]) >= 0
+                present.add(k)
+            asked = keys[:step] + [b"none-%08d" % i for i in range(3000)]   # and misses
+            got = t.fast.exists_batch(asked)
+            assert got == [k in present for k in asked]
+            refs = sys.getrefcount(True), sys.getrefcount(False)
+            del got                                 # gives back one reference an item
+            assert (refs[0] - sys.getrefcount(True), refs[1] - sys.getrefcount(False)) == \
+                (step, 3000)
+            _agree(t, asked, present)
+            assert t.fast.match_prefix(asked) == step
+        assert w.nslots > 4096
+    finally:
+        t.close()
