@@ -1,0 +1,99 @@
+"""Zero-copy replies in flight: their pins settled once sent, a peer that does not read cut.
+
+A GET reply of values of ``PACK_BELOW`` bytes and more is sent zero-copy from the pool,
+its entries pinned (and its blocks counted against the principal) until libzmq lets go of
+its frames (:meth:`~kvshm.zmq_ctrl.dispatch.DispatchMixin._reply` tracks it). Each turn
+:meth:`SendsMixin._reap_sends` settles the sends done; a peer whose replies stay unsent
+past the lease loses its connection (:meth:`SendsMixin._cut`); a reading peer's earlier
+replies are let go before its new GET is counted (:meth:`SendsMixin._settle_own_sends`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import zmq
+
+from kvshm.store import Session
+
+#: the loop's one logger: its records keep the name they had before the loop was
+#: split into modules (as kvshm.store's modules share "kvshm.store")
+log = logging.getLogger("kvshm.zmq_ctrl.router")
+
+
+class SendsMixin:
+    """Sends in flight of :class:`~kvshm.zmq_ctrl.router.ServiceLoop` (a mixin of it)."""
+
+    def _reap_sends(self, now: float) -> None:
+        keep = []
+        stuck: dict[bytes, Any] = {}
+        lease = self.store.config.lease_timeout
+        for item in self._sending:
+            tracker, entries, nblocks, sess, ident, since, frame = item
+            if tracker.done:
+                self.store.sent(sess, nblocks, entries)
+            else:
+                keep.append(item)
+                if now - since > lease and ident not in stuck:
+                    stuck[ident] = frame
+                    # once: its connection goes now; a new one starts a new count
+                    keep[-1] = (*item[:5], now, frame)
+        self._sending = keep
+        for ident, frame in stuck.items():
+            self._cut(ident, frame)
+
+    def _cut(self, ident: bytes, frame: Any) -> None:
+        """A peer has not read its replies within the lease: shut its connection down
+        (libzmq then drops the unsent replies, and their pins go when their trackers
+        say so). ``frame``: a request frame of that peer, naming its socket."""
+        log.warning("peer %s has not read its replies within the lease (%g s): its "
+                    "connection is dropped", ident.hex(), self.store.config.lease_timeout)
+        self._count_error("unread_replies")
+        try:
+            fd = frame.get(zmq.SRCFD)
+            peer = frame.get("Peer-Address")
+        except (zmq.ZMQError, AttributeError, TypeError):
+            return
+        if type(fd) is not int or fd < 0:
+            return
+        import socket as _socket
+
+        try:
+            s = _socket.socket(fileno=os.dup(fd))
+        except OSError:
+            return
+        try:
+            if s.family in (_socket.AF_INET, _socket.AF_INET6):
+                if s.getpeername()[0] != peer:
+                    return                  # that fd is someone else's by now
+            elif s.family != _socket.AF_UNIX:
+                return
+            s.shutdown(_socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            s.close()
+
+    def _settle_own_sends(self, session: Session) -> None:
+        """This peer's earlier GET replies leave before the reply to its new request
+        (one pipe, in order) and it is reading: let their zero-copy pins go first, so
+        that what it has already received is not counted against it. Bounded: only
+        replies queued within the last second, 0.1 s in all; a peer that does not read
+        gains no more than that."""
+        if not session.sending:
+            return
+        now = time.monotonic()
+        deadline = now + 0.1
+        for tracker, _, _, sess, _, since, _ in self._sending:
+            if sess is session and not tracker.done and now - since < 1.0:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                try:
+                    tracker.wait(left)
+                except zmq.NotDone:
+                    break
+        self._reap_sends(time.monotonic())

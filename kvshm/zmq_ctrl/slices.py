@@ -1,0 +1,262 @@
+"""Large requests in slices, and the sliced codec (large headers, large replies).
+
+Large requests in slices. A request of more than ``slice_keys`` keys (EXISTS,
+MATCH_PREFIX, DELETE, ALLOC, PUT, LOOKUP, GET) is served ``slice_keys`` keys at a time:
+its handler raises :class:`_Sliced`, the request joins the loop's runnable requests, and
+each turn of the loop serves every queued message and then one slice of each runnable
+request (round robin, so several large requests advance together). Its reply goes out
+when its last slice is done. Per-key results are those of one request: the slices of an
+ALLOC or LOOKUP make one grant (``extend=`` of the store), a quota spent by the first
+slices refuses the keys of the later ones, and a slice that must wait for the tier parks
+the request as above (once forced, its later slices are forced too, so the wait stays
+bounded by ``tier_wait``). A RELEASE/ABORT naming it, or its session's end, abandons it:
+the grant made so far is settled (by that RELEASE/ABORT or by the session's close) and no
+later slice runs. Between two slices the store may change: a sliced EXISTS is not a
+snapshot, as two requests are not. The codec is sliced too: a request header of at least
+:data:`STREAM_HEADER_BYTES` is decoded ``2 * slice_keys`` msgpack items a turn
+(:class:`~kvshm.zmq_ctrl.protocol.RequestDecoder`; that peer's later messages wait behind
+it, so its requests still take effect in its order), and a reply with a list of more
+than :data:`STREAM_REPLY_ITEMS` items (and no payload) is encoded ``4 * slice_keys``
+items a turn (:class:`~kvshm.zmq_ctrl.protocol.ReplyEncoder`, the same bytes).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import sys
+import time
+from typing import Any, Callable
+
+from kvshm.store import Session
+from kvshm.zmq_ctrl.handling import _MORE, _BatchTooLarge, _Defer, _list, _Malformed, _Sliced
+from kvshm.zmq_ctrl.parked import _Parked
+from kvshm.zmq_ctrl.protocol import DecodeError, ReplyEncoder, RequestDecoder, Status, encode_reply
+
+#: the loop's one logger: its records keep the name they had before the loop was
+#: split into modules (as kvshm.store's modules share "kvshm.store")
+log = logging.getLogger("kvshm.zmq_ctrl.router")
+
+
+#: Keys a request may have before it is served in slices (``ServerConfig.slice_keys``,
+#: ``kvshm serve --slice-keys``): ~1 ms of loop time per slice on this VM (an EXISTS key
+#: costs ~0.4 us; an ALLOC key ~1 us, so ALLOC goes ``slice_keys // 2`` keys a slice).
+SLICE_KEYS = 2048
+
+#: Request header frames of at least this many bytes (~3.5 k keys) are decoded over
+#: several turns (``RequestDecoder``, ``2 * slice_keys`` items a turn: ~1 ms), other
+#: requests served between; one of 100 k keys takes ~15-25 ms in one go on this VM.
+STREAM_HEADER_BYTES = 64 << 10
+#: Replies with a list of more than this many items (and no payload) are encoded over
+#: several turns (``ReplyEncoder``, ``4 * slice_keys`` items a turn: ~1 ms; ``8 *`` took
+#: ~2 ms a turn for an ALLOC's offsets and statuses).
+STREAM_REPLY_ITEMS = 16384
+
+
+class _Decoding:
+    """A large request whose header is being decoded (:meth:`ServiceLoop._run_decodes`)."""
+
+    __slots__ = ("ident", "msg", "decoder", "t0")
+
+    def __init__(self, ident: bytes, msg: list[Any], decoder: RequestDecoder,
+                 t0: float) -> None:
+        self.ident = ident
+        self.msg = msg
+        self.decoder = decoder
+        self.t0 = t0
+
+
+class _Encoding:
+    """A large reply being encoded (:meth:`ServiceLoop._run_encodes`)."""
+
+    __slots__ = ("ident", "op", "encoder", "t0")
+
+    def __init__(self, ident: bytes, op: int, encoder: ReplyEncoder, t0: float) -> None:
+        self.ident = ident
+        self.op = op
+        self.encoder = encoder
+        self.t0 = t0
+
+
+class SlicesMixin:
+    """Slices and the sliced codec of :class:`~kvshm.zmq_ctrl.router.ServiceLoop` (a mixin of it)."""
+
+    @property
+    def in_progress(self) -> int:
+        """Large requests being served in slices (runnable or parked)."""
+        return (len(self._runnable) + len(self._decodes) + len(self._encodes)
+                + sum(1 for p in self._parked if p.sliced))
+
+    def _sliced_c(self, ident: bytes, session: Session, req_id: int, op: int,
+                  step: Callable[[bool], Any], cleanup: Callable[[], None], t0: float,
+                  src: Any) -> None:
+        """A large request the batch path serves in slices: ``step(force)`` does one
+        and returns ``_MORE``, or the reply header (bytes) after the last one."""
+        p = _Parked(ident, session, req_id, op, _Sliced(step, cleanup), {}, [], t0,
+                    time.monotonic() + self.store.config.tier_wait, src)
+        self.slice_counters["sliced_requests"] += 1
+        self._runnable.append(p)
+        self._parked_by[(session.id, req_id)] = p
+
+    def _run_slices(self) -> None:
+        """One slice of each large request in progress, in turn."""
+        for _ in range(len(self._runnable)):
+            p = self._runnable.popleft()
+            if p.cancelled or p.session.closed:
+                self._abandon(p)
+                continue
+            self.slice_counters["slices"] += 1
+            r = self._attempt(p, p.forced, "slice of op")
+            if r is _MORE:
+                self._runnable.append(p)
+                continue
+            if r is None:                   # must wait for the tier: parked
+                p.deadline = time.monotonic() + self.store.config.tier_wait
+                self._parked.append(p)
+                continue
+            self._parked_by.pop((p.session.id, p.req_id), None)
+            if type(r) is bytes:            # a reply made whole in C (_sliced_c)
+                self._send(p.ident, r)
+                self._record_latency(p.op, p.t0)
+                continue
+            status, rbody, frames = r
+            self._reply(p.ident, p.session, p.req_id, p.op, status, rbody, frames, p.extra,
+                        p.on_sent, p.t0, p.src)
+
+    def _settle_is_large(self, session: Session, body: dict[str, Any]) -> bool:
+        """Whether the grants this request's commit/abort/release lists name hold more
+        than ``slice_keys`` entries (settled in slices, :meth:`_settle_in_slices`)."""
+        if not session.grants:
+            return False
+        n = 0
+        for name in ("release", "abort", "commit"):
+            rids = body.get(name)
+            if rids and isinstance(rids, list):
+                try:
+                    n += self.store.grant_entries(session, rids)
+                except TypeError:           # an unhashable id: _piggyback refuses it
+                    return False
+        return n > self.slice_keys
+
+    def _settle_in_slices(self, session: Session, req_id: int, body: dict[str, Any],
+                          frames: list[Any], on_sent: list[Any], extra: dict[str, Any],
+                          handler: Callable[..., Any]) -> None:
+        """Settle the grants a request names (release, abort, commit, in that order, as
+        :meth:`_piggyback`) ``slice_keys`` entries per slice, then serve the request
+        itself (which may be sliced or parked in turn). RELEASE/ABORT cancel parked
+        requests at once; COMMITs that fail are reported as ``commit_failed``."""
+        rel = _list(body, "release", ints=True, optional=True)
+        ab = _list(body, "abort", ints=True, optional=True)
+        com = _list(body, "commit", ints=True, optional=True)
+        if rel:
+            self._cancel_parked(session, rel)
+        if ab:
+            self._cancel_parked(session, ab)
+        todo = collections.deque([*(("release", r) for r in rel),
+                                  *(("abort", r) for r in ab),
+                                  *(("commit", r) for r in com)])
+        failed: list[int] = []
+        store = self.store
+        S = self.slice_keys
+        inner: list[Any] = [None, None]     # the request's own attempt and cleanup
+
+        def step(force: bool) -> Any:
+            if inner[0] is not None:
+                return inner[0](force)
+            left = S
+            while todo and left > 0:
+                how, rid = todo[0]
+                k = store.settle_some(session, rid, how, left)
+                if k < 0:
+                    if how == "commit":
+                        failed.append(rid)
+                    todo.popleft()
+                    continue
+                left -= k
+                if session.grants.get(rid) is None or k == 0:
+                    todo.popleft()
+            if todo:
+                return _MORE
+            if failed:
+                extra["commit_failed"] = failed
+            try:
+                return handler(session, req_id, body, frames, on_sent)
+            except _Defer as d:
+                inner[0], inner[1] = d.attempt, d.cleanup
+                return None if not isinstance(d, _Sliced) else _MORE
+            except _Malformed as exc:
+                self._count_error("malformed")
+                return Status.MALFORMED, {"error": str(exc)}, []
+            except _BatchTooLarge as exc:
+                return Status.INVALID_REQUEST, {"error": str(exc)}, []
+
+        def cleanup() -> None:
+            if inner[1] is not None:
+                inner[1]()
+
+        raise _Sliced(step, cleanup)
+
+    def _run_decodes(self) -> None:
+        """One step of each large header being decoded; a request decoded is dispatched,
+        then the messages its peer sent since (held until then)."""
+        budget = 2 * self.slice_keys
+        for _ in range(len(self._decodes)):
+            job = self._decodes.popleft()
+            try:
+                r = job.decoder.step(budget)
+            except DecodeError as exc:
+                self._count_error("malformed")
+                self._send(job.ident, encode_reply(Status.MALFORMED, 0, {"error": str(exc)}))
+                r = None
+                done = True
+            else:
+                done = r is not None
+            if not done:
+                self._decodes.append(job)
+                continue
+            self._decoded(job, r)
+
+    def _finish_decode(self, ident: bytes) -> None:
+        """The rest of ``ident``'s large header decoded now (its held messages reached
+        :data:`HELD_MAX`), then served as :meth:`_run_decodes` would."""
+        for job in self._decodes:
+            if job.ident == ident:
+                break
+        else:                                   # pragma: no cover - held implies a job
+            return
+        self._decodes.remove(job)
+        try:
+            r = job.decoder.step(sys.maxsize)
+        except DecodeError as exc:
+            self._count_error("malformed")
+            self._send(job.ident, encode_reply(Status.MALFORMED, 0, {"error": str(exc)}))
+            r = None
+        self._decoded(job, r)
+
+    def _decoded(self, job: _Decoding, r: Any) -> None:
+        """A large header decoded (``r``; None: it was refused): the request served,
+        then the messages its peer sent since."""
+        if r is not None:
+            try:
+                self._dispatch(job.msg, r, job.t0)
+            except Exception:
+                log.exception("internal error dispatching a request")
+                self._count_error("internal")
+        q = self._held.pop(job.ident, None)
+        while q:
+            self._handle(q.popleft())
+            if job.ident in self._held:     # that one is being decoded in turn
+                self._held[job.ident].extend(q)
+                break
+
+    def _run_encodes(self) -> None:
+        """One step of each large reply being encoded; sent once whole."""
+        budget = 4 * self.slice_keys
+        for _ in range(len(self._encodes)):
+            job = self._encodes.popleft()
+            header = job.encoder.step(budget)
+            if header is None:
+                self._encodes.append(job)
+                continue
+            self._send(job.ident, header)
+            self._record_latency(job.op, job.t0)
