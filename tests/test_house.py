@@ -168,7 +168,12 @@ LAYERS: dict[str, list[str]] = {
     "client": ["kvshm.client", "kvshm.aio", "kvshm.layerwise", "kvshm.integrations",
                "kvshm.integrations.*"],
     "store": ["kvshm.tiers", "kvshm.tiers.*", "kvshm.store", "kvshm.store.*",
-              "kvshm.zmq_ctrl.router"],
+              "kvshm.zmq_ctrl.router",
+              # the server loop's modules (ServiceLoop's mixins, kvshm.zmq_ctrl.router)
+              "kvshm.zmq_ctrl.dispatch", "kvshm.zmq_ctrl.handling", "kvshm.zmq_ctrl.ops_write",
+              "kvshm.zmq_ctrl.ops_read", "kvshm.zmq_ctrl.ops_admin", "kvshm.zmq_ctrl.sessions",
+              "kvshm.zmq_ctrl.parked", "kvshm.zmq_ctrl.slices", "kvshm.zmq_ctrl.sends",
+              "kvshm.zmq_ctrl.fastpaths", "kvshm.zmq_ctrl.sockets"],
     "server": ["kvshm.server", "kvshm.manage"],
     "tools": ["kvshm.cliargs", "kvshm.cli", "kvshm.__main__", "kvshm.replay",
               "kvshm.replay.*"],

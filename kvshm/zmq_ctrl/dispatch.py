@@ -51,7 +51,7 @@ _HELLO = int(Op.HELLO)
 
 
 class DispatchMixin:
-    """Request dispatch of :class:`~kvshm.zmq_ctrl.router.ServiceLoop` (a mixin of it)."""
+    """Request dispatch of ServiceLoop (a mixin of it)."""
 
     def _dispatch(self, msg: list[zmq.Frame], decoded: Any = None, t0: float = 0.0) -> None:
         """Serve one request; ``decoded``: its header, decoded over earlier turns

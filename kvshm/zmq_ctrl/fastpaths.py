@@ -3,16 +3,16 @@
 One-key fast path. With ``_zmqc``, each drained message is first offered to
 :class:`kvshm.zmq_ctrl._fastpath.FastPath`: a plain one-key PUT, GET or EXISTS of an open
 session is decoded, served and answered there in C (the same store calls, the same reply
-bytes, latency recorded); anything else (another op, piggybacked settles, a tier, an odd
-or hostile header, a value it does not copy) it declines before changing anything, and
-the Python path below serves it. ``ServiceLoop.fast_counts()`` (STATS: ``fast_path``)
-says how many it took.
+bytes, latency recorded); anything else (another op, piggybacked settles, a tier, an odd or
+hostile header, a value it does not copy) it declines before changing anything, and the
+Python path (:mod:`kvshm.zmq_ctrl.dispatch`) serves it. ``ServiceLoop.fast_counts()``
+(STATS: ``fast_path``) says how many it took. ``KVSHM_FASTPATH=0`` turns it off.
 
-Batch EXISTS / MATCH_PREFIX path. A plain batch EXISTS or MATCH_PREFIX (``{"keys":
-[bin, ...]}`` and nothing else, an open session, no tier) is parsed, looked up and
-answered in C from its request frame (:class:`kvshm.zmq_ctrl._batchq.BatchQuery`; the
-same reply bytes), a large one in slices of ``SLICE_MULT * slice_keys`` keys (the reply
-made in C after the last, :meth:`ServiceLoop._sliced_c`); anything else it declines
+Batch EXISTS / MATCH_PREFIX path. A plain batch EXISTS or MATCH_PREFIX (``{"keys": [bin,
+...]}`` and nothing else, an open session, no tier) is parsed, looked up and answered in C
+from its request frame (:class:`kvshm.zmq_ctrl._batchq.BatchQuery`; the same reply bytes),
+a large one in slices of ``SLICE_MULT * slice_keys`` keys (the reply made in C after the
+last, :meth:`~kvshm.zmq_ctrl.slices.SlicesMixin._sliced_c`); anything else it declines
 before changing anything. ``KVSHM_BATCHPATH=0`` turns it off (``fast_path``'s
 ``EXISTS_batch``, ``MATCH_PREFIX_batch``, ``batch_declined`` count it).
 
@@ -55,7 +55,7 @@ log = logging.getLogger("kvshm.zmq_ctrl.router")
 
 
 class FastPathsMixin:
-    """The C paths of :class:`~kvshm.zmq_ctrl.router.ServiceLoop` (a mixin of it)."""
+    """The C paths of ServiceLoop (a mixin of it)."""
 
     def _make_fast(self) -> None:
         """(Re)build the one-key fast path for the ops whose handler is still the

@@ -13,7 +13,7 @@ from kvshm.zmq_ctrl.handling import not_operator
 from kvshm.zmq_ctrl.protocol import Op, Status
 
 class AdminOpsMixin:
-    """Operator and inspection handlers of :class:`~kvshm.zmq_ctrl.router.ServiceLoop` (a mixin of it)."""
+    """Operator and inspection handlers of ServiceLoop (a mixin of it)."""
 
     def _on_evict(self, session, req_id, body, frames, on_sent):
         if not session.operator:

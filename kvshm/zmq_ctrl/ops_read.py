@@ -20,7 +20,7 @@ from kvshm.zmq_ctrl.handling import _MORE, _attempt_now, _Sliced
 from kvshm.zmq_ctrl.protocol import Status
 
 class ReadOpsMixin:
-    """Read handlers of :class:`~kvshm.zmq_ctrl.router.ServiceLoop` (a mixin of it)."""
+    """Read handlers of ServiceLoop (a mixin of it)."""
 
     def _on_lookup(self, session, req_id, body, frames, on_sent):
         keys = self._keys(body)

@@ -16,11 +16,18 @@ from kvshm._pool import PackedValues
 from kvshm.store import Session
 from kvshm.zmq_ctrl.frames import FrameLayoutError
 from kvshm.zmq_ctrl.frames import unpack as unpack_frames
-from kvshm.zmq_ctrl.handling import _MORE, _attempt_now, _list, _Malformed, _Sliced, _wire_statuses
+from kvshm.zmq_ctrl.handling import (
+    _MORE,
+    _attempt_now,
+    _list,
+    _Malformed,
+    _Sliced,
+    _wire_statuses,
+)
 from kvshm.zmq_ctrl.protocol import Status
 
 class WriteOpsMixin:
-    """Write handlers of :class:`~kvshm.zmq_ctrl.router.ServiceLoop` (a mixin of it)."""
+    """Write handlers of ServiceLoop (a mixin of it)."""
 
     def _on_alloc(self, session, req_id, body, frames, on_sent):
         keys = _list(body, "keys")

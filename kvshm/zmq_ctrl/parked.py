@@ -1,16 +1,16 @@
 """Deferred replies: the requests the server loop parked, retried and cancelled.
 
 Deferred replies. With a tier below the pool a request may have to wait for disk I/O: a
-LOOKUP/GET of a key that lives only on SSD (promoted first), an ALLOC/PUT that needs
-room while spills are in flight. Its handler then raises :class:`_Defer` with an
-``attempt(force)`` function; the request is parked (its piggybacked COMMIT/RELEASE/ABORT
-are applied already, as for any request) and attempted again each time the store makes
-progress. Its reply goes out when an attempt succeeds, or unconditionally (``force``)
-once it waited ``StoreConfig.tier_wait`` seconds. Replies to one client may thus leave in
-another order than its requests came; clients match them by request id, and grants are
-named by request id, so COMMIT/RELEASE stay exact. A RELEASE or ABORT that names a
-parked request (its client gave up on it) cancels it: the grant it would make is never
-made.
+LOOKUP/GET of a key that lives only on SSD (promoted first), an ALLOC/PUT that needs room
+while spills are in flight. Its handler then raises
+:class:`~kvshm.zmq_ctrl.handling._Defer` with an ``attempt(force)`` function; the request
+is parked (its piggybacked COMMIT/RELEASE/ABORT are applied already, as for any request)
+and attempted again each time the store makes progress. Its reply goes out when an attempt
+succeeds, or unconditionally (``force``) once it waited ``StoreConfig.tier_wait`` seconds.
+Replies to one client may thus leave in another order than its requests came; clients match
+them by request id, and grants are named by request id, so COMMIT/RELEASE stay exact. A
+RELEASE or ABORT that names a parked request (its client gave up on it) cancels it: the
+grant it would make is never made.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class _Parked:
 
 
 class ParkedMixin:
-    """Parked requests of :class:`~kvshm.zmq_ctrl.router.ServiceLoop` (a mixin of it)."""
+    """Parked requests of ServiceLoop (a mixin of it)."""
 
     def _retry_parked(self, now: float) -> None:
         """Attempt the parked requests again (in arrival order) after the store made

@@ -25,7 +25,7 @@ log = logging.getLogger("kvshm.zmq_ctrl.router")
 
 
 class SendsMixin:
-    """Sends in flight of :class:`~kvshm.zmq_ctrl.router.ServiceLoop` (a mixin of it)."""
+    """Sends in flight of ServiceLoop (a mixin of it)."""
 
     def _reap_sends(self, now: float) -> None:
         keep = []

@@ -11,7 +11,8 @@ HELLO with the same client ``nonce`` replaces the old session (its grants move o
 a session whose liveness proof is gone is closed and its grants reclaimed at once.
 
 Handshakes that failed (a CURVE key not allowed, no key) are counted as ``auth_refused``
-and logged when the loop was made with ``log_handshakes`` (:meth:`SessionsMixin._log_handshakes`).
+and logged when the loop was made with ``log_handshakes``
+(:meth:`SessionsMixin._log_handshakes`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ log = logging.getLogger("kvshm.zmq_ctrl.router")
 
 
 class SessionsMixin:
-    """Sessions of :class:`~kvshm.zmq_ctrl.router.ServiceLoop` (a mixin of it)."""
+    """Sessions of ServiceLoop (a mixin of it)."""
 
     def sessions(self) -> list[Session]:
         """The open sessions (a snapshot)."""

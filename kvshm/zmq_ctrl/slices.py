@@ -1,23 +1,24 @@
 """Large requests in slices, and the sliced codec (large headers, large replies).
 
-Large requests in slices. A request of more than ``slice_keys`` keys (EXISTS,
-MATCH_PREFIX, DELETE, ALLOC, PUT, LOOKUP, GET) is served ``slice_keys`` keys at a time:
-its handler raises :class:`_Sliced`, the request joins the loop's runnable requests, and
-each turn of the loop serves every queued message and then one slice of each runnable
-request (round robin, so several large requests advance together). Its reply goes out
-when its last slice is done. Per-key results are those of one request: the slices of an
-ALLOC or LOOKUP make one grant (``extend=`` of the store), a quota spent by the first
-slices refuses the keys of the later ones, and a slice that must wait for the tier parks
-the request as above (once forced, its later slices are forced too, so the wait stays
-bounded by ``tier_wait``). A RELEASE/ABORT naming it, or its session's end, abandons it:
-the grant made so far is settled (by that RELEASE/ABORT or by the session's close) and no
-later slice runs. Between two slices the store may change: a sliced EXISTS is not a
+Large requests in slices. A request of more than ``slice_keys`` keys (EXISTS, MATCH_PREFIX,
+DELETE, ALLOC, PUT, LOOKUP, GET) is served ``slice_keys`` keys at a time: its handler
+raises :class:`_Sliced`, the request joins the loop's runnable requests, and each turn of
+the loop serves every queued message and then one slice of each runnable request (round
+robin, so several large requests advance together). Its reply goes out when its last slice
+is done. Per-key results are those of one request: the slices of an ALLOC or LOOKUP make
+one grant (``extend=`` of the store), a quota spent by the first slices refuses the keys of
+the later ones, and a slice that must wait for the tier parks the request
+(:mod:`kvshm.zmq_ctrl.parked`) (once forced, its later slices are forced too, so the wait
+stays bounded by ``tier_wait``). A RELEASE/ABORT naming it, or its session's end, abandons
+it: the grant made so far is settled (by that RELEASE/ABORT or by the session's close) and
+no later slice runs. Between two slices the store may change: a sliced EXISTS is not a
 snapshot, as two requests are not. The codec is sliced too: a request header of at least
 :data:`STREAM_HEADER_BYTES` is decoded ``2 * slice_keys`` msgpack items a turn
 (:class:`~kvshm.zmq_ctrl.protocol.RequestDecoder`; that peer's later messages wait behind
-it, so its requests still take effect in its order), and a reply with a list of more
-than :data:`STREAM_REPLY_ITEMS` items (and no payload) is encoded ``4 * slice_keys``
-items a turn (:class:`~kvshm.zmq_ctrl.protocol.ReplyEncoder`, the same bytes).
+it, so its requests still take effect in its order; at
+:data:`~kvshm.zmq_ctrl.router.HELD_MAX` of them the rest is decoded at once), and a reply
+with a list of more than :data:`STREAM_REPLY_ITEMS` items (and no payload) is encoded ``4 *
+slice_keys`` items a turn (:class:`~kvshm.zmq_ctrl.protocol.ReplyEncoder`, the same bytes).
 """
 
 from __future__ import annotations
@@ -31,7 +32,13 @@ from typing import Any, Callable
 from kvshm.store import Session
 from kvshm.zmq_ctrl.handling import _MORE, _BatchTooLarge, _Defer, _list, _Malformed, _Sliced
 from kvshm.zmq_ctrl.parked import _Parked
-from kvshm.zmq_ctrl.protocol import DecodeError, ReplyEncoder, RequestDecoder, Status, encode_reply
+from kvshm.zmq_ctrl.protocol import (
+    DecodeError,
+    ReplyEncoder,
+    RequestDecoder,
+    Status,
+    encode_reply,
+)
 
 #: the loop's one logger: its records keep the name they had before the loop was
 #: split into modules (as kvshm.store's modules share "kvshm.store")
@@ -79,7 +86,7 @@ class _Encoding:
 
 
 class SlicesMixin:
-    """Slices and the sliced codec of :class:`~kvshm.zmq_ctrl.router.ServiceLoop` (a mixin of it)."""
+    """Slices and the sliced codec of ServiceLoop (a mixin of it)."""
 
     @property
     def in_progress(self) -> int:
