@@ -20,6 +20,7 @@ import zmq
 
 from kvshm.store import Session
 from kvshm.zmq_ctrl.handling import _BatchTooLarge, _Defer, _list, _Malformed
+from kvshm.zmq_ctrl.loopstate import LoopState
 from kvshm.zmq_ctrl.parked import _Parked
 from kvshm.zmq_ctrl.protocol import (
     PROTOCOL_VERSION,
@@ -50,7 +51,7 @@ _BATCHQ_MIN_BYTES = 256
 _HELLO = int(Op.HELLO)
 
 
-class DispatchMixin:
+class DispatchMixin(LoopState):
     """Request dispatch of ServiceLoop (a mixin of it)."""
 
     def _dispatch(self, msg: list[zmq.Frame], decoded: Any = None, t0: float = 0.0) -> None:

@@ -31,6 +31,7 @@ from typing import Any
 from kvshm.zmq_ctrl.dispatch import LATENCY_BUCKETS
 from kvshm.zmq_ctrl.frames import PACK_BELOW
 from kvshm.zmq_ctrl.handling import _MORE, _SAME_NUMBERS
+from kvshm.zmq_ctrl.loopstate import LoopState
 from kvshm.zmq_ctrl.protocol import PROTOCOL_VERSION, Op, Status, encode_reply
 
 try:    # one-key PUT/GET/EXISTS decoded, served and answered in C (with _zmqc only)
@@ -54,7 +55,7 @@ _BATCH_ON = os.environ.get("KVSHM_BATCHPATH", "1") != "0"
 log = logging.getLogger("kvshm.zmq_ctrl.router")
 
 
-class FastPathsMixin:
+class FastPathsMixin(LoopState):
     """The C paths of ServiceLoop (a mixin of it)."""
 
     def _make_fast(self) -> None:

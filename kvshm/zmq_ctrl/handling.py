@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from kvshm.store import Outcome
+from kvshm.zmq_ctrl.loopstate import LoopState
 from kvshm.zmq_ctrl.protocol import Status
 
 #: A slice step's answer: one slice done, more to come.
@@ -106,7 +107,7 @@ class _BatchTooLarge(Exception):
         super().__init__(f"batch of {n} keys exceeds the server's limit of {limit}")
 
 
-class RequestChecksMixin:
+class RequestChecksMixin(LoopState):
     """The body checks every handler family uses (a mixin of ServiceLoop)."""
 
     def _keys(self, body: dict[str, Any]) -> list[Any]:

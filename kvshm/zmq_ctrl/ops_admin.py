@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from kvshm.zmq_ctrl.dispatch import LATENCY_BUCKETS
 from kvshm.zmq_ctrl.handling import not_operator
+from kvshm.zmq_ctrl.loopstate import LoopState
 from kvshm.zmq_ctrl.protocol import Op, Status
 
-class AdminOpsMixin:
+class AdminOpsMixin(LoopState):
     """Operator and inspection handlers of ServiceLoop (a mixin of it)."""
 
     def _on_evict(self, session, req_id, body, frames, on_sent):

@@ -17,9 +17,10 @@ from kvshm.store import QUOTA_REFUSED, Session
 from kvshm.zmq_ctrl.frames import PACK_BELOW, PACK_FRAME_BYTES
 from kvshm.zmq_ctrl.frames import plan as plan_frames
 from kvshm.zmq_ctrl.handling import _MORE, _attempt_now, _Sliced
+from kvshm.zmq_ctrl.loopstate import LoopState
 from kvshm.zmq_ctrl.protocol import Status
 
-class ReadOpsMixin:
+class ReadOpsMixin(LoopState):
     """Read handlers of ServiceLoop (a mixin of it)."""
 
     def _on_lookup(self, session, req_id, body, frames, on_sent):

@@ -24,9 +24,10 @@ from kvshm.zmq_ctrl.handling import (
     _Sliced,
     _wire_statuses,
 )
+from kvshm.zmq_ctrl.loopstate import LoopState
 from kvshm.zmq_ctrl.protocol import Status
 
-class WriteOpsMixin:
+class WriteOpsMixin(LoopState):
     """Write handlers of ServiceLoop (a mixin of it)."""
 
     def _on_alloc(self, session, req_id, body, frames, on_sent):

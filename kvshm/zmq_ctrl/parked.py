@@ -20,6 +20,7 @@ from typing import Any
 
 from kvshm.store import Session
 from kvshm.zmq_ctrl.handling import _MORE, _Defer, _Sliced
+from kvshm.zmq_ctrl.loopstate import LoopState
 from kvshm.zmq_ctrl.protocol import Status
 
 #: the loop's one logger: its records keep the name they had before the loop was
@@ -52,7 +53,7 @@ class _Parked:
         self.forced = False         # a slice was forced: the later ones are too
 
 
-class ParkedMixin:
+class ParkedMixin(LoopState):
     """Parked requests of ServiceLoop (a mixin of it)."""
 
     def _retry_parked(self, now: float) -> None:

@@ -19,7 +19,9 @@ The loop, one class (:class:`ServiceLoop`) made of mixins, one module each:
 - :mod:`kvshm.zmq_ctrl.slices`: large requests in slices, the sliced codec;
 - :mod:`kvshm.zmq_ctrl.sends`: zero-copy replies in flight;
 - :mod:`kvshm.zmq_ctrl.fastpaths`: the one-key fast path and the batch path (C);
-- :mod:`kvshm.zmq_ctrl.sockets`: the ROUTER socket's options and binding.
+- :mod:`kvshm.zmq_ctrl.sockets`: the ROUTER socket's options and binding;
+- :mod:`kvshm.zmq_ctrl.loopstate`: the state the mixins share, declared for the type
+  checker (:class:`~kvshm.zmq_ctrl.loopstate.LoopState`, their base).
 
 Every name these define that was importable from this module still is.
 

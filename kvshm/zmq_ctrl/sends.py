@@ -18,13 +18,14 @@ from typing import Any
 import zmq
 
 from kvshm.store import Session
+from kvshm.zmq_ctrl.loopstate import LoopState
 
 #: the loop's one logger: its records keep the name they had before the loop was
 #: split into modules (as kvshm.store's modules share "kvshm.store")
 log = logging.getLogger("kvshm.zmq_ctrl.router")
 
 
-class SendsMixin:
+class SendsMixin(LoopState):
     """Sends in flight of ServiceLoop (a mixin of it)."""
 
     def _reap_sends(self, now: float) -> None:

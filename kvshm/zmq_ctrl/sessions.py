@@ -27,6 +27,7 @@ import zmq
 from kvshm.segments import Liveness
 from kvshm.store import Session
 from kvshm.zmq_ctrl.handling import _Malformed
+from kvshm.zmq_ctrl.loopstate import LoopState
 from kvshm.zmq_ctrl.protocol import Status
 
 #: the loop's one logger: its records keep the name they had before the loop was
@@ -34,7 +35,7 @@ from kvshm.zmq_ctrl.protocol import Status
 log = logging.getLogger("kvshm.zmq_ctrl.router")
 
 
-class SessionsMixin:
+class SessionsMixin(LoopState):
     """Sessions of ServiceLoop (a mixin of it)."""
 
     def sessions(self) -> list[Session]:

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 from kvshm.store import Session
 from kvshm.zmq_ctrl.handling import _MORE, _BatchTooLarge, _Defer, _list, _Malformed, _Sliced
+from kvshm.zmq_ctrl.loopstate import LoopState
 from kvshm.zmq_ctrl.parked import _Parked
 from kvshm.zmq_ctrl.protocol import (
     DecodeError,
@@ -85,7 +86,7 @@ class _Encoding:
         self.t0 = t0
 
 
-class SlicesMixin:
+class SlicesMixin(LoopState):
     """Slices and the sliced codec of ServiceLoop (a mixin of it)."""
 
     @property
