@@ -180,7 +180,7 @@ class ServiceLoop(DispatchMixin, SessionsMixin, ParkedMixin, SlicesMixin, SendsM
         of this server's uid or root is one without it.
     slice_keys : int
         Requests of more keys are served in slices of this many, other requests served
-        between two slices (default :data:`SLICE_KEYS`; see the module docstring).
+        between two slices (default :data:`SLICE_KEYS`; see :mod:`kvshm.zmq_ctrl.slices`).
     """
 
     #: Sessions kept at most; beyond, the oldest without grants are closed.
