@@ -257,7 +257,8 @@ class SimResult:
 
 
 def simulate_lru(requests: Iterable[Request], capacity: int,
-                 cost: Callable[[int], int] | None = None) -> SimResult:
+                 cost: Callable[[int], int] | None = None,
+                 shards: Iterable[Sequence[int]] | None = None) -> SimResult:
     """An exact LRU cache of ``capacity``, fed the accesses a replay makes.
 
     Per request, in order: hits = the leading keys present; those are read, each
@@ -272,39 +273,53 @@ def simulate_lru(requests: Iterable[Request], capacity: int,
         Keys of each request (block ids, or the chunk keys of
         :mod:`kvshm.replay.workload`).
     capacity : int
-        What the cache holds (>= 1): entries, or with ``cost`` the units it counts.
+        What the cache holds (>= 1): entries, or with ``cost`` the units it counts; with
+        ``shards``, what each shard holds.
     cost : callable, optional
         What one key costs in those units (its bytes, or its blocks); default 1 each.
+    shards : iterable of sequence of int, optional
+        Per request, the shard (0, 1, ...) holding each of its keys: one exact LRU cache
+        of ``capacity`` per shard, a request's hits still the leading keys present, each
+        in its own shard (a cluster whose placement put the keys there: ``kvshm replay
+        --hosts``). Default: one shard.
     """
     if capacity < 1:
         raise ValueError(f"capacity must be >= 1 block, got {capacity}")
-    od: OrderedDict[int, int] = OrderedDict()
-    move = od.move_to_end
-    pop = od.popitem
+    ods: list[OrderedDict[int, int]] = []
+    sizes: list[int] = []
     per: list[int] = []
     hits = blocks = evictions = 0
-    size = 0
+    shard_iter = iter(shards) if shards is not None else None
+    one = [0]
     for ids in requests:
         n = len(ids)
         blocks += n
+        where = next(shard_iter) if shard_iter is not None else one * n
+        if len(where) != n:
+            raise ValueError(f"a request of {n} keys has {len(where)} shards")
+        while len(ods) <= max(where, default=0):
+            ods.append(OrderedDict())
+            sizes.append(0)
         h = 0
-        while h < n and ids[h] in od:
-            move(ids[h])
+        while h < n and ids[h] in ods[where[h]]:
+            ods[where[h]].move_to_end(ids[h])
             h += 1
         per.append(h)
         hits += h
         for i in range(h, n):
             b = ids[i]
+            k = where[i]
+            od = ods[k]
             if b in od:
-                move(b)
+                od.move_to_end(b)
                 continue
             c = 1 if cost is None else cost(b)
             if c > capacity:
                 raise ValueError(f"key {b} costs {c}, more than the capacity {capacity}")
             od[b] = c
-            size += c
-            while size > capacity:
-                size -= pop(last=False)[1]
+            sizes[k] += c
+            while sizes[k] > capacity:
+                sizes[k] -= od.popitem(last=False)[1]
                 evictions += 1
     return SimResult(hits, blocks, evictions, per)
 

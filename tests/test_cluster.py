@@ -531,7 +531,12 @@ def test_replay_across_three_hosts() -> None:
     assert out.returncode == 0, out.stderr
     s = json.loads(out.stdout)
     assert s["mismatches"] == 0
-    assert s["cluster_hit_rate"] >= 0.98 * s["summed_lru_hit_rate"]
+    # hit for hit an exact LRU per host over the blocks this run's placement put there
+    # (the keys carry the run's prefix: the placement, and the hit rate, vary by run)
+    assert s["hits"] == s["placed_lru_hits"] > 0
+    # HRW spreads the blocks evenly enough to lose little to one LRU of the summed
+    # capacity (0.98-0.997x in runs here; the bound only catches a skewed placement)
+    assert s["cluster_hit_rate"] >= 0.95 * s["summed_lru_hit_rate"]
     assert s["cluster_hit_rate"] > s["isolated_hit_rate"]
     assert s["remote_bytes"] > 0 and s["local_bytes"] > 0
 

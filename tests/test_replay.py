@@ -88,6 +88,25 @@ def test_lru_simulator_hand_made_trace() -> None:
         simulate_lru([[1]], capacity=0)
 
 
+def test_lru_in_shards_worked_example() -> None:
+    """``shards``: one exact LRU of ``capacity`` per shard; a request's hits are still its
+    leading keys present, each looked for in its own shard."""
+    # odd keys on shard 1, even on shard 0; capacity 2 each
+    trace = [[1, 2, 3],     # all miss: shard 1 holds 1 3, shard 0 holds 2
+             [1, 2, 4],     # 1 2 hit; write 4: shard 0 holds 2 4
+             [6, 1],        # 6 misses: shard 0 evicts 2 (4 6); 1 refreshed (3 1)
+             [2, 1]]        # 2 misses (evicted): write 2 evicts 4 (6 2); 1 refreshed
+    where = [[k % 2 for k in r] for r in trace]
+    r = simulate_lru(trace, capacity=2, shards=where)
+    assert r.per_request == [0, 2, 0, 0]
+    assert (r.hits, r.evictions) == (2, 2)
+    # one shard is the plain cache
+    assert simulate_lru(trace, 2, shards=[[0] * len(q) for q in trace]).per_request == \
+        simulate_lru(trace, 2).per_request
+    with pytest.raises(ValueError):
+        simulate_lru([[1, 2]], 2, shards=[[0]])
+
+
 def test_lru_bounds_on_the_trace(requests_: list[list[int]]) -> None:
     small = simulate_lru(requests_, 1024).hit_rate
     big = simulate_lru(requests_, 1 << 20).hit_rate

@@ -9,7 +9,9 @@ prefix, read the leading hits (checked byte for byte), write the rest; placement
 stripes of ``--stripe`` blocks (the placement key of block ``j`` is the key of block
 ``j - j % G`` of the request).
 
-Printed beside the cluster's hit rate, over the same requests: *isolated* (each host an
+Printed beside the cluster's hit rate, over the same requests: *placed LRU* (an exact LRU
+cache of each host's capacity fed the accesses of the blocks this run's placement put on
+that host: what the stores must equal, hit for hit, when nothing fails), *isolated* (each host an
 exact LRU cache of its own capacity, seeing only its own requests: hosts without a
 cluster) and *summed LRU* (one exact LRU cache of the summed capacity: the best a
 partitioned cache of that size can hope for); and the bytes read from the local store
@@ -140,6 +142,17 @@ def run_cluster_replay(opts: ClusterReplayOptions) -> dict[str, Any]:
                 time.sleep(0.05)
             clients.append(c)
         g = opts.stripe
+        # where this cluster's placement (HRW over its members) puts every block: an
+        # exact LRU per host fed the same accesses (``placed``) is what the stores must
+        # equal, one block a key (the keys carry this run's prefix, so the placement,
+        # and with it the hit rate, differs from run to run)
+        index = {f"host{h}": h for h in range(n)}
+        where = []
+        for req in reqs:
+            keys = [block_key(b, prefix) for b in req]
+            pkeys = [keys[j - j % g] for j in range(len(keys))]
+            where.append([index[o] for o in clients[0].owners(keys, placement_keys=pkeys)])
+        placed = simulate_lru(reqs, per_host_blocks, shards=where)
         for i, req in enumerate(reqs):
             h = _host_of(req, i, n, opts.assign)
             c = clients[h]
@@ -182,7 +195,8 @@ def run_cluster_replay(opts: ClusterReplayOptions) -> dict[str, Any]:
     rate = hits / blocks if blocks else 0.0
     return {"hosts": n, "requests": len(reqs), "blocks": blocks, "block_bytes": opts.block_bytes,
             "per_host_capacity_blocks": per_host_blocks, "stripe": opts.stripe,
-            "assign": opts.assign, "cluster_hit_rate": rate,
+            "assign": opts.assign, "cluster_hit_rate": rate, "hits": hits,
+            "placed_lru_hits": placed.hits, "placed_lru_hit_rate": placed.hit_rate,
             "isolated_hit_rate": iso_rate, "summed_lru_hit_rate": summed.hit_rate,
             "cluster_vs_summed_lru": rate / summed.hit_rate if summed.hit_rate else 0.0,
             "mismatches": mismatches, "local_bytes": local_bytes,
@@ -220,7 +234,8 @@ def cmd(args: argparse.Namespace) -> int:
         print(f"kvshm replay --hosts {s['hosts']}: {s['requests']} requests, {s['blocks']} "
               f"blocks of {s['block_bytes']} B, {s['per_host_capacity_blocks']} blocks per "
               f"host, stripes of {s['stripe']}, {s['assign']}\n"
-              f"  cluster hit rate     {s['cluster_hit_rate']:.4f}\n"
+              f"  cluster hit rate     {s['cluster_hit_rate']:.4f} ({s['hits']} hits; an "
+              f"exact LRU per host over this placement: {s['placed_lru_hits']})\n"
               f"  summed-capacity LRU  {s['summed_lru_hit_rate']:.4f} (cluster = "
               f"{s['cluster_vs_summed_lru']:.3f}x)\n"
               f"  isolated hosts       {s['isolated_hit_rate']:.4f}\n"
