@@ -40,6 +40,9 @@ class Bed:
     """A door-less loop over TCP (``shared``: with the server's shared table attached)
     and DEALER peers, driven one turn at a time."""
 
+    #: most turns :meth:`raw` drives waiting for a reply
+    TURNS = 5000
+
     def __init__(self, name: str, shared: bool) -> None:
         self.ctx = zmq.Context()
         self.pool = Pool.create(name, NBLOCKS * BS, BS)
@@ -69,7 +72,7 @@ class Bed:
     def raw(self, parts: list[Any], sock: zmq.Socket | None = None) -> list[bytes]:
         s = sock or self.sock
         s.send_multipart(parts)
-        for _ in range(5000):
+        for _ in range(self.TURNS):
             self.loop.turn(5)
             if s.poll(0):
                 return s.recv_multipart()

@@ -27,6 +27,15 @@ from kvshm.zmq_ctrl.handling import (
 from kvshm.zmq_ctrl.loopstate import LoopState
 from kvshm.zmq_ctrl.protocol import Status
 
+def _sums(body: dict[str, Any], keys: list[Any]) -> list[Any] | None:
+    """The request's ``sums`` (xxh64 per key, or None): a list as long as ``keys``, else
+    _Malformed."""
+    sums = body.get("sums")
+    if sums is not None and (not isinstance(sums, list) or len(sums) != len(keys)):
+        raise _Malformed("sums must be a list as long as keys")
+    return sums
+
+
 class WriteOpsMixin(LoopState):
     """Write handlers of ServiceLoop (a mixin of it)."""
 
@@ -35,9 +44,7 @@ class WriteOpsMixin(LoopState):
         sizes = _list(body, "sizes")
         if len(keys) != len(sizes):
             raise _Malformed("keys and sizes differ in length")
-        sums = body.get("sums")
-        if sums is not None and (not isinstance(sums, list) or len(sums) != len(keys)):
-            raise _Malformed("sums must be a list as long as keys")
+        sums = _sums(body, keys)
         self._check_batch(keys)
         store = self.store
         if len(keys) > self.slice_keys:
@@ -113,9 +120,7 @@ class WriteOpsMixin(LoopState):
         elif len(keys) != len(frames):
             return Status.INVALID_REQUEST, {
                 "error": f"{len(keys)} keys but {len(frames)} value frames"}, []
-        sums = body.get("sums")
-        if sums is not None and (not isinstance(sums, list) or len(sums) != len(keys)):
-            raise _Malformed("sums must be a list as long as keys")
+        sums = _sums(body, keys)
         self._check_batch(keys)
         store = self.store
         if len(keys) > self.slice_keys:
