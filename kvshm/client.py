@@ -808,11 +808,35 @@ class _Session:
             self.need_hello = False
             self._wb_after_hello(same_server)
             return
+        m = self.mover
+        if (same_server and isinstance(m, ShmMover) and not self.write_behind
+                and self.wb is None and self._same_pool(m, h["pool"])):
+            # The same server again (a HELLO after another thread's call timed out, a
+            # ping, a reconnect): its pool is the one mapped. Keep that mapping and this
+            # mover, proven again by the next HELLO: an operation of another thread
+            # between two of its requests (a copy after ALLOC or LOOKUP, whose grants
+            # moved over with the nonce) goes on with it. A new mover would make that
+            # operation take the HELLO for a restart (_Restarted, "reset twice").
+            # Not with write-behind: a HELLO resets the reservation, and retiring the
+            # mover (its close waits for the copies into the old blocks, later ones
+            # fail) is what keeps those copies out of blocks handed out again.
+            self._unproven = m
+            self.need_hello = False
+            return
         self._retire_mover()
         self.mover = self._pick_mover(h, address)
         self.local = localread.attach(h, self.mover, self.epoch, self.limits.max_key_bytes)
         self.need_hello = False
         self._wb_after_hello(same_server)
+
+    def _same_pool(self, m: ShmMover, pool_info: dict[str, Any]) -> bool:
+        """Whether ``m`` maps the pool a HELLO names (name and token), and this client's
+        liveness proof of it is there."""
+        pool = m.pool
+        return (self.transport in ("auto", "shm") and not pool.closed
+                and pool.name == pool_info.get("name")
+                and segments.token_digest(pool.token) == pool_info.get("token_digest")
+                and self._prove(pool))
 
     def local_reader(self) -> Any:
         """The shared-index reader when a read may skip the server now, else None (not

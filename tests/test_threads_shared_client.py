@@ -348,9 +348,13 @@ def test_hello_of_another_thread_mid_put(server: ServerProcess, transport_impl: 
     with Client(server.ipc, timeout=SAFE_TIMEOUT) as c:
         keys = [f"mid-put-{uuid.uuid4().hex[:8]}-{i}".encode() for i in range(3)]
         vals = [bytes([i + 7]) * (5000 + i) for i in range(3)]
+        c.put(b"first", b"x")               # (the mover is made)
+        mover = c.session.mover
         done = _hello_between_steps(c, monkeypatch, Op.ALLOC, times)
-        c.put_batch(keys, vals)
+        for _ in range(times):
+            c.put_batch(keys, vals)
         assert len(done) == times
+        assert c.session.mover is mover
         monkeypatch.undo()
         assert c.get_batch(keys) == vals
         st = c.stats(verify=True)
