@@ -115,6 +115,11 @@ def _recv_zmqc(sock: zmq.Socket) -> list[Any]:
 
 #: Whether :meth:`Channel.call1` is there (the one-key path in C, _zmqc built)
 CALL1 = _zmqc is not None
+#: Replies read, without waiting, at a wait's deadline before it ends in a timeout
+#: (:meth:`Channel._expired`): a caller kept from running past its deadline (the GIL
+#: held by an engine's scheduler thread, the CPU by its workers) finds its reply if it
+#: came; bounded so that a flood of other requests' replies cannot hold a call.
+LAST_LOOK = 1024
 #: what :meth:`Channel.call1` returns when it sent nothing
 NOT_SENT = object()
 if _zmqc is not None:
@@ -250,6 +255,8 @@ class Channel:
         self.sent = 0               # requests sent
         self.fast = 0               # one-key replies read in C (call1)
         self.timeouts = 0           # waits that ran to their end (ServerUnavailable)
+        #: replies found by the last look at a wait's deadline (see _expired)
+        self.late = 0
         self.gone = 0               # servers found gone by the watch (ServerGone)
         #: whether this endpoint is carried by the ZMTP transport (kvshm.zmq_ctrl._zmtp)
         self.zmtp = self._zmtp_for(endpoint)
@@ -360,7 +367,9 @@ class Channel:
         self._hs_failed = 0
         while True:
             if r is _AGAIN:
-                self._waited(sock, watch, deadline, self.timeout)
+                if not self._waited(sock, watch, deadline, self.timeout):
+                    got = self._expired(sock, req_id, self.timeout)
+                    return got[1], got[2], got[3]
             elif type(r) is not list:
                 return r
             else:
@@ -375,7 +384,8 @@ class Channel:
                 if self.on_stray is not None:
                     self.on_stray(rid, status, rbody)
                 if _monotonic() >= deadline:        # (a flood of them: not past it)
-                    self._waited(sock, watch, deadline, self.timeout)
+                    got = self._expired(sock, req_id, self.timeout)
+                    return got[1], got[2], got[3]
             r = _recv1(sock, kind, req_id, out, ZERO_COPY_BYTES)
 
     def _where(self) -> str:
@@ -470,7 +480,8 @@ class Channel:
                 # blocks one slice at most (RCVTIMEO), with the GIL released
                 msg = recv_message(sock)
             except zmq.Again:
-                self._waited(sock, watch, deadline, wait)
+                if not self._waited(sock, watch, deadline, wait):
+                    return self._expired(sock, req_id, wait)
                 continue
             try:
                 status, rid, rbody = decode_reply(msg[0])
@@ -482,16 +493,17 @@ class Channel:
                 if self.on_stray is not None:
                     self.on_stray(rid, status, rbody)
                 if time.monotonic() >= deadline:    # (a flood of them: not past it)
-                    self._waited(sock, watch, deadline, wait)
+                    return self._expired(sock, req_id, wait)
                 continue
             self._last = time.monotonic()
             return rid, status, rbody, msg[1:]
 
     def _waited(self, sock: zmq.Socket, watch: ServerWatch | None, deadline: float,
                 wait: float) -> None:
-        """A slice of a wait passed without a reply: a failed handshake, a server the
-        watch proves gone and the deadline end the wait (raising); else the next slice
-        is set up (shorter when the deadline is nearer)."""
+        """A slice of a wait passed without a reply: a failed handshake and a server the
+        watch proves gone end the wait (raising); the deadline: False (the caller takes
+        its last look, :meth:`_expired`); else True, the next slice set up (shorter when
+        the deadline is nearer)."""
         mon = self._monitor
         while mon is not None and mon.get(zmq.EVENTS) & zmq.POLLIN:
             self._handshake_failed()        # raises, or the wait goes on
@@ -502,14 +514,59 @@ class Channel:
             self._check(watch, sent=True)
         left = deadline - now
         if left <= 0:
-            self.timeouts += 1
-            self.reset()
-            raise ServerUnavailable(
-                f"no reply from kvshm server at {self._where()} within {wait:g} s")
+            return False
         ms = max(1, min(self._slice_ms, int(left * 1000)))
         if ms != self._rcvtimeo:
             sock.setsockopt(zmq.RCVTIMEO, ms)
             self._rcvtimeo = ms
+        return True
+
+    def _expired(self, sock: zmq.Socket, req_id: int, wait: float
+                 ) -> tuple[int, int, dict[str, Any], list[Any]]:
+        """The deadline passed with no reply read: one last look, without waiting, at
+        what is queued (at most LAST_LOOK replies), then the timeout. A caller kept off
+        the CPU (or the GIL) from the end of a slice until past its deadline finds its
+        reply there if it came meanwhile, rather than a ServerUnavailable with its reply
+        unread (and lost with the socket). Returns ``(req_id, status, body, frames)``;
+        raises ServerUnavailable (the socket is reset) or ProtocolError."""
+        for _ in range(LAST_LOOK):
+            try:
+                if _zmqc is not None:
+                    msg = _zmqc.recv_multipart(sock, _zmqc.DONTWAIT, ZERO_COPY_BYTES)
+                else:
+                    msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.ZMQError:        # (Again, or the socket's end)
+                msg = None
+            if msg is None:
+                break
+            h = msg[0] if type(msg[0]) is bytes else msg[0].buffer
+            r = self._reply_of(h, req_id)
+            if r is not None:
+                self.late += 1
+                self._last = time.monotonic()
+                return r[0], r[1], r[2], msg[1:]
+        self._timed_out(wait)
+        raise AssertionError("not reached")
+
+    def _reply_of(self, header: Any, req_id: int) -> tuple[int, int, dict[str, Any]] | None:
+        """``(rid, status, body)`` of a reply header when it answers ``req_id``; another
+        request's goes to on_stray (None). ProtocolError (reset) when undecodable."""
+        try:
+            status, rid, rbody = decode_reply(header)
+        except DecodeError as exc:
+            self.reset()
+            raise ProtocolError(f"bad reply from {self._where()}: {exc}") from None
+        if rid == req_id:
+            return rid, status, rbody
+        if self.on_stray is not None:
+            self.on_stray(rid, status, rbody)
+        return None
+
+    def _timed_out(self, wait: float) -> None:
+        self.timeouts += 1
+        self.reset()
+        raise ServerUnavailable(
+            f"no reply from kvshm server at {self._where()} within {wait:g} s")
 
     def send(self, op: int, body: dict[str, Any], frames: Sequence[Any] = (), *,
              epoch: int = 0, req_id: int) -> None:
@@ -725,20 +782,40 @@ class Channel:
         return zt
 
     def _zwaited(self, watch: ServerWatch | None, deadline: float, wait: float,
-                 sent: bool = True) -> int:
+                 sent: bool = True, look: bool = False) -> int:
         """A slice passed with no reply (or no connection): the watch (every POLL_S) and
-        the deadline end the wait (raising, as _waited); else the next slice's ms."""
+        the deadline end the wait (raising, as _waited; with ``look``, the deadline
+        returns 0: the caller takes its last look, :meth:`_zexpired`); else the next
+        slice's ms."""
         now = time.monotonic()
         if watch is not None and now >= self._watch_at:
             self._watch_at = now + POLL_S
             self._check(watch, sent=sent)
         left = deadline - now
         if left <= 0:
-            self.timeouts += 1
-            self.reset()
-            raise ServerUnavailable(
-                f"no reply from kvshm server at {self._where()} within {wait:g} s")
+            if look:
+                return 0
+            self._timed_out(wait)
         return max(1, min(self._slice_ms, int(left * 1000)))
+
+    def _zexpired(self, zt: Any, req_id: int, wait: float
+                  ) -> tuple[int, int, dict[str, Any], list[Any]]:
+        """:meth:`_expired` on the ZMTP transport: the replies already here (at most
+        LAST_LOOK), read without waiting, before the timeout."""
+        for _ in range(LAST_LOOK):
+            try:
+                msg = zt.recv(0)
+            except OSError:
+                break                   # (closed: the reply cannot come)
+            if msg is None:
+                break
+            r = self._reply_of(msg[0], req_id)
+            if r is not None:
+                self.late += 1
+                self._last = time.monotonic()
+                return r[0], r[1], r[2], msg[1:]
+        self._timed_out(wait)
+        raise AssertionError("not reached")
 
     def _zlost(self, watch: ServerWatch | None, exc: BaseException, deadline: float,
                wait: float) -> None:
@@ -799,7 +876,9 @@ class Channel:
                 self._zlost(watch, exc, deadline, wait)
                 raise                   # (not reached)
             if msg is None:
-                ms = self._zwaited(watch, deadline, wait)
+                ms = self._zwaited(watch, deadline, wait, look=True)
+                if not ms:
+                    return self._zexpired(zt, req_id, wait)
                 continue
             try:
                 status, rid, rbody = decode_reply(msg[0])
@@ -810,7 +889,7 @@ class Channel:
                 if self.on_stray is not None:
                     self.on_stray(rid, status, rbody)
                 if time.monotonic() >= deadline:    # (a flood of them: not past it)
-                    ms = self._zwaited(watch, deadline, wait)
+                    return self._zexpired(zt, req_id, wait)
                 continue
             self._last = time.monotonic()
             return rid, status, rbody, msg[1:]
@@ -847,7 +926,10 @@ class Channel:
             self._watch_at = t0 + POLL_S
             while True:
                 if r is _zmtp.AGAIN:
-                    ms = self._zwaited(watch, deadline, self.timeout)
+                    ms = self._zwaited(watch, deadline, self.timeout, look=True)
+                    if not ms:
+                        got = self._zexpired(zt, req_id, self.timeout)
+                        return got[1], got[2], got[3]
                 elif type(r) is not list:
                     break
                 else:
@@ -864,7 +946,8 @@ class Channel:
                         self.on_stray(rid, status, rbody)
                     ms = self._slice_ms
                     if _monotonic() >= deadline:    # (a flood of them: not past it)
-                        ms = self._zwaited(watch, deadline, self.timeout)
+                        got = self._zexpired(zt, req_id, self.timeout)
+                        return got[1], got[2], got[3]
                 try:
                     r = zt.recv1(kind, req_id, out, ms)
                 except OSError as exc:
