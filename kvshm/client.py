@@ -1054,14 +1054,18 @@ class _Session:
                 except BaseException:
                     self.aborts.append(r.req_id)
                     raise
-                self.commits.append(r.req_id)
                 if self.lazy_commit if lazy is None else lazy:
+                    self.commits.append(r.req_id)
                     self.lazy_rids[r.req_id] = None
                     while len(self.lazy_rids) > 65536:   # old ones long settled
                         self.lazy_rids.popitem(last=False)
                 else:
+                    # this put's own COMMIT carries it (not the queue of ids that ride on
+                    # the next request, which may be another thread's: lost with that
+                    # request, its timeout was that thread's, and this put said stored)
                     try:
-                        c = yield _Req(Op.COMMIT, {}, stateful=True, retry_stale=False)
+                        c = yield _Req(Op.COMMIT, {"commit": [r.req_id]}, stateful=True,
+                                       retry_stale=False)
                     except _Restarted:
                         if attempt:
                             raise

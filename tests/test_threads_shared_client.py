@@ -422,3 +422,55 @@ def test_reply_there_at_the_deadline_is_taken(server: ServerProcess, transport_i
         assert c._chan.late == 1
         monkeypatch.undo()
         assert c.get(key) == b"v"
+
+
+# ------------------------------------------------------------------------------------
+# A put's COMMIT queued for the next request, taken by another thread's request that is
+# then lost (it timed out, or libzmq dropped it unsent when the socket was reset with
+# linger 0): the put's own COMMIT went without it, the put reported success, and the
+# write was never committed (a miss, then the pending entry reclaimed at its lease).
+
+
+def test_commit_not_lost_on_another_threads_failed_request(
+        server: ServerProcess, transport_impl: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvshm.zmq_ctrl.protocol import Op
+
+    monkeypatch.setenv("KVSHM_NO_LOCAL_READS", "1")
+    assert server.ipc
+    with Client(server.ipc, timeout=SAFE_TIMEOUT) as c:
+        assert c.transport == "shm"
+        key = f"commit-{uuid.uuid4().hex[:8]}".encode()
+        real_rt, real_req = Client._roundtrip, chmod.Channel.request
+        lost: list[Any] = []
+        other: list[int] = []
+
+        def request(self: chmod.Channel, op: int, body: dict[str, Any], *a: Any,
+                    **kw: Any) -> Any:
+            if threading.get_ident() in other:      # sent, then lost with its socket
+                lost.append(dict(body))
+                self.reset()
+                raise ServerUnavailable("injected: this request and its reply are lost")
+            return real_req(self, op, body, *a, **kw)
+
+        def roundtrip(self: Client, drive: Any, req: Any) -> Any:
+            # before the put's COMMIT goes (its ALLOC answered, the value copied)
+            if self is c and req.op == Op.COMMIT and not lost and \
+                    threading.get_ident() not in other:
+                def call() -> None:
+                    assert threading.current_thread().ident is not None
+                    other.append(threading.current_thread().ident)
+                    with pytest.raises(ServerUnavailable):
+                        c.exists_batch([b"whatever"])
+                t = threading.Thread(target=call)
+                t.start()
+                t.join()
+            return real_rt(self, drive, req)
+
+        monkeypatch.setattr(chmod.Channel, "request", request)
+        monkeypatch.setattr(Client, "_roundtrip", roundtrip)
+        c.put_batch([key], [b"v" * 5000])
+        assert lost                                 # the other thread's request went
+        monkeypatch.undo()
+        assert c.exists(key)
+        assert c.get(key) == b"v" * 5000
