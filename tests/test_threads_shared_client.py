@@ -474,3 +474,33 @@ def test_commit_not_lost_on_another_threads_failed_request(
         monkeypatch.undo()
         assert c.exists(key)
         assert c.get(key) == b"v" * 5000
+
+
+def test_timeout_says_the_caller_was_kept_from_running(
+        server: ServerProcess, transport_impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No reply at all (the server stopped) and the caller kept off past its deadline:
+    the timeout says the caller did not run (the next flake tells which it was)."""
+    with Client(server.address, transport="tcp", timeout=0.5) as c:
+        key = f"kept-{uuid.uuid4().hex[:8]}".encode()
+        c.put(key, b"v")
+        name = "_zwaited" if c._chan.zmtp else "_waited"
+        real = getattr(chmod.Channel, name)
+        kept: list[float] = []
+
+        def waited(self: chmod.Channel, *a: Any, **kw: Any) -> Any:
+            if not kept and self is c._chan:
+                deadline = a[2] if name == "_waited" else a[1]
+                while time.monotonic() <= deadline:
+                    time.sleep(max(0.0, deadline - time.monotonic()) + 0.001)
+                kept.append(deadline)
+            return real(self, *a, **kw)
+
+        monkeypatch.setattr(chmod.Channel, name, waited)
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(ServerUnavailable, match="did not run for"):
+                c.exists_batch([key, key + b"-no"])
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        monkeypatch.undo()
+        assert c.get(key) == b"v"

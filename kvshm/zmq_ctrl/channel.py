@@ -120,6 +120,9 @@ CALL1 = _zmqc is not None
 #: held by an engine's scheduler thread, the CPU by its workers) finds its reply if it
 #: came; bounded so that a flood of other requests' replies cannot hold a call.
 LAST_LOOK = 1024
+#: A timed-out wait whose caller went this long (s) without running between two slices
+#: says so in its ServerUnavailable (the server may not be the slow one).
+KEPT_NOTE_S = 0.25
 #: what :meth:`Channel.call1` returns when it sent nothing
 NOT_SENT = object()
 if _zmqc is not None:
@@ -257,6 +260,8 @@ class Channel:
         self.timeouts = 0           # waits that ran to their end (ServerUnavailable)
         #: replies found by the last look at a wait's deadline (see _expired)
         self.late = 0
+        self._looked = 0.0          # (a wait) when its caller last looked for the reply
+        self._kept = 0.0            # (a wait) its caller's longest spell without running
         self.gone = 0               # servers found gone by the watch (ServerGone)
         #: whether this endpoint is carried by the ZMTP transport (kvshm.zmq_ctrl._zmtp)
         self.zmtp = self._zmtp_for(endpoint)
@@ -364,6 +369,7 @@ class Channel:
         not read in C (another request's are handed to on_stray)."""
         deadline = t0 + self.timeout
         self._watch_at = t0 + POLL_S
+        self._looked, self._kept = t0, 0.0
         self._hs_failed = 0
         while True:
             if r is _AGAIN:
@@ -471,6 +477,7 @@ class Channel:
         now = time.monotonic()
         deadline = now + wait
         self._watch_at = now + POLL_S
+        self._looked, self._kept = now, 0.0
         self._hs_failed = 0
         if self._rcvtimeo != self._slice_ms:
             sock.setsockopt(zmq.RCVTIMEO, self._slice_ms)
@@ -509,6 +516,7 @@ class Channel:
             self._handshake_failed()        # raises, or the wait goes on
             mon = self._monitor
         now = time.monotonic()
+        self._note_look(now)
         if watch is not None and now >= self._watch_at:
             self._watch_at = now + POLL_S
             self._check(watch, sent=True)
@@ -562,11 +570,24 @@ class Channel:
             self.on_stray(rid, status, rbody)
         return None
 
+    def _note_look(self, now: float) -> None:
+        """A slice of a wait ended: the longest time this caller went without running
+        beyond its slice (``_kept``, seconds) is kept for the timeout's message."""
+        kept = now - self._looked - self._slice_ms / 1000
+        if kept > self._kept:
+            self._kept = kept
+        self._looked = now
+
     def _timed_out(self, wait: float) -> None:
         self.timeouts += 1
         self.reset()
+        why = ""
+        if self._kept >= KEPT_NOTE_S:
+            # (the process was starved: its CPU, or the GIL held by another thread)
+            why = (f"; this caller did not run for {self._kept:.2f} s of it (the "
+                   f"process was short of CPU, or another thread held the GIL)")
         raise ServerUnavailable(
-            f"no reply from kvshm server at {self._where()} within {wait:g} s")
+            f"no reply from kvshm server at {self._where()} within {wait:g} s{why}")
 
     def send(self, op: int, body: dict[str, Any], frames: Sequence[Any] = (), *,
              epoch: int = 0, req_id: int) -> None:
@@ -709,6 +730,7 @@ class Channel:
             self.routing_id = os.urandom(16)
             self._zlive = True
         self._watch_at = time.monotonic() + POLL_S
+        self._looked, self._kept = self._watch_at - POLL_S, 0.0
         hs_closed = 0
         while True:
             left = deadline - time.monotonic()
@@ -788,6 +810,7 @@ class Channel:
         returns 0: the caller takes its last look, :meth:`_zexpired`); else the next
         slice's ms."""
         now = time.monotonic()
+        self._note_look(now)
         if watch is not None and now >= self._watch_at:
             self._watch_at = now + POLL_S
             self._check(watch, sent=sent)
@@ -868,6 +891,7 @@ class Channel:
         now = time.monotonic()
         deadline = now + wait
         self._watch_at = now + POLL_S
+        self._looked, self._kept = now, 0.0
         ms = self._slice_ms
         while True:
             try:
@@ -924,6 +948,7 @@ class Channel:
         if r is _zmtp.AGAIN or type(r) is list:
             deadline = t0 + self.timeout
             self._watch_at = t0 + POLL_S
+            self._looked, self._kept = t0, 0.0
             while True:
                 if r is _zmtp.AGAIN:
                     ms = self._zwaited(watch, deadline, self.timeout, look=True)
