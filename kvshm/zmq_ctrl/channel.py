@@ -506,7 +506,7 @@ class Channel:
             return rid, status, rbody, msg[1:]
 
     def _waited(self, sock: zmq.Socket, watch: ServerWatch | None, deadline: float,
-                wait: float) -> None:
+                wait: float) -> bool:
         """A slice of a wait passed without a reply: a failed handshake and a server the
         watch proves gone end the wait (raising); the deadline: False (the caller takes
         its last look, :meth:`_expired`); else True, the next slice set up (shorter when
@@ -547,8 +547,9 @@ class Channel:
                 msg = None
             if msg is None:
                 break
-            h = msg[0] if type(msg[0]) is bytes else msg[0].buffer
-            r = self._reply_of(h, req_id)
+            h = msg[0]
+            r = self._reply_of(h if type(h) is bytes else h.buffer,  # type: ignore[union-attr]
+                               req_id)
             if r is not None:
                 self.late += 1
                 self._last = time.monotonic()
