@@ -15,12 +15,55 @@ cimport cython
 from cpython.dict cimport PyDict_Contains, PyDict_GetItem
 from cpython.ref cimport PyObject
 from cpython cimport array
+from cpython.long cimport PyLong_AsLongLongAndOverflow
+from cpython.object cimport PyObject_Hash
 
 import array as _array
+import os as _os
 
 from types import MappingProxyType
 
+cdef extern from *:
+    """
+    /* A prefetch of the dict index slot a key's lookup reads first (the one random
+       cache line of a lookup in a large dict), a hint only: the loads are the dict's
+       public ma_keys and the first bytes of its keys object (in every CPython at least
+       this large); a layout other than 3.11-3.13's only makes the hint point elsewhere
+       (a prefetch never faults). None on a free-threaded build. */
+    #if PY_VERSION_HEX >= 0x030B0000 && !defined(Py_GIL_DISABLED)
+    typedef struct {
+        Py_ssize_t dk_refcnt;
+        uint8_t dk_log2_size;
+        uint8_t dk_log2_index_bytes;
+        uint8_t dk_kind;
+        uint32_t dk_version;
+        Py_ssize_t dk_usable;
+        Py_ssize_t dk_nentries;
+        char dk_indices[];
+    } kvi_dictkeys_head;        /* CPython 3.11-3.13's _dictkeysobject (pycore_dict.h) */
+    static inline void kvi_dict_prefetch(PyObject *d, Py_hash_t h) {
+        const kvi_dictkeys_head *k = (const kvi_dictkeys_head *)((PyDictObject *)d)->ma_keys;
+        unsigned ls = k->dk_log2_size & 63, li = k->dk_log2_index_bytes & 63;
+        size_t mask = ((size_t)1 << ls) - 1;
+        __builtin_prefetch(k->dk_indices + (((size_t)h & mask) << ((li - ls) & 7)), 0, 3);
+    }
+    #define KVI_DICT_PREFETCH 1
+    #else
+    static inline void kvi_dict_prefetch(PyObject *d, Py_hash_t h) { (void)d; (void)h; }
+    #define KVI_DICT_PREFETCH 0
+    #endif
+    """
+    void kvi_dict_prefetch(object d, Py_hash_t h)
+    int KVI_DICT_PREFETCH
+
 cdef array.array _Q = _array.array("q")
+
+#: :func:`put_packed` prefetches, ``_DICT_AHEAD`` keys ahead, the dict slot of each key
+#: it installs (each key's hash computed there, then cached in the bytes object); the
+#: environment variable ``KVSHM_PUT_PREFETCH=0`` (read at import) turns that off, for A/B
+#: figures. Only where the dict's layout is known (CPython >= 3.11, not free-threaded).
+PUT_PREFETCH = bool(KVI_DICT_PREFETCH) and _os.environ.get("KVSHM_PUT_PREFETCH", "1") != "0"
+DEF _DICT_AHEAD = 16
 cdef object _U64_MAX = 0xFFFFFFFFFFFFFFFF
 
 __all__ = ["Entry", "Index", "PENDING", "LIVE", "DEAD", "MAX_EXTENTS"]
@@ -954,6 +997,8 @@ def put_packed(store, keys, values, sizes, ok):
     cdef long long max_value = store.max_value
     cdef Py_ssize_t max_key = store.config.limits.max_key_bytes
     cdef long long sz, nb, total = 0, nbytes = 0
+    cdef int ovf = 0
+    cdef bint ahead = PUT_PREFETCH
     cdef Index index = store.index
     cdef Entry e, old
     cdef object k, s, o
@@ -979,9 +1024,9 @@ def put_packed(store, keys, values, sizes, ok):
         if type(k) is not bytes or type(s) is not int:
             return None
         kl = len(<bytes>k)
-        if kl == 0 or kl > max_key or s < 0 or s > max_value:
+        sz = PyLong_AsLongLongAndOverflow(s, &ovf)     # (an exact int: never -1 + error)
+        if kl == 0 or kl > max_key or ovf or sz < 0 or sz > max_value:
             return None
-        sz = s
         nb = (sz + bs - 1) // bs if sz > 0 else 1
         psz[i] = sz
         pnb[i] = nb
@@ -1032,7 +1077,15 @@ def put_packed(store, keys, values, sizes, ok):
     # the shared table's slots, then the old values retired
     shared = index._shared
     olds = []
+    d = index._d
+    if ahead:
+        for i in range(min(n, _DICT_AHEAD)):
+            kvi_dict_prefetch(d, PyObject_Hash(keys[i]))
     for i in range(n):
+        if ahead and i + _DICT_AHEAD < n:
+            # the key's dict slot, for its lookup _DICT_AHEAD keys on (the hash is
+            # kept in the bytes object: the lookup does not hash again)
+            kvi_dict_prefetch(d, PyObject_Hash(keys[i + _DICT_AHEAD]))
         o = index._insert_local(<Entry>entries[i])
         if o is not None:
             olds.append(o)

@@ -16,6 +16,7 @@ torch CPU tensors (through ``data_ptr()``), and run with the GIL released.
 
 cimport cython
 from cpython.pyport cimport PY_SSIZE_T_MAX
+from cpython.long cimport PyLong_AsLongLongAndOverflow
 
 import fcntl
 import os
@@ -1060,6 +1061,8 @@ cdef class PackedValues:
         cdef PackedValues out
         cdef object cnt, s
         cdef Py_buffer* b
+        cdef long long v
+        cdef int ovf = 0
         if type(frames) is not list or type(counts) is not list or type(sizes) is not list:
             return None
         frames, counts, sizes = list(frames), list(counts), list(sizes)
@@ -1075,7 +1078,11 @@ cdef class PackedValues:
         if total != ns:
             return None
         for s in sizes:
-            if type(s) is not int or s < 0 or s > PY_SSIZE_T_MAX:
+            # (C compares: no int object per size; an int past 64 bits overflows)
+            if type(s) is not int:
+                return None
+            v = PyLong_AsLongLongAndOverflow(s, &ovf)
+            if ovf or v < 0 or v > PY_SSIZE_T_MAX:
                 return None
         f = _Frames.__new__(_Frames)
         f.bufs = <Py_buffer*>malloc(nf * sizeof(Py_buffer))

@@ -1027,8 +1027,8 @@ cdef class IndexWriter:
         for i in range(n):
             if type(keys[i]) is not bytes:
                 raise TypeError("keys must be bytes")
-            if (st[i] < 0 or ct[i] < 0 or st[i] > 0xFFFFFFFF or ct[i] > 0xFFFFFFFF
-                    or sz[i] < 0):
+            if (st[i] < 0 or ct[i] < 0 or st[i] > <int64_t>0xFFFFFFFF
+                    or ct[i] > <int64_t>0xFFFFFFFF or sz[i] < 0):
                 raise ValueError(f"bad run ({st[i]}, {ct[i]}) or size {sz[i]}")
         hs = <uint64_t*>malloc(max(n, 1) * sizeof(uint64_t))
         if hs == NULL:

@@ -128,7 +128,10 @@ def _both(fast: Twin, slow: Twin, op: str, *args: Any) -> None:
     assert fast.state() == slow.state(), op
 
 
-def test_random_batches_same_as_the_general_path(twins, taken):
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_random_batches_same_as_the_general_path(twins, taken, monkeypatch, prefetch):
+    # prefetch: put_packed's dict-slot prefetch (KVSHM_PUT_PREFETCH), on and off
+    monkeypatch.setattr(_index, "PUT_PREFETCH", prefetch)
     fast, slow = twins()
     rnd = random.Random(13)
     for step in range(120):
@@ -491,3 +494,11 @@ def test_scan_plain_bounds():
     assert _batch.scan_plain(b, len(b) + 1, 1) == -1
     assert _batch.scan_plain(msgpack.packb(["s"]), 1, 1) == -1   # a str: item by item
     assert _batch.scan_plain(b"\xc6\xff\xff\xff\xff", 0, 1) == -1
+
+
+def test_packed_values_of_declines_sizes_it_cannot_hold():
+    # PackedValues.of checks sizes with C compares: past 64 bits, negative, not an exact
+    # int: declined (None) as before, never raised
+    assert PackedValues.of([b"ab"], [2], [1, 1]) is not None
+    for bad in (2**63, 2**70, -1, -2**70, True, 1.0, None):
+        assert PackedValues.of([b"ab"], [2], [1, bad]) is None, bad
