@@ -561,7 +561,7 @@ cdef inline Py_ssize_t _int_len(long long v) noexcept:
         return 2
     if 0 <= v < 65536 or -32768 <= v < 0:
         return 3
-    if 0 <= v <= 0xFFFFFFFF or -2147483648 <= v < 0:
+    if 0 <= v <= <long long>0xFFFFFFFF or <long long>-2147483648 <= v < 0:
         return 5
     return 9
 

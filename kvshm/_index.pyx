@@ -1079,7 +1079,7 @@ def put_packed(store, keys, values, sizes, ok):
     olds = []
     d = index._d
     if ahead:
-        for i in range(min(n, _DICT_AHEAD)):
+        for i in range(n if n < _DICT_AHEAD else _DICT_AHEAD):
             kvi_dict_prefetch(d, PyObject_Hash(keys[i]))
     for i in range(n):
         if ahead and i + _DICT_AHEAD < n:

@@ -356,14 +356,14 @@ def pack_keys_request(int version, op, req_id, epoch, list keys):
     if (_int_arg(op, &v[0], &big[0]) or _int_arg(req_id, &v[1], &big[1])
             or _int_arg(epoch, &v[2], &big[2])):
         return None
-    if n > 0xFFFFFFFF:
+    if n > <Py_ssize_t>0xFFFFFFFF:         # (C compares: no int object per key)
         return None
     for i in range(n):
         key = <object>PyList_GET_ITEM(keys, i)
         if type(key) is not bytes:
             return None
         m = len(<bytes>key)
-        if m > 0xFFFFFFFF:
+        if m > <Py_ssize_t>0xFFFFFFFF:
             return None
         total += m + (2 if m < 0x100 else 3 if m < 0x10000 else 5)
     head[0] = 0x95
