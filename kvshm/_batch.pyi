@@ -28,3 +28,6 @@ def pack_request(version: int, op: int, req_id: int, epoch: int, body: Any) -> b
     for a plain body (str keys; None, bool, int, bytes, str or lists of them), else None."""
 def scan_plain(buf: Any, pos: int, k: int) -> int:
     """End offset of k plain msgpack items (bin, int, nil, bool) from pos, or -1."""
+def pack_fixints(v: list[Any], a: int, b: int) -> bytes | None:
+    """msgpack.packb(v[a:b]) without its array header when each item is an int 0..127,
+    else None."""

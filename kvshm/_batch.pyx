@@ -13,12 +13,16 @@ calls that Python code itself. Results are those of the Python code they replace
 * :func:`fill` -- the per-key part of ``_Session.got`` (a GET reply's values);
 * :func:`pack_request` -- ``msgpack.packb`` of a batch PUT's or ALLOC's header frame,
   byte for byte (:func:`kvshm.zmq_ctrl.protocol.encode_request` uses it; the environment
-  variable ``KVSHM_FAST_PACK=0``, read at import, turns that off for A/B figures).
+  variable ``KVSHM_FAST_PACK=0``, read at import, turns that off for A/B figures);
+* :func:`pack_fixints` -- msgpack's bytes of a reply's list of small ints (statuses),
+  used by :class:`kvshm.zmq_ctrl.protocol.ReplyEncoder` (``KVSHM_FAST_REPLY=0``, read
+  at import, turns that off for A/B figures).
 """
 
 from cpython.buffer cimport PyBuffer_IsContiguous
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
-from cpython.list cimport PyList_New, PyList_SET_ITEM
+from cpython.list cimport PyList_New, PyList_SET_ITEM, PyList_GET_ITEM
+from cpython.long cimport PyLong_AsLongAndOverflow
 from cpython.memoryview cimport PyMemoryView_FromObject, PyMemoryView_GET_BUFFER
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF
@@ -851,3 +855,28 @@ def scan_plain(buf, Py_ssize_t pos, Py_ssize_t k):
     finally:
         PyBuffer_Release(&b)
     return end
+
+
+def pack_fixints(list v, Py_ssize_t a, Py_ssize_t b):
+    """``msgpack.packb(v[a:b])`` without its array header, when every item is an exact
+    int 0 .. 127 (a positive fixint: one byte each, the byte msgpack writes; a bool is
+    not one); else None (the caller packs with msgpack). ``0 <= a <= b <= len(v)``, else
+    None. A reply's per-key statuses (:class:`kvshm.zmq_ctrl.protocol.ReplyEncoder`)."""
+    cdef Py_ssize_t i
+    cdef long x
+    cdef int ovf = 0
+    cdef object it
+    cdef char* p
+    if a < 0 or b < a or b > len(v):
+        return None
+    out = PyBytes_FromStringAndSize(NULL, b - a)
+    p = PyBytes_AS_STRING(out)
+    for i in range(a, b):
+        it = <object>PyList_GET_ITEM(v, i)
+        if type(it) is not int:
+            return None
+        x = PyLong_AsLongAndOverflow(it, &ovf)
+        if ovf or x < 0 or x > 127:
+            return None
+        p[i - a] = <char>x
+    return out

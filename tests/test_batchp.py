@@ -502,3 +502,42 @@ def test_packed_values_of_declines_sizes_it_cannot_hold():
     assert PackedValues.of([b"ab"], [2], [1, 1]) is not None
     for bad in (2**63, 2**70, -1, -2**70, True, 1.0, None):
         assert PackedValues.of([b"ab"], [2], [1, bad]) is None, bad
+
+
+@pytest.mark.parametrize("items", [
+    [0] * 70000,                                    # over one 0xFFFF chunk
+    [0, 1, 127] * 3000,
+    [0] * 5000 + [128] + [0] * 5000,                # not a fixint: msgpack packs it
+    [0] * 5000 + [-1] + [0] * 5000,
+    [0] * 5000 + [True] + [0] * 5000,               # a bool is not an int to msgpack
+    [0] * 5000 + [2**40] + [0] * 5000,
+    [0] * 5000 + [None, b"x", 1.5] + [0] * 5000,
+    [5] * 20000 + [[1, 2]] + [6] * 3,
+])
+def test_reply_encoder_fixints_same_bytes_as_msgpack(monkeypatch, items):
+    # ReplyEncoder's C packing of small-int chunks (KVSHM_FAST_REPLY) against msgpack's:
+    # the same header bytes, for every budget, with the switch on and off
+    from kvshm._batch import pack_fixints
+    from kvshm.zmq_ctrl import protocol
+
+    body = {"st": items, "n": 3}
+    want = msgpack.packb([PROTOCOL_VERSION, 0, 77, body], use_bin_type=True)
+    for fn in (pack_fixints, None):
+        monkeypatch.setattr(protocol, "_pack_fixints", fn)
+        for budget in (1, 7, 8192, 10**6):
+            enc = protocol.ReplyEncoder(0, 77, body)
+            h = None
+            while h is None:
+                h = enc.step(budget)
+            assert h == want, (fn, budget)
+
+
+def test_pack_fixints_bounds_and_declines():
+    from kvshm._batch import pack_fixints
+
+    v = [1, 2, 3]
+    assert pack_fixints(v, 0, 3) == b"\x01\x02\x03"
+    assert pack_fixints(v, 1, 2) == b"\x02" and pack_fixints(v, 3, 3) == b""
+    for a, b in ((-1, 2), (2, 1), (0, 4), (4, 4)):
+        assert pack_fixints(v, a, b) is None
+    assert pack_fixints([1, False], 0, 2) is None

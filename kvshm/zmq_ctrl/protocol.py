@@ -157,6 +157,16 @@ if os.environ.get("KVSHM_FAST_DECODE", "1") != "0":
         from kvshm._batch import scan_plain as _scan_plain
     except ImportError:
         _scan_plain = None
+#: A long reply list of ints 0..127 (a batch's statuses) packed in C by
+#: :func:`kvshm._batch.pack_fixints` (msgpack's bytes: one byte an item) inside
+#: :class:`ReplyEncoder`; the environment variable ``KVSHM_FAST_REPLY=0`` (read at
+#: import) packs them all with msgpack, for A/B figures.
+_pack_fixints: Any = None
+if os.environ.get("KVSHM_FAST_REPLY", "1") != "0":
+    try:
+        from kvshm._batch import pack_fixints as _pack_fixints
+    except ImportError:
+        _pack_fixints = None
 
 
 def encode_request(op: int, req_id: int, epoch: int, body: dict[str, Any]) -> bytes:
@@ -365,9 +375,13 @@ class ReplyEncoder:
                     budget = yield None
                     left = budget
                 b = min(n, a + left, a + 0xFFFF)
-                chunk = pk.pack(v[a:b])
-                m = b - a                   # drop the chunk's own array header
-                out.append(chunk[1 if m <= 15 else 3:])
+                m = b - a
+                chunk = _pack_fixints(v, a, b) if _pack_fixints is not None else None
+                if chunk is not None:       # small ints: the same bytes, one C loop
+                    out.append(chunk)
+                else:
+                    chunk = pk.pack(v[a:b])     # drop the chunk's own array header
+                    out.append(chunk[1 if m <= 15 else 3:])
                 left -= m
                 a = b
         header = b"".join(out)
