@@ -22,7 +22,7 @@ calls that Python code itself. Results are those of the Python code they replace
 from cpython.buffer cimport PyBuffer_IsContiguous
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.list cimport PyList_New, PyList_SET_ITEM, PyList_GET_ITEM
-from cpython.long cimport PyLong_AsLongAndOverflow
+from cpython.long cimport PyLong_AsLongAndOverflow, PyLong_AsLongLongAndOverflow
 from cpython.memoryview cimport PyMemoryView_FromObject, PyMemoryView_GET_BUFFER
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF
@@ -233,6 +233,8 @@ def unpack(frames, counts, sizes, slow):
     cdef Py_ssize_t nf = len(frames), ns = len(sizes), fi, i = 0, c, k, pos, n, total = 0
     cdef list out
     cdef object buf, cnt, s
+    cdef long long v
+    cdef int ovf = 0
     cdef Py_buffer *b
     if len(counts) != nf:
         return slow(frames, counts, sizes)
@@ -244,7 +246,11 @@ def unpack(frames, counts, sizes, slow):
     if total != ns:
         return slow(frames, counts, sizes)
     for s in sizes:
-        if type(s) is not int or s < 0 or s > _SSIZE_MAX:
+        # (C compares: no int object per size; past 64 bits: overflow, the slow path)
+        if type(s) is not int:
+            return slow(frames, counts, sizes)
+        v = PyLong_AsLongLongAndOverflow(s, &ovf)
+        if ovf or v < 0 or v > _SSIZE_MAX:
             return slow(frames, counts, sizes)
     out = PyList_New(ns)
     for fi in range(nf):
@@ -277,6 +283,8 @@ cdef bint _reply_layout_ok(frames, counts, sizes, Py_ssize_t nf, Py_ssize_t ns):
     sum of its values' sizes."""
     cdef Py_ssize_t total = 0, hits = 0, i = 0, fi, c, n, pos
     cdef object cnt, s, buf
+    cdef long long v
+    cdef int ovf = 0
     if len(counts) != nf:
         return False
     for cnt in counts:
@@ -284,9 +292,12 @@ cdef bint _reply_layout_ok(frames, counts, sizes, Py_ssize_t nf, Py_ssize_t ns):
             return False
         total += <Py_ssize_t>cnt
     for s in sizes:
-        if type(s) is not int or s > _SSIZE_MAX or s < -_SSIZE_MAX:
+        if type(s) is not int:
             return False
-        if s >= 0:
+        v = PyLong_AsLongLongAndOverflow(s, &ovf)
+        if ovf or v > _SSIZE_MAX or v < -_SSIZE_MAX:
+            return False
+        if v >= 0:
             hits += 1
     if total != hits:
         return False

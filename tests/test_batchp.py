@@ -541,3 +541,15 @@ def test_pack_fixints_bounds_and_declines():
     for a, b in ((-1, 2), (2, 1), (0, 4), (4, 4)):
         assert pack_fixints(v, a, b) is None
     assert pack_fixints([1, False], 0, 2) is None
+
+
+def test_unpack_hands_odd_sizes_to_the_slow_path():
+    # _batch.unpack checks sizes with C compares: past 64 bits, negative, a bool: slow
+    from kvshm import _batch
+
+    def slow(f: Any, c: Any, s: Any) -> str:
+        return "slow"
+
+    assert _batch.unpack([b"abc"], [2], [1, 2], slow) == [b"a", b"bc"]
+    for bad in (2**64, 2**70, -1, True):
+        assert _batch.unpack([b"abc"], [2], [1, bad], slow) == "slow", bad
