@@ -84,7 +84,7 @@ from posix.mman cimport (mmap, munmap, PROT_READ, PROT_WRITE, MAP_SHARED, MAP_PR
 from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE,
                              PyBUF_ANY_CONTIGUOUS, PyBUF_WRITABLE)
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING, PyBytes_GET_SIZE
-from cpython.list cimport PyList_New, PyList_SET_ITEM
+from cpython.list cimport PyList_New, PyList_SET_ITEM, PyList_GET_SIZE
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF
 from libc.errno cimport errno
@@ -401,8 +401,11 @@ DEF MORE_SLOTS = 4
 PREFETCH_AHEAD = AHEAD
 #: Keys a batch lookup answers under one look at the header's tables.
 BATCH_CHUNK = C_CHUNK
-# scratch bytes a reader keeps between batch lookups (above: freed after the call)
-DEF SCRATCH_KEEP = 64 << 20
+# a batch lookup's segment: keys copied and hashed into the reader's scratch, then
+# looked up, at most C_SEG keys and C_SEG_BYTES of their bytes (the scratch, ~150 KB,
+# stays in the L2 cache between the copy and the lookup)
+DEF C_SEG = 4096
+DEF C_SEG_BYTES = 98304
 DEF VOID_SLOT = 0xFFFFFFFF
 
 
@@ -2521,18 +2524,21 @@ cdef class IndexReader:
     cdef object _batch(self, object keys, bint prefix):
         """The C lookup of every key of ``keys`` (a list or tuple): ``(flags, keys
         done)``, or None when a key is not one the table can hold (or the reader is not
-        usable). The keys are copied into one buffer and hashed first (no reference to
-        them is needed once the GIL is released for the loop, and they lie in order for it);
-        ``_busy`` keeps close() from unmapping under the loop."""
-        cdef Py_ssize_t i, nk, done, n, total, cap
+        usable, or a list's length changed under a large batch). The keys go in
+        segments of at most C_SEG keys (C_SEG_BYTES of key bytes): each segment's keys
+        are copied into one small scratch buffer and hashed, then looked up (the GIL
+        released for that when the batch has 2048 keys or more), so that the scratch
+        stays in the cache and is faulted in once. Every key's type and length is
+        checked before an answer, as the general path would (a lookup that stops early
+        checks the keys after it). ``_busy`` keeps close() from unmapping under it."""
+        cdef Py_ssize_t i, s0, nk, done, n, total, cap, sn
         cdef const char* k
         cdef char* arena
-        cdef char* grown
         cdef uint32_t* offs
         cdef uint64_t* hashes
         cdef char* out
         cdef bytes flags
-        cdef bint own
+        cdef bint own, nogil_ok, is_list
         cdef size_t need
         cdef PyObject** items
         cdef Py_ssize_t maxk = <Py_ssize_t>self.max_key
@@ -2540,6 +2546,7 @@ cdef class IndexReader:
             return None
         if type(keys) is not list and type(keys) is not tuple:
             keys = list(keys)
+        is_list = type(keys) is list
         nk = len(keys)
         if nk >= 2048 and (kvx_load_rlx(&self._h.nslots) != self._pf_n or
                            kvx_load_rlx(&self._h.base) != self._pf_base):
@@ -2548,27 +2555,23 @@ cdef class IndexReader:
         out = PyBytes_AS_STRING(flags)
         if nk == 0:
             return flags, 0
-        if nk >= 0xFFFFFFFF // (C_KEY_MAX + 1):
-            return None                  # (offsets are 32-bit; the server takes it)
-        # the reader's scratch buffers, kept between calls (a fresh malloc of megabytes
-        # is a fresh mmap, faulted in page by page each call); a second thread's batch
+        # the reader's scratch buffers, kept between calls; a second thread's batch
         # meanwhile gets its own
         own = not self._scr_busy
-        need = (nk + 1) * (sizeof(uint64_t) + sizeof(uint32_t))
-        cap = nk * 24 + 64
+        need = (C_SEG + 1) * (sizeof(uint64_t) + sizeof(uint32_t))
+        cap = C_SEG_BYTES
         if own:
             self._scr_busy = True
             if self._scr_cap[0] < need:
                 c_free(self._scr[0])
                 self._scr[0] = <char*>malloc(need)
                 self._scr_cap[0] = need if self._scr[0] != NULL else 0
-            if self._scr_cap[1] < cap:
+            if self._scr_cap[1] < <size_t>cap:
                 c_free(self._scr[1])
                 self._scr[1] = <char*>malloc(cap)
                 self._scr_cap[1] = cap if self._scr[1] != NULL else 0
             hashes = <uint64_t*>self._scr[0]
             arena = self._scr[1]
-            cap = self._scr_cap[1]
         else:
             hashes = <uint64_t*>malloc(need)
             arena = <char*>malloc(cap)
@@ -2579,46 +2582,62 @@ cdef class IndexReader:
                 c_free(hashes)
                 c_free(arena)
             raise MemoryError()
-        offs = <uint32_t*>(hashes + nk + 1)
-        items = PySequence_Fast_ITEMS(keys)    # borrowed: nothing here runs Python code
+        offs = <uint32_t*>(hashes + C_SEG + 1)
+        nogil_ok = nk >= 2048
+        self._busy += 1
         try:
-            total = 0
-            for i in range(nk):
-                if i + 8 < nk:
-                    kvx_prefetch(items[i + 8])  # the key object's header, 8 keys ahead
-                if not kvx_key_of(items[i], &k, &n):
-                    n = 0
-                if not 0 < n <= maxk:
-                    # a key the table cannot hold: the whole batch goes to the client's
-                    # general path, which raises for a key it refuses (wrong type,
-                    # empty, over the server's limit) and asks the server otherwise
-                    # (a match answered here before such a key would hide that error)
+            s0 = 0
+            while s0 < nk:
+                # (re-read each segment: with the GIL released, another thread may
+                # have changed the list; its length changed, the general path answers)
+                if is_list and PyList_GET_SIZE(keys) != nk:
                     return None
-                if total + n + 8 > cap:       # (+ 8: kvx_hash_copy's last word)
-                    cap = 2 * cap + n + 8
-                    grown = <char*>realloc(arena, cap)
-                    if grown == NULL:
-                        raise MemoryError()
-                    arena = grown
-                    if own:
-                        self._scr[1] = arena
-                        self._scr_cap[1] = cap
-                offs[i] = <uint32_t>total
-                hashes[i] = kvx_hash_copy(k, n, arena + total)
-                total += n
-            offs[nk] = <uint32_t>total
-            if nk >= 2048:
-                self._busy += 1
-                with nogil:
-                    done = self._probe_all(arena, offs, hashes, nk, out, prefix)
-                self._busy -= 1
-            else:
-                done = self._probe_all(arena, offs, hashes, nk, out, prefix)
+                items = PySequence_Fast_ITEMS(keys)  # borrowed: no Python code runs
+                total = 0
+                i = s0
+                while i < nk and i - s0 < C_SEG:
+                    if i + 8 < nk:
+                        kvx_prefetch(items[i + 8])  # the key object's header, 8 ahead
+                    if not kvx_key_of(items[i], &k, &n):
+                        n = 0
+                    if not 0 < n <= maxk:
+                        # a key the table cannot hold: the whole batch goes to the
+                        # client's general path, which raises for a key it refuses
+                        # (wrong type, empty, over the server's limit) and asks the
+                        # server otherwise
+                        return None
+                    if total + n + 8 > cap:   # (+ 8: kvx_hash_copy's last word)
+                        break                 # the segment's bytes are full
+                    offs[i - s0] = <uint32_t>total
+                    hashes[i - s0] = kvx_hash_copy(k, n, arena + total)
+                    total += n
+                    i += 1
+                sn = i - s0
+                offs[sn] = <uint32_t>total
+                if nogil_ok:
+                    with nogil:
+                        done = self._probe_all(arena, offs, hashes, sn, out + s0, prefix)
+                else:
+                    done = self._probe_all(arena, offs, hashes, sn, out + s0, prefix)
+                s0 += done
+                if done < sn:
+                    break                     # a fallback, or (prefix) a key not found
+            if s0 < nk and prefix:
+                # the answer is the key that stopped it: the keys after it must still be
+                # ones the general path takes (an error of one is not to be hidden)
+                if is_list and PyList_GET_SIZE(keys) != nk:
+                    return None
+                items = PySequence_Fast_ITEMS(keys)
+                for i in range(s0, nk):
+                    if not kvx_key_of(items[i], &k, &n):
+                        n = 0
+                    if not 0 < n <= maxk:
+                        return None
+            done = s0
         finally:
+            self._busy -= 1
             if own:
                 self._scr_busy = False
-                if self._scr_cap[0] + self._scr_cap[1] > SCRATCH_KEEP:
-                    self._free_scratch()        # a huge batch: do not keep it all
             else:
                 c_free(hashes)
                 c_free(arena)
