@@ -33,6 +33,8 @@ ROOM_RETRY_S: float
 PREFETCH_AHEAD: int
 #: Keys a batch lookup answers under one look at the header's tables.
 BATCH_CHUNK: int
+BATCH_SEGMENT: int
+BATCH_SEGMENT_BYTES: int
 #: Set (not "" or "0") when a reader is made: its batch lookups go one key at a time.
 ENV_NO_FAST_BATCH: str
 #: A read the caller must ask of the server instead.

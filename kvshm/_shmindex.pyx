@@ -406,6 +406,10 @@ BATCH_CHUNK = C_CHUNK
 # stays in the L2 cache between the copy and the lookup)
 DEF C_SEG = 4096
 DEF C_SEG_BYTES = 98304
+#: Most keys (and :data:`BATCH_SEGMENT_BYTES` most key bytes) a batch lookup copies, hashes
+#: and looks up at a time (one segment; the GIL is released per segment for >= 2048 keys).
+BATCH_SEGMENT = C_SEG
+BATCH_SEGMENT_BYTES = C_SEG_BYTES
 DEF VOID_SLOT = 0xFFFFFFFF
 
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvshm import Pool
-from kvshm._shmindex import (BATCH_CHUNK, ENV_NO_FAST_BATCH, FALLBACK, KEY_MAX,
+from kvshm._shmindex import (BATCH_CHUNK, BATCH_SEGMENT, BATCH_SEGMENT_BYTES, ENV_NO_FAST_BATCH, FALLBACK, KEY_MAX,
                              IndexReader, IndexWriter, default_slots)
 from servers import unique_shm_name
 
@@ -355,5 +355,39 @@ def test_a_reader_made_before_the_table_grew_answers_its_next_batches(shm_name):
             _agree(t, asked, present)
             assert t.fast.match_prefix(asked) == step
         assert w.nslots > 4096
+    finally:
+        t.close()
+
+
+def test_batches_of_many_segments_agree_and_a_bad_key_is_never_hidden(shm_name):
+    """Batches of several segments (BATCH_SEGMENT keys, or fewer long keys: at most
+    BATCH_SEGMENT_BYTES of key bytes a segment), misses at and around the segments'
+    edges: fast = slow = model. A key the table cannot hold (another type, empty,
+    longer than KEY_MAX) anywhere, after a miss that stops match_prefix in an earlier
+    segment too: None / FALLBACK from both readers (the general path raises for it or
+    asks the server), never an answer that hides it."""
+    t = Tables(shm_name, blocks=65536, initial=4096)
+    try:
+        w = t.writer
+        seg = BATCH_SEGMENT
+        long_per_seg = BATCH_SEGMENT_BYTES // (KEY_MAX + 8)
+        short = [b"seg-%08d" % i for i in range(3 * seg + 17)]
+        long = [_key(i, KEY_MAX) for i in range(4 * long_per_seg + 3)]
+        present = set()
+        for i, k in enumerate(short + long):
+            assert w.publish(k, 10, [(i % 65000, 1)]) >= 0
+            present.add(k)
+        for keys, per in ((short, seg), (long, long_per_seg)):
+            _agree(t, keys, present)
+            for at in (0, 1, per - 1, per, per + 1, 2 * per, len(keys) - 1):
+                asked = keys[:at] + [b"missing-%d" % at] + keys[at:]
+                _agree(t, asked, present)
+                assert t.fast.match_prefix(asked) == at
+                for bad in (None, 7, b"", "", b"x" * (KEY_MAX + 1), bytearray(b"seg-1")):
+                    for where in (at + 1, len(asked) - 1, len(asked)):
+                        worse = asked[:where] + [bad] + asked[where:]
+                        for r in (t.fast, t.slow):
+                            assert r.exists_batch(worse) is None
+                            assert r.match_prefix(worse) == FALLBACK
     finally:
         t.close()
