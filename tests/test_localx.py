@@ -391,3 +391,40 @@ def test_batches_of_many_segments_agree_and_a_bad_key_is_never_hidden(shm_name):
                             assert r.match_prefix(worse) == FALLBACK
     finally:
         t.close()
+
+
+def test_a_list_changed_by_another_thread_during_a_batch(shm_name):
+    """The GIL is released for each segment of a large batch: another thread that
+    shrinks and regrows the list meanwhile (its items array reallocated) gets no crash
+    and no wrong answer: None / FALLBACK (the list's length changed), or the answer for
+    the list as each segment read it (every key here is present)."""
+    import threading
+
+    t = Tables(shm_name, blocks=65536, initial=4096)
+    try:
+        keys = [b"mut-%08d" % i for i in range(6 * BATCH_SEGMENT)]
+        for i, k in enumerate(keys):
+            assert t.writer.publish(k, 10, [(i % 65000, 1)]) >= 0
+        shared = list(keys)
+        stop = threading.Event()
+
+        def mutate() -> None:
+            while not stop.is_set():
+                del shared[len(keys) // 2:]
+                shared.extend(keys[len(keys) // 2:])
+                shared.extend(keys)          # (grown past its size: moved)
+                del shared[len(keys):]
+
+        th = threading.Thread(target=mutate)
+        th.start()
+        try:
+            for _ in range(100):
+                got = t.fast.exists_batch(shared)
+                assert got is None or got == [True] * len(got)
+                m = t.fast.match_prefix(shared)
+                assert m == FALLBACK or 0 <= m <= 2 * len(keys)
+        finally:
+            stop.set()
+            th.join()
+    finally:
+        t.close()
