@@ -10,6 +10,7 @@ extensions = [
     Extension("kvshm._shmindex", ["kvshm/_shmindex.pyx"], extra_compile_args=["-O3"]),
     Extension("kvshm._index", ["kvshm/_index.pyx"], extra_compile_args=["-O3"]),
     Extension("kvshm._batch", ["kvshm/_batch.pyx"], extra_compile_args=["-O3"]),
+    Extension("kvshm._gcutil", ["kvshm/_gcutil.pyx"], extra_compile_args=["-O3"]),
     Extension("kvshm.zmq_ctrl._zmqc", ["kvshm/zmq_ctrl/_zmqc.pyx"], extra_compile_args=["-O3"]),
     Extension("kvshm.zmq_ctrl._zmtp", ["kvshm/zmq_ctrl/_zmtp.pyx"], extra_compile_args=["-O3"]),
     Extension("kvshm.zmq_ctrl._fastpath", ["kvshm/zmq_ctrl/_fastpath.pyx"], extra_compile_args=["-O3"]),

@@ -1006,6 +1006,10 @@ def _check_shm_space(long total, path="/dev/shm"):
 # ---------------------------------------------------------------- packed values
 
 
+cdef extern from "Python.h":
+    void PyObject_GC_UnTrack(void *op)
+
+
 cdef class _Frames:
     """The frames of a :class:`PackedValues`, their buffers held, and where each value
     starts (shared by every slice of it)."""
@@ -1084,6 +1088,9 @@ cdef class PackedValues:
             v = PyLong_AsLongLongAndOverflow(s, &ovf)
             if ovf or v < 0 or v > PY_SSIZE_T_MAX:
                 return None
+        # only ints: off the collector's lists (in no cycle), so no young collection
+        # while the PUT lives walks its 100 k items (kvshm._gcutil)
+        PyObject_GC_UnTrack(<void*>sizes)
         f = _Frames.__new__(_Frames)
         f.bufs = <Py_buffer*>malloc(nf * sizeof(Py_buffer))
         f.ptrs = <char**>malloc(max(ns, 1) * sizeof(char*))

@@ -9,6 +9,7 @@ principal. See the package docstring for the rules.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any, Sequence
 
@@ -18,6 +19,24 @@ from kvshm.index import Entry
 __all__ = ["Session"]
 
 log = logging.getLogger("kvshm.store")
+
+#: A grant's list of entries (Entry or None: types the collector never tracks) of at
+#: least this many is taken off the collector's lists (:func:`kvshm._gcutil.untrack_plain`),
+#: so that no young collection walks a 100 k-key grant's entries while it lives;
+#: ``KVSHM_UNTRACK=0`` (read at import) leaves them tracked, for A/B figures.
+UNTRACK_MIN = 256
+_untrack: Any = None
+if os.environ.get("KVSHM_UNTRACK", "1") != "0":
+    try:
+        from kvshm._gcutil import untrack_plain as _untrack
+    except ImportError:         # the extension not built: lists stay tracked
+        _untrack = None
+
+
+def _untrack_entries(entries: list[Any], start: int) -> None:
+    if _untrack is not None and type(entries) is list and len(entries) >= UNTRACK_MIN:
+        _untrack(entries, start)
+
 
 # _Grant.kind
 _ALLOC = 0
@@ -34,6 +53,7 @@ class _Grant:
         self.session = session
         self.rid = rid
         self.entries = entries
+        _untrack_entries(entries, 0)
         self.deadline = deadline
         self.nbytes = nbytes        # value bytes (counters)
         self.nblocks = nblocks      # blocks held (limits)
@@ -117,7 +137,9 @@ class _Sessions:
         nblocks = _index.sum_blocks(entries)
         if prev is not None:
             if extend and prev.kind == kind:
+                n0 = len(prev.entries)
                 prev.entries.extend(entries)
+                _untrack_entries(prev.entries, n0)
                 prev.nbytes += nbytes
                 prev.nblocks += nblocks
                 prev.deadline = deadline

@@ -41,6 +41,12 @@ engines that ask for it; it is O(keys) on the server, not a data path.
 
 Per-key results of batch operations are lists of :class:`Status` values; a miss or a
 refused key never fails the whole batch.
+
+Garbage collection: a request's decoded lists of at least :data:`UNTRACK_MIN` items that
+hold only bytes, str, int, float, bool or None (a batch's keys and sizes) are taken off
+the collector's lists (:func:`kvshm._gcutil.untrack_plain`: such a list can be in no
+cycle), so no young collection while the request lives walks its items. The environment
+variable ``KVSHM_UNTRACK=0`` (read at import) leaves them tracked, for A/B figures.
 """
 
 from __future__ import annotations
@@ -169,6 +175,24 @@ if os.environ.get("KVSHM_FAST_REPLY", "1") != "0":
         _pack_fixints = None
 
 
+#: Decoded lists of at least this many plain items are untracked (the module's "Garbage
+#: collection"); shorter ones are not worth the pass over their items.
+UNTRACK_MIN = 256
+_untrack: Any = None
+if os.environ.get("KVSHM_UNTRACK", "1") != "0":
+    try:
+        from kvshm._gcutil import untrack_plain as _untrack
+    except ImportError:
+        _untrack = None
+
+
+def _untrack_lists(body: dict[Any, Any]) -> None:
+    """:func:`kvshm._gcutil.untrack_plain` on each long list value of a decoded body."""
+    for v in body.values():
+        if type(v) is list and len(v) >= UNTRACK_MIN:
+            _untrack(v)
+
+
 def encode_request(op: int, req_id: int, epoch: int, body: dict[str, Any]) -> bytes:
     """Header frame of a request (a batch PUT's or ALLOC's packed in C, the same bytes:
     :func:`kvshm._batch.pack_request`; a keys-only batch's by ``_batchq``)."""
@@ -217,6 +241,8 @@ def decode_request(frame: bytes | memoryview) -> tuple[int, int, int, int, dict[
         version, op, req_id, epoch, body = h
         if (type(version) is int and type(op) is int and type(req_id) is int
                 and type(epoch) is int and type(body) is dict):
+            if _untrack is not None and len(frame) >= UNTRACK_MIN:
+                _untrack_lists(body)
             return version, op, req_id, epoch, body
     if not isinstance(h, list) or len(h) != 5:
         raise DecodeError("request header must be a 5-element array")
@@ -303,6 +329,9 @@ class RequestDecoder:
                 lst: list[Any] = []
                 app = lst.append
                 unpack = u.unpack
+                # untracked from the start (while it grows over turns, too), tracked
+                # again should an item that is not plain come
+                plain = _untrack is not None and m >= UNTRACK_MIN and _untrack(lst)
                 while m > 0:
                     if left <= 0:
                         budget = yield None
@@ -320,8 +349,11 @@ class RequestDecoder:
                             m -= k2
                             left -= k2
                             continue
+                    n0 = len(lst)
                     for _ in range(k2):
                         app(unpack())
+                    if plain:
+                        plain = _untrack(lst, n0)
                     m -= k2
                     left -= k2
                 body[k] = lst
