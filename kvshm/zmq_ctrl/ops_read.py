@@ -18,7 +18,7 @@ from kvshm.zmq_ctrl.frames import PACK_BELOW, PACK_FRAME_BYTES
 from kvshm.zmq_ctrl.frames import plan as plan_frames
 from kvshm.zmq_ctrl.handling import _MORE, _attempt_now, _Sliced
 from kvshm.zmq_ctrl.loopstate import LoopState
-from kvshm.zmq_ctrl.protocol import Status
+from kvshm.zmq_ctrl.protocol import Status, grow_untracked
 
 class ReadOpsMixin(LoopState):
     """Read handlers of ServiceLoop (a mixin of it)."""
@@ -33,9 +33,9 @@ class ReadOpsMixin(LoopState):
             def part(a: int, b: int, hold: Any) -> Any:
                 o, sz, sm = self.store.lookup(session, req_id, keys[a:b], hold,
                                               extend=a > 0)
-                offsets.extend(o)
-                sizes.extend(sz)
-                sums.extend(sm)
+                grow_untracked(offsets, o)
+                grow_untracked(sizes, sz)
+                grow_untracked(sums, sm)
 
             def reply() -> tuple[int, dict[str, Any], list[Any]]:
                 rbody: dict[str, Any] = {"offsets": offsets, "sizes": sizes}
@@ -106,9 +106,9 @@ class ReadOpsMixin(LoopState):
             def part(a: int, b: int, hold: Any) -> None:
                 sz, cn, sm, fr = self._get_part(keys[a:b], on_sent, hold, session,
                                                 copy_over)
-                sizes.extend(sz)
-                counts.extend(cn)
-                sums.extend(sm)
+                grow_untracked(sizes, sz)
+                grow_untracked(counts, cn)
+                grow_untracked(sums, sm)
                 out.extend(fr)
 
             def reply() -> tuple[int, dict[str, Any], list[Any]]:

@@ -76,6 +76,7 @@ __all__ = [
     "Limits",
     "DecodeError",
     "RequestDecoder",
+    "grow_untracked",
     "ReplyEncoder",
     "encode_request",
     "decode_request",
@@ -191,6 +192,16 @@ def _untrack_lists(body: dict[Any, Any]) -> None:
     for v in body.values():
         if type(v) is list and len(v) >= UNTRACK_MIN:
             _untrack(v)
+
+
+def grow_untracked(lst: list[Any], items: Any) -> None:
+    """``lst.extend(items)``, ``lst`` kept off the collector's lists while every item is
+    of an untracked type (a sliced request's reply lists of sizes, sums, counts, grown
+    slice by slice: :func:`kvshm._gcutil.untrack_plain` checks only the new items)."""
+    n0 = len(lst)
+    lst.extend(items)
+    if _untrack is not None and len(lst) >= UNTRACK_MIN:
+        _untrack(lst, n0)
 
 
 def encode_request(op: int, req_id: int, epoch: int, body: dict[str, Any]) -> bytes:
