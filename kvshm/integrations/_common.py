@@ -6,6 +6,8 @@ Nothing here imports an engine or torch.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import logging
 import struct
 import threading
@@ -13,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TypeVar
 
+from kvshm._shmindex import KEY_MAX as LOCAL_KEY_MAX
 from kvshm.errors import KvshmError, ServerUnavailable, TransportError, ValueTooLarge
 
 __all__ = ["ResilientClient", "ChunkHeader", "pack_header", "parse_header", "header_length",
@@ -22,6 +25,38 @@ __all__ = ["ResilientClient", "ChunkHeader", "pack_header", "parse_header", "hea
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+def compact_fields(fields: list[str], name_at: int, raw_len: int,
+                   key_max: int = LOCAL_KEY_MAX) -> tuple[str, bool]:
+    """The namespace ``"|".join(fields) + "|"`` of keys that end in a raw id of
+    ``raw_len`` bytes, and whether the id goes in hex (True) or unpadded base64url.
+
+    When the readable form (the fields as given, the id in hex) is longer than ``key_max``
+    bytes (kvshm._shmindex.KEY_MAX: the shared-memory index does not publish longer keys,
+    so each lookup of one would be a server round trip), ``fields[name_at]`` (a name as
+    ``urllib.parse.quote(name, safe="")`` writes it) becomes ``"%h"`` + the base32 of its
+    16-byte BLAKE2b and the id goes in base64url. ``quote`` never writes ``"%h"``, so the
+    two forms never meet; neither writes ``"|"``, so the fields still split on it.
+    """
+    ns = "|".join(fields) + "|"
+    if len(ns.encode()) + 2 * raw_len <= key_max:
+        return ns, True
+    out = list(fields)
+    digest = hashlib.blake2b(fields[name_at].encode(), digest_size=16).digest()
+    out[name_at] = "%h" + base64.b32encode(digest).decode().rstrip("=").lower()
+    ns = "|".join(out) + "|"
+    n = len(ns.encode()) + -(-raw_len * 4 // 3)
+    if n > key_max:
+        log.warning("keys of %d bytes exceed the %d that same-host clients read locally; "
+                    "their lookups ask the server", n, key_max)
+    return ns, False
+
+
+def compact_key(namespace: bytes, hex_ids: bool, raw: bytes) -> bytes:
+    """The key of id ``raw`` in a namespace of :func:`compact_fields`."""
+    return namespace + (raw.hex().encode() if hex_ids
+                        else base64.urlsafe_b64encode(raw).rstrip(b"="))
 
 
 def normalize_address(url: str) -> str:

@@ -45,7 +45,10 @@ Keys
     out worker by worker, so the key names the parallel layout (``tp..pp..pcp..dcp..``,
     always, also when vLLM calls the layout parallelism-agnostic: such rows still differ
     byte for byte between TP sizes) rather than a rank. Engines of another parallel layout
-    never share chunks.
+    never share chunks. Where that form would be longer than the shared-memory index
+    publishes (``kvshm._shmindex.KEY_MAX``, 152 bytes; a model given by a long path), the
+    model field is ``%h`` + the base32 of its 16-byte BLAKE2b and the OffloadKey is in
+    unpadded base64url (``_common.compact_fields``): same-host lookups stay lock-free.
 
 Values
     One kvshm entry per chunk: the primary row's bytes as they are (``block_size_bytes``).
@@ -79,9 +82,13 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from kvshm.errors import KvshmError
-from kvshm.integrations._common import ResilientClient, as_bool
+from kvshm.integrations._common import ResilientClient, as_bool, compact_fields, compact_key
 
 __all__ = ["KvshmTier"]
+
+#: Bytes of a vLLM OffloadKey: a 32-byte block hash and a 4-byte group index
+#: (vllm.v1.kv_offload.base.make_offload_key).
+OFFLOAD_KEY_BYTES = 36
 
 log = logging.getLogger(__name__)
 
@@ -167,11 +174,13 @@ class KvshmTier(SecondaryTierManager):
         parts = [prefix, quote(cfg.model.name, safe=""), str(cfg.model.dtype), parallel,
                  layout, f"c{cfg.cache.blocks_per_chunk}x{cfg.cache.tokens_per_hash}",
                  f"r{self.block_size_bytes}"]
-        return "|".join(parts) + "|"
+        ns, self._hex_keys = compact_fields(parts, 1, OFFLOAD_KEY_BYTES)
+        self._ns = ns.encode()
+        return ns
 
     def store_key(self, key: OffloadKey) -> bytes:
-        """The kvshm key of a vLLM OffloadKey."""
-        return self.namespace.encode() + bytes(key).hex().encode()
+        """The kvshm key of a vLLM OffloadKey (see the module docstring, Keys)."""
+        return compact_key(self._ns, self._hex_keys, bytes(key))
 
     def _rows(self, chunk_ids: Any) -> list[memoryview]:
         s = self._stride

@@ -201,3 +201,75 @@ def test_missing_engine_skips_or_fails(tmp_path: Any, required: bool) -> None:
         assert p.returncode in (1, 2) and "KVSHM_REQUIRE_ENGINES is set" in p.stdout, p.stdout
     else:
         assert p.returncode in (0, 5) and "1 skipped" in p.stdout, p.stdout
+
+
+# ------------------------------------------------------- compact keys (local lookups)
+
+#: The vLLM tier's namespace fields for a model given by a pytest tmp path, as in
+#: test_vllm_e2e.py: in the readable form its keys are ~177 bytes.
+E2E_FIELDS = ["vllm", "%2Ftmp%2Fpytest-of-root%2Fpytest-12%2Ftiny-llama0", "torch.float32",
+              "tp2pp1pcp1dcp1", "default", "c1x16", "r65536"]
+
+
+def _server_exists_counter(c: kvshm.Client) -> list[int]:
+    """Counts the EXISTS requests ``c`` sends to the server from now on."""
+    n = [0]
+    s = c._session
+    real = s.op_simple
+
+    def op_simple(op: Any, *a: Any, **kw: Any) -> Any:
+        if getattr(op, "name", "") == "EXISTS":
+            n[0] += 1
+        return real(op, *a, **kw)
+    s.op_simple = op_simple
+    return n
+
+
+def test_long_keys_are_compacted_and_read_locally(kvshm_server: ServerProcess) -> None:
+    """The vLLM tier's keys for a long model path fit the shared-memory index; a local
+    client's exists / exists_batch on them send nothing to the server (before: the
+    177-byte keys were not published, each lookup was a server round trip)."""
+    from kvshm._shmindex import KEY_MAX
+    ids = [bytes([i]) * 32 + (0).to_bytes(4, "big") for i in range(4)]
+    readable = ("|".join(E2E_FIELDS) + "|").encode() + ids[0].hex().encode()
+    assert len(readable) > KEY_MAX                      # the form that was not published
+    ns, hex_ids = C.compact_fields(E2E_FIELDS, 1, 36)
+    assert not hex_ids and ns.split("|")[3] == "tp2pp1pcp1dcp1"
+    keys = [C.compact_key(ns.encode(), hex_ids, r) for r in ids]
+    assert all(len(k) <= KEY_MAX for k in keys)
+    with kvshm.Client(kvshm_server.address) as c:
+        c.purge()
+        c.put_batch(keys[:3], [b"v" * 64] * 3)
+    with kvshm.Client(kvshm_server.address) as c:
+        assert c._session.local_reader() is not None, "the test client is not local"
+        n = _server_exists_counter(c)
+        assert [c.exists(k) for k in keys] == [True, True, True, False]
+        assert c.exists_batch(keys) == [True, True, True, False]
+        assert n[0] == 0, f"{n[0]} EXISTS went to the server"
+        c.exists(readable)                               # the counter does count
+        assert n[0] == 1
+
+
+def test_compact_fields_keep_inputs_apart() -> None:
+    """Distinct inputs give distinct keys in the compact form; short namespaces keep the
+    readable form (hex ids), unchanged."""
+    short = ["vllm", "org%2Ffake-model", "bfloat16", "tp1pp1pcp1dcp1", "default", "c1x16",
+             "r16384"]
+    ns, hex_ids = C.compact_fields(short, 1, 36)
+    assert hex_ids and ns == "|".join(short) + "|"
+    raw = bytes(range(36))
+    assert C.compact_key(ns.encode(), hex_ids, raw) == ns.encode() + raw.hex().encode()
+    spaces = set()
+    for model in (E2E_FIELDS[1], E2E_FIELDS[1] + "x", E2E_FIELDS[1][:-1] + "1"):
+        for tp in ("tp1pp1pcp1dcp1", "tp2pp1pcp1dcp1"):
+            f = list(E2E_FIELDS)
+            f[1], f[3] = model, tp
+            got, h = C.compact_fields(f, 1, 36)
+            assert not h and "%h" in got and tp in got.split("|")
+            spaces.add(got)
+    assert len(spaces) == 6
+    ids = [bytes([i, j]) * 16 + g.to_bytes(4, "big") for i in range(16) for j in range(16)
+           for g in range(2)]
+    keys = {C.compact_key(s.encode(), False, r) for s in spaces for r in ids}
+    assert len(keys) == 6 * len(ids)
+    assert all(k.count(b"|") == 7 for k in keys)         # the fields still split on "|"

@@ -56,7 +56,8 @@ class Engine:
     """One vLLM scheduler's offloading manager with the kvshm tier; a 4-chunk primary."""
 
     def __init__(self, address: str, primary_chunks: int = 4, tp: int = 1,
-                 agnostic: bool = False, **opts: Any) -> None:
+                 agnostic: bool = False, model: str = "org/fake-model",
+                 **opts: Any) -> None:
         self.engine_id = f"kvshm-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         extra = {"spec_name": "TieringOffloadingSpec",
                  "cpu_bytes_to_use": primary_chunks * BLOCK_BYTES,
@@ -66,7 +67,7 @@ class Engine:
                                           group_id=0),),
             worker_kv_bytes_per_block=BLOCK_BYTES, enable_kv_cache_events=False,
             extra_config=extra, engine_id=self.engine_id,
-            model=OffloadingModelConfig(name="org/fake-model", dtype="bfloat16"),
+            model=OffloadingModelConfig(name=model, dtype="bfloat16"),
             cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
             parallel=OffloadingParallelConfig(
                 rank=0, world_size=tp, tp_size=tp, pp_size=1, pcp_size=1, dcp_size=1,
@@ -338,3 +339,72 @@ def test_documented_kv_transfer_config_parses() -> None:
     assert cfg.kv_connector == "OffloadingConnector"
     tier = cfg.kv_connector_extra_config["secondary_tiers"][0]
     assert SecondaryTierFactory.get_tier_class(tier) is KvshmTier
+
+
+#: A model given by path, as the e2e test's engines have it (a pytest tmp dir): with the
+#: readable key form its keys are ~175 bytes, longer than the shared-memory index
+#: publishes (kvshm._shmindex.KEY_MAX), so every lookup was a server round trip.
+LONG_MODEL = "/tmp/pytest-of-root/pytest-1234/tiny-llama0/snapshots/0123456789abcdef"
+
+
+def _count_server_exists(c: kvshm.Client) -> list[int]:
+    """Patches ``c`` to count EXISTS requests it sends to the server; the live count."""
+    n = [0]
+    s = c._session
+    real = s.op_simple
+
+    def op_simple(op: Any, *a: Any, **kw: Any) -> Any:
+        if getattr(op, "name", "") == "EXISTS":
+            n[0] += 1
+        return real(op, *a, **kw)
+    s.op_simple = op_simple
+    return n
+
+
+@pytest.mark.parametrize("model", ["org/fake-model", LONG_MODEL])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_lookups_are_local(server: ServerProcess, engines: list[Engine], model: str,
+                           tp: int) -> None:
+    """A same-host client doing the tier's lookups (exists, exists_batch on its keys)
+    reads them lock-free: no EXISTS reaches the server, for a long model path too."""
+    eng = Engine(server.address, tp=tp, model=model)
+    engines.append(eng)
+    keys, data = chunks(3, eng.stride)
+    req = ReqContext(req_id="r1")
+    with eng.mgr.lock:
+        eng.mgr.on_new_request(req)
+    eng.store(req, keys, data)
+    bkeys = [eng.tier.store_key(k) for k in keys]
+    missing = eng.tier.store_key(make_offload_key(b"\xee" * 32, 0))
+    from kvshm._shmindex import KEY_MAX
+    assert all(len(k) <= KEY_MAX for k in bkeys + [missing]), [len(k) for k in bkeys]
+    assert f"|tp{tp}pp1pcp1dcp1|" in eng.tier.namespace
+    with kvshm.Client(server.address) as c:
+        if c._session.local_reader() is None:
+            pytest.skip("no local attach here")
+        n = _count_server_exists(c)
+        assert [c.exists(k) for k in bkeys] == [True] * 3
+        assert c.exists(missing) is False
+        assert c.exists_batch(bkeys + [missing]) == [True] * 3 + [False]
+        assert n[0] == 0, f"{n[0]} EXISTS went to the server"
+
+
+def test_compact_keys_stay_distinct(server: ServerProcess, engines: list[Engine]) -> None:
+    """The compact key form (long model names) keeps distinct inputs apart: other model,
+    other parallel layout, other OffloadKey; short names keep the readable form."""
+    a = Engine(server.address, model=LONG_MODEL)
+    b = Engine(server.address, model=LONG_MODEL + "x")
+    c = Engine(server.address, model=LONG_MODEL, tp=2)
+    d = Engine(server.address)
+    engines.extend([a, b, c, d])
+    assert len({a.tier.namespace, b.tier.namespace, c.tier.namespace}) == 3
+    assert "|org%2Ffake-model|" in d.tier.namespace                # readable, as before
+    k = make_offload_key(b"\x01" * 32, 0)
+    assert d.tier.store_key(k) == d.tier.namespace.encode() + bytes(k).hex().encode()
+    ks = [make_offload_key(bytes([i, j]) * 16, g) for i in range(8) for j in range(8)
+          for g in range(3)]
+    out = {a.tier.store_key(x) for x in ks} | {b.tier.store_key(x) for x in ks}
+    assert len(out) == 2 * len(ks)
+    for x in ks[:5]:          # fields still split on "|": the last is the OffloadKey
+        assert a.tier.store_key(x).decode().split("|")[3] == "tp1pp1pcp1dcp1"
+        assert a.tier.store_key(x).count(b"|") == d.tier.store_key(x).count(b"|")
