@@ -33,6 +33,7 @@ from kvshm.zmq_ctrl.protocol import (
     encode_reply,
 )
 from kvshm.zmq_ctrl.slices import STREAM_HEADER_BYTES, STREAM_REPLY_ITEMS, _Decoding, _Encoding
+from kvshm.zmq_ctrl.sends import conn_of
 
 #: the loop's one logger: its records keep the name they had before the loop was
 #: split into modules (as kvshm.store's modules share "kvshm.store")
@@ -217,7 +218,7 @@ class DispatchMixin(LoopState):
                 self.store.sent(session, nblocks, entries)
             else:
                 self._sending.append((tracker, entries, nblocks, session, ident,
-                                      time.monotonic(), src))
+                                      time.monotonic(), conn_of(src)))
         self._record_latency(op, t0)
 
     def _record_latency(self, op: int, t0: float) -> None:

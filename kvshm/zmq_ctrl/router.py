@@ -263,7 +263,7 @@ class ServiceLoop(DispatchMixin, SessionsMixin, ParkedMixin, SlicesMixin, SendsM
         self._seen_pokes = 0
         self._tier_deadline: float | None = None
         # (tracker, zero-copy entries, blocks counted, session, ident, since, the
-        # request's frame: it names the peer's socket)
+        # peer's connection: sends.conn_of of the request's frame, (fd, dev, inode))
         self._sending: list[tuple[zmq.MessageTracker, list[Any], int, Session, bytes,
                                   float, Any]] = []
         self._parked_by: dict[tuple[int, int], _Parked] = {}

@@ -25,6 +25,26 @@ from kvshm.zmq_ctrl.loopstate import LoopState
 log = logging.getLogger("kvshm.zmq_ctrl.router")
 
 
+def conn_of(frame: Any) -> tuple[int, int, int] | None:
+    """The connection a received request ``frame`` (a libzmq message) came on, as
+    ``(fd, st_dev, st_ino)``: its fd number (``zmq.SRCFD``) and what the kernel says
+    that fd is now (fstat: a socket's inode). Taken when a tracked reply is queued, the
+    request just received (its peer's pipe still up), for :meth:`SendsMixin._cut` to
+    check later that the fd still names that socket. None where the frame has no fd
+    (inproc, a test's stand-in) or the fd is closed already."""
+    try:
+        fd = frame.get(zmq.SRCFD)
+    except (zmq.ZMQError, AttributeError, TypeError):
+        return None
+    if type(fd) is not int or fd < 0:
+        return None
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    return fd, st.st_dev, st.st_ino
+
+
 class SendsMixin(LoopState):
     """Sends in flight of ServiceLoop (a mixin of it)."""
 
@@ -33,44 +53,49 @@ class SendsMixin(LoopState):
         stuck: dict[bytes, Any] = {}
         lease = self.store.config.lease_timeout
         for item in self._sending:
-            tracker, entries, nblocks, sess, ident, since, frame = item
+            tracker, entries, nblocks, sess, ident, since, conn = item
             if tracker.done:
                 self.store.sent(sess, nblocks, entries)
             else:
                 keep.append(item)
                 if now - since > lease and ident not in stuck:
-                    stuck[ident] = frame
+                    stuck[ident] = conn
                     # once: its connection goes now; a new one starts a new count
-                    keep[-1] = (*item[:5], now, frame)
+                    keep[-1] = (*item[:5], now, conn)
         self._sending = keep
-        for ident, frame in stuck.items():
-            self._cut(ident, frame)
+        for ident, conn in stuck.items():
+            self._cut(ident, conn)
 
-    def _cut(self, ident: bytes, frame: Any) -> None:
+    def _cut(self, ident: bytes, conn: Any) -> None:
         """A peer has not read its replies within the lease: shut its connection down
         (libzmq then drops the unsent replies, and their pins go when their trackers
-        say so). ``frame``: a request frame of that peer, naming its socket."""
+        say so). ``conn``: that peer's connection as :func:`conn_of` took it when the
+        reply was queued, ``(fd, st_dev, st_ino)``, or None (nothing is shut down).
+
+        The fd number alone is not that connection: once the peer's connection closes,
+        libzmq closes the fd and the kernel gives the same number to the next socket
+        opened (another client's accepted connection). The socket is shut down only if
+        the fd still names the same socket (its inode, which the kernel does not reuse
+        while that socket is open, and ours is until libzmq closes it)."""
         log.warning("peer %s has not read its replies within the lease (%g s): its "
                     "connection is dropped", ident.hex(), self.store.config.lease_timeout)
         self._count_error("unread_replies")
-        try:
-            fd = frame.get(zmq.SRCFD)
-            peer = frame.get("Peer-Address")
-        except (zmq.ZMQError, AttributeError, TypeError):
+        if conn is None:
             return
-        if type(fd) is not int or fd < 0:
-            return
+        fd, dev, ino = conn
         import socket as _socket
 
         try:
             s = _socket.socket(fileno=os.dup(fd))
         except OSError:
-            return
+            return                          # closed (or not a socket) by now
         try:
-            if s.family in (_socket.AF_INET, _socket.AF_INET6):
-                if s.getpeername()[0] != peer:
-                    return                  # that fd is someone else's by now
-            elif s.family != _socket.AF_UNIX:
+            st = os.fstat(s.fileno())
+            if (st.st_dev, st.st_ino) != (dev, ino):
+                log.info("peer %s: its connection is gone, fd %d is another socket's "
+                         "now: left alone", ident.hex(), fd)
+                return
+            if s.family not in (_socket.AF_INET, _socket.AF_INET6, _socket.AF_UNIX):
                 return
             s.shutdown(_socket.SHUT_RDWR)
         except OSError:
