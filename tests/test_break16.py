@@ -1,0 +1,169 @@
+"""break16: a hostile review of what was merged on 2026-12-02 00:15-01:15 UTC (the flake
+commits: a HELLO keeping the mapped pool, a put's own COMMIT, the last look at a wait's
+deadline; Channel.drain's DRAIN_MAX; batchp2's C size compares).
+
+No finding so far: these are the attacks that held on main (48a7b67), kept as
+regression tests (a server replaced on the same port and segment name between HELLOs
+and under reading threads; lazy and own COMMITs of threads sharing one client).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvshm import Client
+from servers import ServerProcess
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def srv():
+    with ServerProcess(prealloc_size=1 / 16) as s:
+        yield s
+
+
+def _restarted_reads(transport: str) -> list:
+    """A client that keeps its mapping across HELLOs to the same server; the server is
+    replaced by another (same port, same segment name: a new pool) between two calls."""
+    from servers import unique_shm_name
+    name = unique_shm_name()
+    s1 = ServerProcess(shm_name=name, prealloc_size=1 / 16)
+    s1.__enter__()
+    port = int(s1.address.rsplit(":", 1)[1])
+    out = []
+    try:
+        c = Client(s1.address, timeout=10, transport=transport)
+        try:
+            c.put("b16-r", b"A" * 4096)
+            out.append(c.get("b16-r"))
+            c.ping()                        # a HELLO to the same server: mapping kept
+            out.append(c.get("b16-r"))
+            s1.__exit__(None, None, None)
+            s1 = ServerProcess(shm_name=name, prealloc_size=1 / 16, service_port=port)
+            s1.__enter__()
+            with Client(s1.address, timeout=10) as w:
+                w.put("b16-r", b"B" * 4096)
+            for _ in range(3):
+                try:
+                    out.append(c.get("b16-r"))
+                except Exception as exc:     # (a restart may be reported once)
+                    out.append(type(exc).__name__)
+        finally:
+            c.close()
+    finally:
+        s1.__exit__(None, None, None)
+    return out
+
+
+@pytest.mark.parametrize("transport", ["auto", "shm"])
+def test_a_server_replaced_on_the_same_segment_name_is_read_anew(transport):
+    got = _restarted_reads(transport)
+    assert got[:2] == [b"A" * 4096] * 2, got[:2]
+    assert b"A" * 4096 not in got[2:], got[2:]
+    assert got[-1] == b"B" * 4096, got[2:]
+
+
+def test_threads_reading_across_a_server_replaced_never_read_the_old_pool():
+    """Threads of one client get a key in a loop (pings of another thread make HELLOs
+    to the same server meanwhile) while the server is replaced by another on the same
+    port and segment name; a get begun after the new server stored the key's new value
+    never returns the old one."""
+    import threading
+    from servers import unique_shm_name
+    name = unique_shm_name()
+    s1 = ServerProcess(shm_name=name, prealloc_size=1 / 16)
+    s1.__enter__()
+    port = int(s1.address.rsplit(":", 1)[1])
+    new_stored = threading.Event()
+    stop = threading.Event()
+    bad: list = []
+    reads = [0]
+    c = Client(s1.address, timeout=10)
+    try:
+        c.put("b16-t", b"A" * 4096)
+
+        def reader() -> None:
+            while not stop.is_set():
+                after = new_stored.is_set()
+                try:
+                    v = c.get("b16-t")
+                except Exception:
+                    continue
+                reads[0] += 1
+                if after and v == b"A" * 4096:
+                    bad.append(v[:1])
+
+        def pinger() -> None:
+            while not stop.is_set():
+                try:
+                    c.ping()
+                except Exception:
+                    pass
+
+        ts = [threading.Thread(target=reader) for _ in range(2)]
+        ts.append(threading.Thread(target=pinger))
+        for t in ts:
+            t.start()
+        try:
+            s1.__exit__(None, None, None)
+            s1 = ServerProcess(shm_name=name, prealloc_size=1 / 16, service_port=port)
+            s1.__enter__()
+            with Client(s1.address, timeout=10) as w:
+                w.put("b16-t", b"B" * 4096)
+            new_stored.set()
+            n0 = reads[0]
+            while reads[0] < n0 + 200:
+                time.sleep(0.01)
+        finally:
+            stop.set()
+            for t in ts:
+                t.join(30)
+        assert not bad, len(bad)
+        assert c.get("b16-t") == b"B" * 4096
+    finally:
+        c.close()
+        s1.__exit__(None, None, None)
+
+
+def test_lazy_and_own_commits_of_threads_sharing_a_client_all_land():
+    """Threads of one local client put batches, lazily committed and not (a put's own
+    COMMIT, fb38708), with pings (HELLOs) between; after flush every key is stored with
+    its bytes and the server's accounting holds (no commit lost nor doubled)."""
+    import threading
+    with ServerProcess(prealloc_size=1 / 16) as srv:
+        c = Client(srv.address, timeout=20)
+        errors: list = []
+
+        def work(t: int) -> None:
+            try:
+                for i in range(60):
+                    keys = [f"b16-c{t}-{i}-{j}" for j in range(4)]
+                    vals = [bytes([t * 16 + j]) * (500 + 300 * j) for j in range(4)]
+                    c.run_op(c.session.op_put_batch(keys, vals, False,
+                                                    lazy=bool((i + t) & 1)))
+                    if i % 7 == 0:
+                        c.ping()
+            except Exception as exc:        # pragma: no cover (reported below)
+                errors.append(repr(exc))
+
+        ts = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(60)
+        c.flush()
+        assert not errors, errors[:3]
+        with Client(srv.address, timeout=20) as r:
+            for t in range(4):
+                for i in range(60):
+                    keys = [f"b16-c{t}-{i}-{j}" for j in range(4)]
+                    got = r.get_batch(keys)
+                    want = [bytes([t * 16 + j]) * (500 + 300 * j) for j in range(4)]
+                    assert [bytes(g) if g is not None else None for g in got] == want, \
+                        (t, i)
+            st = r.stats(verify=True)
+            assert st["accounting_ok"], st
+        c.close()
