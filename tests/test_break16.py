@@ -167,3 +167,45 @@ def test_lazy_and_own_commits_of_threads_sharing_a_client_all_land():
             st = r.stats(verify=True)
             assert st["accounting_ok"], st
         c.close()
+
+
+from test_threads_shared_client import (  # noqa: E402  (fixtures and the helper)
+    _kept_off_past_deadline, server, transport_impl)
+
+
+@pytest.mark.parametrize("path", ["get", "get_into", "put"])
+def test_one_key_reply_found_by_the_last_look_is_read_whole(server, transport_impl,
+                                                           path, monkeypatch):
+    """call1's last look at the deadline (ee0dacc) hands the caller a general reply
+    (status, body, frames): a GET's value in its frame, get_into's copy into the
+    caller's buffer and a PUT's statuses read from it as from the C reply."""
+    import os
+    import signal
+    import uuid
+    import kvshm.zmq_ctrl.channel as chmod
+    if not chmod.CALL1:
+        pytest.skip("_zmqc not built: no call1")
+    with Client(server.address, transport="tcp", timeout=0.5) as c:
+        key = f"b16-late-{uuid.uuid4().hex[:8]}".encode()
+        val = bytes(range(256)) * 9
+        c.put(key, val)
+        assert c.get(key) == val
+        kept = _kept_off_past_deadline(monkeypatch, server, c)
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            if path == "get":
+                assert c.get(key) == val
+            elif path == "get_into":
+                out = bytearray(len(val) + 10)
+                got = c.get_into(key, out)
+                assert bytes(out[:len(val)]) == val, got
+            else:
+                c.put(key, val[::-1])
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        assert kept, "the wait never had a slice without its reply"
+        assert c._chan.timeouts == 0
+        assert c._chan.late == 1
+        monkeypatch.undo()
+        assert c.get(key) == (val[::-1] if path == "put" else val)
+        c.delete([key])
