@@ -209,3 +209,46 @@ def test_one_key_reply_found_by_the_last_look_is_read_whole(server, transport_im
         monkeypatch.undo()
         assert c.get(key) == (val[::-1] if path == "put" else val)
         c.delete([key])
+
+
+@pytest.mark.parametrize("sent", [False, True], ids=["unsent", "reply_lost"])
+def test_a_puts_own_commit_that_times_out_leaves_the_accounting_whole(sent, monkeypatch):
+    """A non-lazy put's own COMMIT (fb38708) fails with a timeout, sent or not: the put
+    raises ServerUnavailable; the grant is then either committed (the server got it) or
+    aborted by the next request, never left pending nor committed twice, and the
+    server's accounting holds."""
+    import kvshm.zmq_ctrl.channel as chmod
+    from kvshm.errors import ServerUnavailable
+    from kvshm.zmq_ctrl.protocol import Op
+    with ServerProcess(prealloc_size=1 / 16) as srv:
+        c = Client(srv.address, timeout=10)
+        try:
+            c.put("b16-w", b"w")
+            real = chmod.Channel.request
+            hit = []
+
+            def request(self, op, body, *a, **kw):
+                if op == Op.COMMIT and not hit and self is c._chan:
+                    hit.append(list(body.get("commit", ())))
+                    if sent:
+                        real(self, op, body, *a, **kw)
+                    self.reset()
+                    raise ServerUnavailable("test: the COMMIT's reply never came")
+                return real(self, op, body, *a, **kw)
+
+            monkeypatch.setattr(chmod.Channel, "request", request)
+            with pytest.raises(ServerUnavailable):
+                c.put("b16-x", b"x" * 5000)
+            monkeypatch.undo()
+            assert hit and len(hit[0]) == 1, hit
+            c.put("b16-y", b"y" * 300)      # the abort rides on it (after a HELLO)
+            c.flush()
+            with Client(srv.address, timeout=10) as r:
+                assert r.exists("b16-x") == sent
+                if sent:
+                    assert r.get("b16-x") == b"x" * 5000
+                assert r.get("b16-y") == b"y" * 300
+                st = r.stats(verify=True)
+                assert st["accounting_ok"], st
+        finally:
+            c.close()
