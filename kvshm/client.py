@@ -788,7 +788,7 @@ class _Session:
         self._close_local()
         unproven, self._unproven = self._unproven, None
         if unproven is not None and not same_server:
-            unproven.close()            # proof of another server's pool: start again
+            self._close_unproven(unproven)  # proof of another server's pool: start again
             unproven = None
         if unproven is not None:          # the answer to the HELLO with the proof
             if h.get("local") is True:
@@ -798,7 +798,7 @@ class _Session:
                 self.need_hello = False
                 self._wb_after_hello(same_server)
                 return
-            unproven.close()
+            self._close_unproven(unproven)
             if self.transport == "shm":
                 raise TransportError(
                     f"the server at {address} did not see this client's proof of "
@@ -828,6 +828,18 @@ class _Session:
         self.local = localread.attach(h, self.mover, self.epoch, self.limits.max_key_bytes)
         self.need_hello = False
         self._wb_after_hello(same_server)
+
+    def _close_unproven(self, m: OneSidedMover) -> None:
+        """Close a mover a HELLO proved nothing for. Since a HELLO to the same server
+        keeps the mover in use (5786ce2), it may be :attr:`mover` with views of its pool
+        still alive (BufferError from its close): retired as :meth:`_retire_mover` does,
+        instead of the error out of the HELLO."""
+        if m is self.mover:
+            self.mover = None
+        try:
+            m.close()
+        except BufferError:
+            self._retired.append(m)
 
     def _same_pool(self, m: ShmMover, pool_info: dict[str, Any]) -> bool:
         """Whether ``m`` maps the pool a HELLO names (name and token), and this client's
@@ -922,9 +934,9 @@ class _Session:
         w, self.last_watch = self.last_watch, None
         if w is not None:
             w.close()
-        if self._unproven is not None:
-            self._unproven.close()
-            self._unproven = None
+        u, self._unproven = self._unproven, None
+        if u is not None and u not in self._retired:  # (the kept mover: retired above)
+            self._close_unproven(u)
         if self.proof is not None:
             self.proof.close()
             self.proof = None

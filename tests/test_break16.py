@@ -2,9 +2,26 @@
 commits: a HELLO keeping the mapped pool, a put's own COMMIT, the last look at a wait's
 deadline; Channel.drain's DRAIN_MAX; batchp2's C size compares).
 
-No finding so far: these are the attacks that held on main (48a7b67), kept as
-regression tests (a server replaced on the same port and segment name between HELLOs
-and under reading threads; lazy and own COMMITs of threads sharing one client).
+Finding (failed on main 48a7b67 before its fix):
+
+* a HELLO to the same server keeps the mover in use as the one its next HELLO proves
+  (5786ce2); when that next HELLO's reply was another server's (a restart between the
+  two: a new epoch) or said the proof was not seen (not local), apply_hello closed that
+  mover with ``unproven.close()``: with a view of its pool still alive (the caller
+  reading pool memory) Pool.close raised BufferError out of the HELLO. Before 5786ce2
+  the unproven mover was always a fresh one nobody held views of. Fix: such a mover is
+  retired as _retire_mover does (kept in _retired until its views go).
+  test_hello_after_a_kept_mover_with_pool_views_alive_does_not_raise.
+* the same kept mover, closed by Client.close() before its proving HELLO (which timed
+  out, say): Session.close retired it (views alive: kept) and then closed it again as
+  the unproven one, BufferError out of close() (its liveness file left in /dev/shm).
+  Fix: the unproven mover already retired is not closed again.
+  test_close_between_a_kept_mover_and_its_proof_with_pool_views_alive.
+
+The rest are attacks that held, kept as regression tests (a server replaced on the
+same port and segment name between HELLOs and under reading threads; lazy and own
+COMMITs of threads sharing one client; an own COMMIT that times out, sent or not;
+one-key get/get_into/put replies found by the last look at the deadline).
 """
 
 from __future__ import annotations
@@ -252,3 +269,88 @@ def test_a_puts_own_commit_that_times_out_leaves_the_accounting_whole(sent, monk
                 assert st["accounting_ok"], st
         finally:
             c.close()
+
+
+@pytest.mark.parametrize("why", ["new_epoch", "not_local"])
+def test_hello_after_a_kept_mover_with_pool_views_alive_does_not_raise(why):
+    """A HELLO to the same server keeps the mover in use as the one to prove (5786ce2);
+    the next HELLO's reply comes from another server (a restart between the two: a new
+    epoch) or says the proof was not seen (not local). That mover was closed there with
+    views of its pool still held by the caller: BufferError out of the HELLO (and out
+    of every call that says it), where a retired mover is kept until the views go.
+    Staged with the server's own HELLO reply, its epoch or ``local`` changed."""
+    import kvshm.client as kc
+    with ServerProcess(prealloc_size=1 / 16) as srv:
+        c = Client(srv.address, timeout=10)
+        try:
+            s = c.session
+            rec = []
+            real = kc._Session.apply_hello
+
+            def apply_hello(self, r, address):
+                rec.append((r, address))
+                return real(self, r, address)
+
+            kc._Session.apply_hello = apply_hello
+            try:
+                c.put("b16-v", b"v" * 100)
+                c.ping()
+            finally:
+                kc._Session.apply_hello = real
+            r, addr = rec[-1]
+            m = s.mover
+            assert isinstance(m, kc.ShmMover) and r.body.get("local") is True
+            view = m.pool.view(0, 16)       # the caller's view of pool memory
+            s.apply_hello(r, addr)          # the same server: the mover kept, unproven
+            assert s._unproven is m
+            if why == "new_epoch":
+                r2 = r._replace(body=dict(r.body, epoch=int(r.body["epoch"]) + 2))
+            else:
+                r2 = r._replace(body=dict(r.body, local=False))
+            s.apply_hello(r2, addr)         # before the fix: BufferError
+            assert s.mover is not m
+            assert len(bytes(view)) == 16   # still mapped (the mover retired, not closed)
+            del view
+        finally:
+            c.close()
+
+
+def test_close_between_a_kept_mover_and_its_proof_with_pool_views_alive():
+    """Client.close() after a HELLO to the same server kept the mover as the one to
+    prove (its proving HELLO not made yet: it timed out, say) while the caller holds a
+    view of the pool: before the fix the session retired the mover (views alive) and
+    then closed it again as the unproven one, BufferError out of close()."""
+    import kvshm.client as kc
+    with ServerProcess(prealloc_size=1 / 16) as srv:
+        c = Client(srv.address, timeout=10)
+        s = c.session
+        rec = []
+        real = kc._Session.apply_hello
+
+        def apply_hello(self, r, address):
+            rec.append((r, address))
+            return real(self, r, address)
+
+        kc._Session.apply_hello = apply_hello
+        try:
+            c.put("b16-u", b"u" * 100)
+            c.ping()
+        finally:
+            kc._Session.apply_hello = real
+        r, addr = rec[-1]
+        m = s.mover
+        view = m.pool.view(0, 16)
+        s.apply_hello(r, addr)
+        assert s._unproven is m
+        try:
+            c.close()                       # before the fix: BufferError
+        finally:
+            del view
+            s._unproven = None
+            c.close()
+            if s.proof is not None:         # (close raised before it: main)
+                s.proof.close()
+                s.proof = None
+            for x in s._retired:
+                x.close()
+            m.close()                       # (its views gone now: unmapped)
