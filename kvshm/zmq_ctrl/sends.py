@@ -86,9 +86,14 @@ class SendsMixin(LoopState):
         import socket as _socket
 
         try:
-            s = _socket.socket(fileno=os.dup(fd))
+            d = os.dup(fd)
         except OSError:
-            return                          # closed (or not a socket) by now
+            return                          # closed by now
+        try:
+            s = _socket.socket(fileno=d)
+        except OSError:                     # not a socket now (a file, a pipe, an
+            os.close(d)                     # eventfd got the number): the dup goes
+            return
         try:
             st = os.fstat(s.fileno())
             if (st.st_dev, st.st_ino) != (dev, ino):
