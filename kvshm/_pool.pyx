@@ -25,6 +25,10 @@ import warnings
 
 import posix_ipc
 
+#: PackedValues.of takes its sizes copy off the collector's lists unless
+#: ``KVSHM_UNTRACK=0`` (read at import; kvshm._gcutil's off switch, for A/B figures).
+cdef bint _UNTRACK = os.environ.get("KVSHM_UNTRACK", "1") != "0"
+
 from libc.stdint cimport int64_t, uint8_t, uintptr_t
 from libc.string cimport memcpy
 from posix.mman cimport mmap, munmap, PROT_READ, PROT_WRITE, MAP_SHARED
@@ -1089,8 +1093,9 @@ cdef class PackedValues:
             if ovf or v < 0 or v > PY_SSIZE_T_MAX:
                 return None
         # only ints: off the collector's lists (in no cycle), so no young collection
-        # while the PUT lives walks its 100 k items (kvshm._gcutil)
-        PyObject_GC_UnTrack(<void*>sizes)
+        # while the PUT lives walks its 100 k items (kvshm._gcutil; KVSHM_UNTRACK=0 off)
+        if _UNTRACK:
+            PyObject_GC_UnTrack(<void*>sizes)
         f = _Frames.__new__(_Frames)
         f.bufs = <Py_buffer*>malloc(nf * sizeof(Py_buffer))
         f.ptrs = <char**>malloc(max(ns, 1) * sizeof(char*))

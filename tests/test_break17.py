@@ -49,3 +49,30 @@ def test_cut_of_an_fd_reused_by_a_file_leaks_no_fd() -> None:
             os.close(w)
     assert not leaked, [os.readlink(f"/proc/self/fd/{x}") for x in leaked]
     assert loop.errors["unread_replies"] == 11
+
+
+_PV_TRACKED = r"""
+import gc
+from kvshm._pool import PackedValues
+pv = PackedValues.of([b"x" * 300], [300], [1] * 300)
+lists = [x for f in gc.get_referents(pv) for x in gc.get_referents(f)
+         if type(x) is list and len(x) == 300]
+assert len(lists) == 1, lists
+print(gc.is_tracked(lists[0]))
+"""
+
+
+def test_packed_values_sizes_honour_the_untrack_off_switch() -> None:
+    """KVSHM_UNTRACK=0 leaves every list tracked (kvshm._gcutil's docstring; the A/B of
+    gcpause's figures): PackedValues.of untracked its sizes copy whatever the switch."""
+    import subprocess
+    import sys
+
+    def tracked(flag: str) -> bool:
+        env = dict(os.environ, KVSHM_UNTRACK=flag)
+        out = subprocess.run([sys.executable, "-c", _PV_TRACKED], env=env, check=True,
+                             capture_output=True, text=True, timeout=120).stdout
+        return out.strip() == "True"
+
+    assert tracked("1") is False
+    assert tracked("0") is True
