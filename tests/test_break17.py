@@ -76,3 +76,64 @@ def test_packed_values_sizes_honour_the_untrack_off_switch() -> None:
 
     assert tracked("1") is False
     assert tracked("0") is True
+
+
+def test_cut_of_a_parked_or_sliced_request_names_the_connection_it_came_on() -> None:
+    """A parked (tier wait) or sliced request is answered turns after it came: the
+    reply's connection was taken (conn_of of the request's frame) only then, when the
+    fd number may name another client's connection already (the peer's closed, the
+    kernel gave the number to the next accept): that client was shut down for the
+    peer's unread replies, the bug cutfix fixed for replies sent at once."""
+    import socket
+    import time
+
+    from test_cut_fd_reuse import _alive, _Frame, _Loop, _pair
+
+    from kvshm.zmq_ctrl.handling import _Sliced
+    from kvshm.zmq_ctrl.parked import _Parked
+
+    d = tempfile.mkdtemp(prefix="kvshm-b17cut-")
+    path = os.path.join(d, "s")
+    ls = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    socks: list[socket.socket] = [ls]
+    try:
+        ls.bind(path)
+        ls.listen(4)
+        for reuse in (True, False):
+            loop = _Loop()
+            a_cli, a_srv = _pair(ls, path)
+            socks += [a_cli, a_srv]
+            fd = a_srv.fileno()
+            # A's large GET: received now, served in slices (or parked) over turns
+            p = _Parked(b"A" * 16, object(), 1, 2, _Sliced(lambda f: None, lambda: None),
+                        {}, [1], time.perf_counter(), time.monotonic() + 5.0,
+                        _Frame(fd, ""))
+            if reuse:
+                a_cli.close()
+                a_srv.close()
+                b_cli, b_srv = _pair(ls, path)
+                socks += [b_cli, b_srv]
+                assert b_srv.fileno() == fd      # B's connection got A's fd number
+            # the last slice done: the reply queued as slices.py / parked.py queue it
+            loop._reply(p.ident, p.session, p.req_id, p.op, 0, {}, [b"x" * 65536],
+                        p.extra, p.on_sent, p.t0, p.src)
+            assert loop._sending
+            loop._reap_sends(time.monotonic() + 10.0)
+            assert loop.errors.get("unread_replies") == 1
+            if reuse:
+                assert _alive(b_cli, b_srv), "B was shut down for A's unread replies"
+                b_cli.close()
+                b_srv.close()
+            else:
+                a_cli.settimeout(5.0)
+                assert a_cli.recv(1) == b""      # A itself is still cut: EOF
+                a_cli.close()
+                a_srv.close()
+    finally:
+        for s in socks:
+            s.close()
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        os.rmdir(d)

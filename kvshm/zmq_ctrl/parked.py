@@ -22,6 +22,7 @@ from kvshm.store import Session
 from kvshm.zmq_ctrl.handling import _MORE, _Defer, _Sliced
 from kvshm.zmq_ctrl.loopstate import LoopState
 from kvshm.zmq_ctrl.protocol import Status
+from kvshm.zmq_ctrl.sends import conn_of
 
 #: the loop's one logger: its records keep the name they had before the loop was
 #: split into modules (as kvshm.store's modules share "kvshm.store")
@@ -37,7 +38,9 @@ class _Parked:
                  extra: dict[str, Any], on_sent: list[Any], t0: float,
                  deadline: float, src: Any = None) -> None:
         self.ident = ident
-        self.src = src
+        # the connection the request came on, taken now (sends.conn_of): by the time
+        # its reply is queued the peer's fd number may name another client's connection
+        self.src = conn_of(src)
         self.session = session
         self.cancelled = False
         self.req_id = req_id

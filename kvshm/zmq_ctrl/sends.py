@@ -31,7 +31,11 @@ def conn_of(frame: Any) -> tuple[int, int, int] | None:
     that fd is now (fstat: a socket's inode). Taken when a tracked reply is queued, the
     request just received (its peer's pipe still up), for :meth:`SendsMixin._cut` to
     check later that the fd still names that socket. None where the frame has no fd
-    (inproc, a test's stand-in) or the fd is closed already."""
+    (inproc, a test's stand-in) or the fd is closed already. A tuple is a connection
+    taken already (a parked or sliced request's, when it came: its reply is queued turns
+    later, when the fd number may be another client's): returned as it is."""
+    if type(frame) is tuple:
+        return frame
     try:
         fd = frame.get(zmq.SRCFD)
     except (zmq.ZMQError, AttributeError, TypeError):
