@@ -137,3 +137,100 @@ def test_cut_of_a_parked_or_sliced_request_names_the_connection_it_came_on() -> 
         except FileNotFoundError:
             pass
         os.rmdir(d)
+
+
+class _BigFrame(bytes):
+    """A received large header frame (libzmq message) with its fd."""
+
+    fd = -1
+
+    def get(self, k: Any) -> Any:
+        import zmq
+        if k == zmq.SRCFD:
+            return self.fd
+        raise zmq.ZMQError(22)
+
+    @property
+    def buffer(self) -> memoryview:
+        return memoryview(self)
+
+
+def test_cut_of_a_request_whose_header_was_decoded_over_turns() -> None:
+    """A large request header (>= STREAM_HEADER_BYTES) is decoded a slice a turn and
+    dispatched turns after it came; its tracked reply's connection was taken only then
+    (conn_of of the kept frame): the peer gone meanwhile and its fd number given to
+    another client's connection, that client was shut down for the peer's unread
+    replies."""
+    import collections
+    import socket
+    import time
+
+    from test_cut_fd_reuse import _alive, _Loop, _pair
+
+    from kvshm.zmq_ctrl.protocol import encode_request
+    from kvshm.zmq_ctrl.slices import STREAM_HEADER_BYTES, SlicesMixin
+
+    class Loop(_Loop, SlicesMixin):
+        def __init__(self) -> None:
+            super().__init__()
+            self.epoch = 7
+            self._batchq = None
+            self._decodes: collections.deque[Any] = collections.deque()
+            self._held: dict[bytes, Any] = {}
+            self._stateful: set[int] = set()
+            self.slice_keys = 1 << 20
+            self.sess = SimpleNamespace(seen=0.0)
+
+            def handler(session: Any, req_id: int, body: Any, frames: Any,
+                        on_sent: list[Any]) -> Any:
+                on_sent.append(1)                   # a zero-copy value: tracked
+                return 0, {}, [b"x" * 65536]
+            self._handlers = {5: handler}
+
+        def _session_of(self, ident: bytes) -> Any:
+            return self.sess
+
+        def _settle_is_large(self, session: Any, body: Any) -> bool:
+            return False
+
+        def _piggyback(self, session: Any, body: Any, extra: Any) -> None:
+            pass
+
+    d = tempfile.mkdtemp(prefix="kvshm-b17dec-")
+    path = os.path.join(d, "s")
+    ls = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    socks: list[socket.socket] = [ls]
+    try:
+        ls.bind(path)
+        ls.listen(4)
+        loop = Loop()
+        a_cli, a_srv = _pair(ls, path)
+        socks += [a_cli, a_srv]
+        fd = a_srv.fileno()
+        hdr = encode_request(5, 1, 7, {"keys": [b"k%07d" % i for i in range(12000)]})
+        assert len(hdr) >= STREAM_HEADER_BYTES
+        frame = _BigFrame(hdr)
+        frame.fd = fd
+        loop._dispatch([b"A" * 16, frame])          # A's large request: being decoded
+        assert loop._decodes and not loop._sending
+        a_cli.close()                                # A goes; B gets its fd number
+        a_srv.close()
+        b_cli, b_srv = _pair(ls, path)
+        socks += [b_cli, b_srv]
+        assert b_srv.fileno() == fd
+        for _ in range(1000):
+            if not loop._decodes:
+                break
+            loop._run_decodes()
+        assert loop._sending, loop.errors            # A's reply queued, tracked
+        loop._reap_sends(time.monotonic() + 10.0)
+        assert loop.errors.get("unread_replies") == 1
+        assert _alive(b_cli, b_srv), "B was shut down for A's unread replies"
+    finally:
+        for s in socks:
+            s.close()
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        os.rmdir(d)

@@ -55,9 +55,11 @@ _HELLO = int(Op.HELLO)
 class DispatchMixin(LoopState):
     """Request dispatch of ServiceLoop (a mixin of it)."""
 
-    def _dispatch(self, msg: list[zmq.Frame], decoded: Any = None, t0: float = 0.0) -> None:
+    def _dispatch(self, msg: list[zmq.Frame], decoded: Any = None, t0: float = 0.0,
+                  conn: Any = None) -> None:
         """Serve one request; ``decoded``: its header, decoded over earlier turns
-        (:meth:`_run_decodes`), ``t0`` when it came."""
+        (:meth:`_run_decodes`), ``t0`` when it came, ``conn`` the connection it came on
+        then (:func:`~kvshm.zmq_ctrl.sends.conn_of`)."""
         if decoded is None:
             t0 = time.perf_counter()
         ident = msg[0]
@@ -65,6 +67,8 @@ class DispatchMixin(LoopState):
             ident = ident.bytes
         req_id = 0
         op = -1
+        # the connection its tracked reply goes on (decoded over turns: taken when it came)
+        src = conn if decoded is not None else (msg[1] if len(msg) >= 2 else None)
         if len(msg) < 2:
             self._count_error("malformed")
             self._send(ident, encode_reply(Status.MALFORMED, 0, {"error": "no header frame"}))
@@ -154,7 +158,7 @@ class DispatchMixin(LoopState):
         except _Defer as d:
             p = _Parked(ident, session, req_id, op, d, reply_extra, on_sent, t0,
                         time.monotonic() + (self.store.config.tier_wait if d.wait is None
-                                            else d.wait), msg[1])
+                                            else d.wait), src)
             if p.sliced:
                 self.slice_counters["sliced_requests"] += 1
                 self._runnable.append(p)
@@ -172,7 +176,7 @@ class DispatchMixin(LoopState):
             self._count_error("internal")
             status, rbody, frames = Status.INTERNAL, {"error": f"internal error: {exc!r}"}, []
         self._reply(ident, session, req_id, op, status, rbody, frames, reply_extra, on_sent,
-                    t0, msg[1])
+                    t0, src)
 
     def _piggyback(self, session: Session, body: dict[str, Any],
                    extra: dict[str, Any]) -> None:

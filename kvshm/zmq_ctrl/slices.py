@@ -40,6 +40,7 @@ from kvshm.zmq_ctrl.protocol import (
     Status,
     encode_reply,
 )
+from kvshm.zmq_ctrl.sends import conn_of
 
 #: the loop's one logger: its records keep the name they had before the loop was
 #: split into modules (as kvshm.store's modules share "kvshm.store")
@@ -64,7 +65,7 @@ STREAM_REPLY_ITEMS = 16384
 class _Decoding:
     """A large request whose header is being decoded (:meth:`ServiceLoop._run_decodes`)."""
 
-    __slots__ = ("ident", "msg", "decoder", "t0")
+    __slots__ = ("ident", "msg", "decoder", "t0", "conn")
 
     def __init__(self, ident: bytes, msg: list[Any], decoder: RequestDecoder,
                  t0: float) -> None:
@@ -72,6 +73,9 @@ class _Decoding:
         self.msg = msg
         self.decoder = decoder
         self.t0 = t0
+        # the connection it came on, taken now (sends.conn_of): by the time it is
+        # dispatched the peer's fd number may name another client's connection
+        self.conn = conn_of(msg[1])
 
 
 class _Encoding:
@@ -246,7 +250,7 @@ class SlicesMixin(LoopState):
         then the messages its peer sent since."""
         if r is not None:
             try:
-                self._dispatch(job.msg, r, job.t0)
+                self._dispatch(job.msg, r, job.t0, job.conn)
             except Exception:
                 log.exception("internal error dispatching a request")
                 self._count_error("internal")
