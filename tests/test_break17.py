@@ -234,3 +234,81 @@ def test_cut_of_a_request_whose_header_was_decoded_over_turns() -> None:
         except FileNotFoundError:
             pass
         os.rmdir(d)
+
+
+def test_decoded_lists_with_a_nested_item_after_the_untracked_start_stay_tracked() -> None:
+    """gcpause (held): a request's long list untracked from the start (RequestDecoder,
+    in turns) or after decoding (decode_request) is tracked when any item is a
+    container (a list, a map, an ExtType: a namedtuple) however late it comes, and a
+    bytes subclass of no __dict__ is a tracked type (heap types always are)."""
+    import gc
+
+    import msgpack
+
+    from kvshm._gcutil import untrack_plain
+    from kvshm.zmq_ctrl.protocol import RequestDecoder, decode_request
+
+    class K(bytes):
+        __slots__ = ()
+
+    lst = [K(b"a")] * 300
+    assert untrack_plain(lst) is False and gc.is_tracked(lst)
+    for tail in ([1, 2], {"a": 1}, msgpack.ExtType(5, b"x")):
+        items = [b"k%d" % i for i in range(300)] + [tail] + [b"z"] * 300
+        hdr = msgpack.packb([1, 5, 1, 0, {"keys": items}], use_bin_type=True)
+        assert gc.is_tracked(decode_request(hdr)[4]["keys"])
+        dec = RequestDecoder(hdr)
+        r = None
+        while r is None:
+            r = dec.step(100)
+        assert gc.is_tracked(r[4]["keys"]), tail
+        assert r[4]["keys"] == items
+
+
+def test_local_batch_items_replaced_by_another_thread_between_segments(shm_name) -> None:
+    """localx3 (held): another thread replacing the later keys of a large batch's list
+    (same length) by an int, an absent key, a str, and back, while the GIL is released
+    per segment: no crash; the keys never touched (the first three segments, all
+    present) are answered True, or the batch falls back."""
+    import threading
+
+    from test_localx import Tables
+
+    from kvshm._shmindex import BATCH_SEGMENT, FALLBACK
+
+    t = Tables(shm_name, blocks=65536, initial=4096)
+    try:
+        n = 6 * BATCH_SEGMENT
+        keys = [b"rep-%08d" % i for i in range(n)]
+        for i, k in enumerate(keys):
+            assert t.writer.publish(k, 10, [(i % 65000, 1)]) >= 0
+        shared = list(keys)
+        stable = 3 * BATCH_SEGMENT
+        stop = threading.Event()
+        subs: list[Any] = [12345, b"absent-key", "rep-str", None, b""]
+
+        def mutate() -> None:
+            j = 0
+            while not stop.is_set():
+                j += 1
+                sub = subs[j % len(subs)]
+                for i in range(stable, n, 97):
+                    shared[i] = sub
+                for i in range(stable, n, 97):
+                    shared[i] = keys[i]
+
+        th = threading.Thread(target=mutate)
+        th.start()
+        try:
+            for _ in range(60):
+                got = t.fast.exists_batch(shared)
+                assert got is None or (len(got) == n and got[:stable] == [True] * stable)
+                m = t.fast.match_prefix(shared)
+                assert m == FALLBACK or stable <= m <= n
+        finally:
+            stop.set()
+            th.join()
+        assert t.fast.exists_batch(shared) == [True] * n
+        assert t.fast.match_prefix(shared) == n
+    finally:
+        t.close()
