@@ -312,3 +312,92 @@ def test_local_batch_items_replaced_by_another_thread_between_segments(shm_name)
         assert t.fast.match_prefix(shared) == n
     finally:
         t.close()
+
+
+def test_cut_of_a_request_held_behind_its_peers_large_header() -> None:
+    """A peer's requests that come while its large header is being decoded are held
+    and dispatched only after it: a held request's tracked reply took its connection
+    (conn_of of its frame) then, when the peer could be gone and its fd number another
+    client's connection, which was shut down for the peer's unread replies."""
+    import collections
+    import socket
+    import time
+
+    from test_cut_fd_reuse import _alive, _Loop, _pair
+
+    from kvshm.zmq_ctrl.protocol import encode_request
+    from kvshm.zmq_ctrl.router import ServiceLoop
+    from kvshm.zmq_ctrl.slices import SlicesMixin
+
+    class Loop(_Loop, SlicesMixin):
+        _handle = ServiceLoop._handle
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.epoch = 7
+            self._batchq = None
+            self._decodes: collections.deque[Any] = collections.deque()
+            self._held: dict[bytes, Any] = {}
+            self._stateful: set[int] = set()
+            self.slice_keys = 1 << 20
+            self.sess = SimpleNamespace(seen=0.0)
+
+            def big(session: Any, req_id: int, body: Any, frames: Any,
+                    on_sent: list[Any]) -> Any:
+                return 0, {}, []                    # answered, nothing tracked
+
+            def small(session: Any, req_id: int, body: Any, frames: Any,
+                      on_sent: list[Any]) -> Any:
+                on_sent.append(1)                   # a zero-copy value: tracked
+                return 0, {}, [b"x" * 65536]
+            self._handlers = {5: big, 6: small}
+
+        def _session_of(self, ident: bytes) -> Any:
+            return self.sess
+
+        def _settle_is_large(self, session: Any, body: Any) -> bool:
+            return False
+
+        def _piggyback(self, session: Any, body: Any, extra: Any) -> None:
+            pass
+
+    d = tempfile.mkdtemp(prefix="kvshm-b17held-")
+    path = os.path.join(d, "s")
+    ls = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    socks: list[socket.socket] = [ls]
+    try:
+        ls.bind(path)
+        ls.listen(4)
+        loop = Loop()
+        a_cli, a_srv = _pair(ls, path)
+        socks += [a_cli, a_srv]
+        fd = a_srv.fileno()
+        big = _BigFrame(encode_request(5, 1, 7, {"keys": [b"k%07d" % i
+                                                          for i in range(12000)]}))
+        small = _BigFrame(encode_request(6, 2, 7, {"keys": [b"a"]}))
+        big.fd = small.fd = fd
+        ident = b"A" * 16
+        loop._handle([ident, big])                   # being decoded
+        loop._handle([ident, small])                 # held behind it
+        assert loop._decodes and loop._held[ident]
+        a_cli.close()                                # A goes; B gets its fd number
+        a_srv.close()
+        b_cli, b_srv = _pair(ls, path)
+        socks += [b_cli, b_srv]
+        assert b_srv.fileno() == fd
+        for _ in range(1000):
+            if not loop._decodes:
+                break
+            loop._run_decodes()
+        assert len(loop._sending) == 1, loop.errors  # the held GET's reply, tracked
+        loop._reap_sends(time.monotonic() + 10.0)
+        assert loop.errors.get("unread_replies") == 1
+        assert _alive(b_cli, b_srv), "B was shut down for A's unread replies"
+    finally:
+        for s in socks:
+            s.close()
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        os.rmdir(d)

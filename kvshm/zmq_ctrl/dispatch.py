@@ -33,7 +33,7 @@ from kvshm.zmq_ctrl.protocol import (
     encode_reply,
 )
 from kvshm.zmq_ctrl.slices import STREAM_HEADER_BYTES, STREAM_REPLY_ITEMS, _Decoding, _Encoding
-from kvshm.zmq_ctrl.sends import conn_of
+from kvshm.zmq_ctrl.sends import CONN_NOW, conn_of
 
 #: the loop's one logger: its records keep the name they had before the loop was
 #: split into modules (as kvshm.store's modules share "kvshm.store")
@@ -56,10 +56,11 @@ class DispatchMixin(LoopState):
     """Request dispatch of ServiceLoop (a mixin of it)."""
 
     def _dispatch(self, msg: list[zmq.Frame], decoded: Any = None, t0: float = 0.0,
-                  conn: Any = None) -> None:
+                  conn: Any = CONN_NOW) -> None:
         """Serve one request; ``decoded``: its header, decoded over earlier turns
-        (:meth:`_run_decodes`), ``t0`` when it came, ``conn`` the connection it came on
-        then (:func:`~kvshm.zmq_ctrl.sends.conn_of`)."""
+        (:meth:`_run_decodes`), ``t0`` when it came; ``conn``: the connection it came on
+        (:func:`~kvshm.zmq_ctrl.sends.conn_of` taken then) when it is served turns
+        later (decoded over turns, held behind its peer's), CONN_NOW otherwise."""
         if decoded is None:
             t0 = time.perf_counter()
         ident = msg[0]
@@ -68,7 +69,7 @@ class DispatchMixin(LoopState):
         req_id = 0
         op = -1
         # the connection its tracked reply goes on (decoded over turns: taken when it came)
-        src = conn if decoded is not None else (msg[1] if len(msg) >= 2 else None)
+        src = conn if conn is not CONN_NOW else (msg[1] if len(msg) >= 2 else None)
         if len(msg) < 2:
             self._count_error("malformed")
             self._send(ident, encode_reply(Status.MALFORMED, 0, {"error": "no header frame"}))
@@ -82,7 +83,8 @@ class DispatchMixin(LoopState):
             elif len(msg[1]) >= STREAM_HEADER_BYTES:
                 # a large request: its header is decoded a slice a turn; this peer's
                 # later messages wait behind it
-                self._decodes.append(_Decoding(ident, msg, RequestDecoder(msg[1]), t0))
+                self._decodes.append(_Decoding(ident, msg, RequestDecoder(msg[1]), t0,
+                                               conn))
                 self._held[ident] = collections.deque()
                 return
             else:

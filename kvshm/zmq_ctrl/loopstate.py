@@ -47,7 +47,7 @@ class LoopState:
     _runnable: collections.deque[Any]
     _decodes: collections.deque[Any]
     _encodes: collections.deque[Any]
-    _held: dict[bytes, collections.deque[list[Any]]]
+    _held: dict[bytes, collections.deque[tuple[list[Any], Any]]]
     _seen_progress: int
     _pokes: int
     _seen_pokes: int
@@ -65,7 +65,7 @@ class LoopState:
     # methods one mixin calls on another (defined by ServiceLoop or a mixin)
     _count_error: Callable[[str], None]
     _send: Callable[..., zmq.MessageTracker | None]
-    _handle: Callable[[list[Any]], None]
+    _handle: Callable[..., None]
     _dispatch: Callable[..., None]
     _reply: Callable[..., None]
     _record_latency: Callable[[int, float], None]

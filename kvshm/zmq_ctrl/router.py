@@ -64,7 +64,7 @@ from kvshm.zmq_ctrl.ops_read import ReadOpsMixin
 from kvshm.zmq_ctrl.ops_write import WriteOpsMixin
 from kvshm.zmq_ctrl.parked import ParkedMixin, _Parked
 from kvshm.zmq_ctrl.protocol import Op
-from kvshm.zmq_ctrl.sends import SendsMixin
+from kvshm.zmq_ctrl.sends import CONN_NOW, SendsMixin, conn_of
 from kvshm.zmq_ctrl.sessions import SessionsMixin
 from kvshm.zmq_ctrl.slices import SLICE_KEYS, SlicesMixin, _Decoding, _Encoding
 from kvshm.zmq_ctrl.sockets import bind, make_router
@@ -203,7 +203,7 @@ class ServiceLoop(DispatchMixin, SessionsMixin, ParkedMixin, SlicesMixin, SendsM
         # later messages of their peers, held until that request is dispatched (a
         # request's effects, its piggybacked COMMITs among them, stay in its peer's order)
         self._decodes: collections.deque[_Decoding] = collections.deque()
-        self._held: dict[bytes, collections.deque[list[Any]]] = {}
+        self._held: dict[bytes, collections.deque[tuple[list[Any], Any]]] = {}
         self._encodes: collections.deque[_Encoding] = collections.deque()
         #: sliced_requests (served in slices), slices (run), abandoned (cancelled or
         #: their session gone before the last slice)
@@ -626,18 +626,23 @@ class ServiceLoop(DispatchMixin, SessionsMixin, ParkedMixin, SlicesMixin, SendsM
     def _count_error(self, what: str) -> None:
         self.errors[what] = self.errors.get(what, 0) + 1
 
-    def _handle(self, msg: list[zmq.Frame]) -> None:
+    def _handle(self, msg: list[zmq.Frame], conn: Any = CONN_NOW) -> None:
+        """Serve ``msg`` (a request received now; a held one: ``conn``, the connection
+        it came on, :func:`~kvshm.zmq_ctrl.sends.conn_of` taken when it came)."""
         held = self._held
         if held:
             ident = msg[0] if type(msg[0]) is bytes else msg[0].bytes
             q = held.get(ident)
             if q is not None:       # behind its peer's request still being decoded
-                q.append(msg)
+                if conn is CONN_NOW:
+                    # dispatched turns later, when the fd number may be another's
+                    conn = conn_of(msg[1]) if len(msg) >= 2 else None
+                q.append((msg, conn))
                 if len(q) >= HELD_MAX:
                     self._finish_decode(ident)
                 return
         try:
-            self._dispatch(msg)
+            self._dispatch(msg, None, 0.0, conn)
         except Exception:      # a bug outside the handlers: log it, keep serving
             log.exception("internal error dispatching a request")
             self._count_error("internal")

@@ -25,6 +25,11 @@ from kvshm.zmq_ctrl.loopstate import LoopState
 log = logging.getLogger("kvshm.zmq_ctrl.router")
 
 
+#: The ``conn`` of a request dispatched as it is received: :func:`conn_of` of its frame
+#: is taken when its reply is queued (ServiceLoop._handle, DispatchMixin._dispatch).
+CONN_NOW: Any = object()
+
+
 def conn_of(frame: Any) -> tuple[int, int, int] | None:
     """The connection a received request ``frame`` (a libzmq message) came on, as
     ``(fd, st_dev, st_ino)``: its fd number (``zmq.SRCFD``) and what the kernel says

@@ -40,7 +40,7 @@ from kvshm.zmq_ctrl.protocol import (
     Status,
     encode_reply,
 )
-from kvshm.zmq_ctrl.sends import conn_of
+from kvshm.zmq_ctrl.sends import CONN_NOW, conn_of
 
 #: the loop's one logger: its records keep the name they had before the loop was
 #: split into modules (as kvshm.store's modules share "kvshm.store")
@@ -68,14 +68,14 @@ class _Decoding:
     __slots__ = ("ident", "msg", "decoder", "t0", "conn")
 
     def __init__(self, ident: bytes, msg: list[Any], decoder: RequestDecoder,
-                 t0: float) -> None:
+                 t0: float, conn: Any = CONN_NOW) -> None:
         self.ident = ident
         self.msg = msg
         self.decoder = decoder
         self.t0 = t0
         # the connection it came on, taken now (sends.conn_of): by the time it is
         # dispatched the peer's fd number may name another client's connection
-        self.conn = conn_of(msg[1])
+        self.conn = conn_of(msg[1]) if conn is CONN_NOW else conn
 
 
 class _Encoding:
@@ -256,7 +256,7 @@ class SlicesMixin(LoopState):
                 self._count_error("internal")
         q = self._held.pop(job.ident, None)
         while q:
-            self._handle(q.popleft())
+            self._handle(*q.popleft())
             if job.ident in self._held:     # that one is being decoded in turn
                 self._held[job.ident].extend(q)
                 break
