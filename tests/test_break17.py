@@ -401,3 +401,33 @@ def test_cut_of_a_request_held_behind_its_peers_large_header() -> None:
         except FileNotFoundError:
             pass
         os.rmdir(d)
+
+
+def test_compact_vllm_keys_at_the_boundary_and_never_meeting_the_readable_form() -> None:
+    """vllmlocal (held): names whose readable keys are exactly KEY_MAX stay readable, one
+    byte more goes compact (the key then <= KEY_MAX); quote() of any name (non-ASCII,
+    '%h', '|', '%' itself) never starts with '%h' nor holds '|'; compact and readable
+    namespaces never meet."""
+    from urllib.parse import quote
+
+    from kvshm._shmindex import KEY_MAX
+    from kvshm.integrations._common import compact_fields, compact_key
+
+    raw = bytes(range(36))
+    base = ["vllm", "", "bfloat16", "tp1pp1pcp1dcp1", "default", "c1x16", "r4096"]
+    fixed = len("|".join(base) + "|") + 2 * len(raw)
+    seen: dict[str, str] = {}
+    for name in ["a" * (KEY_MAX - fixed), "a" * (KEY_MAX - fixed + 1), "%h" + "x" * 90,
+                 "|" * 40, "模型/" * 20, "%25h", "/tmp/x" * 30, "é" * 13, ""]:
+        q = quote(name, safe="")
+        assert not q.startswith("%h") and "|" not in q
+        f = list(base)
+        f[1] = q
+        ns, hexids = compact_fields(f, 1, len(raw))
+        k = compact_key(ns.encode(), hexids, raw)
+        assert len(k) <= KEY_MAX, (name, len(k))
+        assert k.decode().split("|")[3] == "tp1pp1pcp1dcp1"
+        assert hexids == (len("|".join(f) + "|") + 72 <= KEY_MAX)
+        assert seen.setdefault(ns, name) == name         # one namespace, one name
+    assert compact_fields([*base[:1], "a" * (KEY_MAX - fixed), *base[2:]], 1, 36)[1]
+    assert not compact_fields([*base[:1], "a" * (KEY_MAX - fixed + 1), *base[2:]], 1, 36)[1]
