@@ -129,6 +129,9 @@ def test_no_young_collection_walks_a_big_request() -> None:
         gc.set_threshold(*saved)
         p.kill()
         p.wait(30)
+        for f in (p.stdin, p.stdout):
+            if f is not None:
+                f.close()
         srv.stop()
     assert collections[0] > 0           # the collector did run while the requests lived
     assert seen == []
