@@ -537,14 +537,21 @@ class Channel:
         reply there if it came meanwhile, rather than a ServerUnavailable with its reply
         unread (and lost with the socket). Returns ``(req_id, status, body, frames)``;
         raises ServerUnavailable (the socket is reset) or ProtocolError."""
-        for _ in range(LAST_LOOK):
+        def one() -> Any:
             try:
                 if _zmqc is not None:
-                    msg = _zmqc.recv_multipart(sock, _zmqc.DONTWAIT, ZERO_COPY_BYTES)
-                else:
-                    msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    return _zmqc.recv_multipart(sock, _zmqc.DONTWAIT, ZERO_COPY_BYTES)
+                return sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.ZMQError:        # (Again, or the socket's end)
-                msg = None
+                return None
+        return self._last_look(one, req_id, wait)
+
+    def _last_look(self, recv: Callable[[], Any], req_id: int, wait: float
+                   ) -> tuple[int, int, dict[str, Any], list[Any]]:
+        """The loop of :meth:`_expired` and :meth:`_zexpired`: ``recv()`` gives a
+        message already here or None; at most LAST_LOOK of them, then the timeout."""
+        for _ in range(LAST_LOOK):
+            msg = recv()
             if msg is None:
                 break
             h = msg[0]
@@ -826,20 +833,12 @@ class Channel:
                   ) -> tuple[int, int, dict[str, Any], list[Any]]:
         """:meth:`_expired` on the ZMTP transport: the replies already here (at most
         LAST_LOOK), read without waiting, before the timeout."""
-        for _ in range(LAST_LOOK):
+        def one() -> Any:
             try:
-                msg = zt.recv(0)
+                return zt.recv(0)
             except OSError:
-                break                   # (closed: the reply cannot come)
-            if msg is None:
-                break
-            r = self._reply_of(msg[0], req_id)
-            if r is not None:
-                self.late += 1
-                self._last = time.monotonic()
-                return r[0], r[1], r[2], msg[1:]
-        self._timed_out(wait)
-        raise AssertionError("not reached")
+                return None             # (closed: the reply cannot come)
+        return self._last_look(one, req_id, wait)
 
     def _zlost(self, watch: ServerWatch | None, exc: BaseException, deadline: float,
                wait: float) -> None:
