@@ -45,3 +45,18 @@ def wait_for(pred: Callable[[], Any], timeout: float = 15.0, what: str = "condit
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
+
+
+def server_exists_counter(c: Any) -> list[int]:
+    """Counts the EXISTS requests the ``kvshm.Client`` ``c`` sends to the server from now
+    on (its session's ``op_simple`` wrapped); returns the live count, ``[n]``."""
+    n = [0]
+    s = c._session
+    real = s.op_simple
+
+    def op_simple(op: Any, *a: Any, **kw: Any) -> Any:
+        if getattr(op, "name", "") == "EXISTS":
+            n[0] += 1
+        return real(op, *a, **kw)
+    s.op_simple = op_simple
+    return n

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import kvshm
-from _support import free_port, stop_server, wait_for
+from _support import free_port, server_exists_counter, stop_server, wait_for
 from kvshm.integrations import _common as C
 from servers import ServerProcess
 
@@ -211,20 +211,6 @@ E2E_FIELDS = ["vllm", "%2Ftmp%2Fpytest-of-root%2Fpytest-12%2Ftiny-llama0", "torc
               "tp2pp1pcp1dcp1", "default", "c1x16", "r65536"]
 
 
-def _server_exists_counter(c: kvshm.Client) -> list[int]:
-    """Counts the EXISTS requests ``c`` sends to the server from now on."""
-    n = [0]
-    s = c._session
-    real = s.op_simple
-
-    def op_simple(op: Any, *a: Any, **kw: Any) -> Any:
-        if getattr(op, "name", "") == "EXISTS":
-            n[0] += 1
-        return real(op, *a, **kw)
-    s.op_simple = op_simple
-    return n
-
-
 def test_long_keys_are_compacted_and_read_locally(kvshm_server: ServerProcess) -> None:
     """The vLLM tier's keys for a long model path fit the shared-memory index; a local
     client's exists / exists_batch on them send nothing to the server (before: the
@@ -242,7 +228,7 @@ def test_long_keys_are_compacted_and_read_locally(kvshm_server: ServerProcess) -
         c.put_batch(keys[:3], [b"v" * 64] * 3)
     with kvshm.Client(kvshm_server.address) as c:
         assert c._session.local_reader() is not None, "the test client is not local"
-        n = _server_exists_counter(c)
+        n = server_exists_counter(c)
         assert [c.exists(k) for k in keys] == [True, True, True, False]
         assert c.exists_batch(keys) == [True, True, True, False]
         assert n[0] == 0, f"{n[0]} EXISTS went to the server"

@@ -40,7 +40,7 @@ from vllm.v1.kv_offload.config import (  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 
 import kvshm  # noqa: E402
-from _support import free_port, stop_server, wait_for  # noqa: E402
+from _support import free_port, server_exists_counter, stop_server, wait_for  # noqa: E402
 from kvshm.integrations.vllm import KvshmTier  # noqa: E402
 from servers import ServerProcess  # noqa: E402
 
@@ -347,20 +347,6 @@ def test_documented_kv_transfer_config_parses() -> None:
 LONG_MODEL = "/tmp/pytest-of-root/pytest-1234/tiny-llama0/snapshots/0123456789abcdef"
 
 
-def _count_server_exists(c: kvshm.Client) -> list[int]:
-    """Patches ``c`` to count EXISTS requests it sends to the server; the live count."""
-    n = [0]
-    s = c._session
-    real = s.op_simple
-
-    def op_simple(op: Any, *a: Any, **kw: Any) -> Any:
-        if getattr(op, "name", "") == "EXISTS":
-            n[0] += 1
-        return real(op, *a, **kw)
-    s.op_simple = op_simple
-    return n
-
-
 @pytest.mark.parametrize("model", ["org/fake-model", LONG_MODEL])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_lookups_are_local(server: ServerProcess, engines: list[Engine], model: str,
@@ -382,7 +368,7 @@ def test_lookups_are_local(server: ServerProcess, engines: list[Engine], model: 
     with kvshm.Client(server.address) as c:
         if c._session.local_reader() is None:
             pytest.skip("no local attach here")
-        n = _count_server_exists(c)
+        n = server_exists_counter(c)
         assert [c.exists(k) for k in bkeys] == [True] * 3
         assert c.exists(missing) is False
         assert c.exists_batch(bkeys + [missing]) == [True] * 3 + [False]
