@@ -87,18 +87,12 @@ def test_cut_of_a_parked_or_sliced_request_names_the_connection_it_came_on() -> 
     import socket
     import time
 
-    from test_cut_fd_reuse import _alive, _Frame, _Loop, _pair
+    from test_cut_fd_reuse import _alive, _Frame, _Loop, _pair, unix_listener
 
     from kvshm.zmq_ctrl.handling import _Sliced
     from kvshm.zmq_ctrl.parked import _Parked
 
-    d = tempfile.mkdtemp(prefix="kvshm-b17cut-")
-    path = os.path.join(d, "s")
-    ls = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    socks: list[socket.socket] = [ls]
-    try:
-        ls.bind(path)
-        ls.listen(4)
+    with unix_listener("kvshm-b17cut-") as (ls, path, socks):
         for reuse in (True, False):
             loop = _Loop()
             a_cli, a_srv = _pair(ls, path)
@@ -129,14 +123,6 @@ def test_cut_of_a_parked_or_sliced_request_names_the_connection_it_came_on() -> 
                 assert a_cli.recv(1) == b""      # A itself is still cut: EOF
                 a_cli.close()
                 a_srv.close()
-    finally:
-        for s in socks:
-            s.close()
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        os.rmdir(d)
 
 
 class _BigFrame(bytes):
@@ -165,7 +151,7 @@ def test_cut_of_a_request_whose_header_was_decoded_over_turns() -> None:
     import socket
     import time
 
-    from test_cut_fd_reuse import _alive, _Loop, _pair
+    from test_cut_fd_reuse import _alive, _Loop, _pair, unix_listener
 
     from kvshm.zmq_ctrl.protocol import encode_request
     from kvshm.zmq_ctrl.slices import STREAM_HEADER_BYTES, SlicesMixin
@@ -196,13 +182,7 @@ def test_cut_of_a_request_whose_header_was_decoded_over_turns() -> None:
         def _piggyback(self, session: Any, body: Any, extra: Any) -> None:
             pass
 
-    d = tempfile.mkdtemp(prefix="kvshm-b17dec-")
-    path = os.path.join(d, "s")
-    ls = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    socks: list[socket.socket] = [ls]
-    try:
-        ls.bind(path)
-        ls.listen(4)
+    with unix_listener("kvshm-b17dec-") as (ls, path, socks):
         loop = Loop()
         a_cli, a_srv = _pair(ls, path)
         socks += [a_cli, a_srv]
@@ -226,14 +206,6 @@ def test_cut_of_a_request_whose_header_was_decoded_over_turns() -> None:
         loop._reap_sends(time.monotonic() + 10.0)
         assert loop.errors.get("unread_replies") == 1
         assert _alive(b_cli, b_srv), "B was shut down for A's unread replies"
-    finally:
-        for s in socks:
-            s.close()
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        os.rmdir(d)
 
 
 def test_decoded_lists_with_a_nested_item_after_the_untracked_start_stay_tracked() -> None:
@@ -323,7 +295,7 @@ def test_cut_of_a_request_held_behind_its_peers_large_header() -> None:
     import socket
     import time
 
-    from test_cut_fd_reuse import _alive, _Loop, _pair
+    from test_cut_fd_reuse import _alive, _Loop, _pair, unix_listener
 
     from kvshm.zmq_ctrl.protocol import encode_request
     from kvshm.zmq_ctrl.router import ServiceLoop
@@ -361,13 +333,7 @@ def test_cut_of_a_request_held_behind_its_peers_large_header() -> None:
         def _piggyback(self, session: Any, body: Any, extra: Any) -> None:
             pass
 
-    d = tempfile.mkdtemp(prefix="kvshm-b17held-")
-    path = os.path.join(d, "s")
-    ls = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    socks: list[socket.socket] = [ls]
-    try:
-        ls.bind(path)
-        ls.listen(4)
+    with unix_listener("kvshm-b17held-") as (ls, path, socks):
         loop = Loop()
         a_cli, a_srv = _pair(ls, path)
         socks += [a_cli, a_srv]
@@ -393,14 +359,6 @@ def test_cut_of_a_request_held_behind_its_peers_large_header() -> None:
         loop._reap_sends(time.monotonic() + 10.0)
         assert loop.errors.get("unread_replies") == 1
         assert _alive(b_cli, b_srv), "B was shut down for A's unread replies"
-    finally:
-        for s in socks:
-            s.close()
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        os.rmdir(d)
 
 
 def test_compact_vllm_keys_at_the_boundary_and_never_meeting_the_readable_form() -> None:

@@ -6,12 +6,13 @@ for every client on one host)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import tempfile
 import time
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Iterator
 
 import zmq
 
@@ -55,6 +56,29 @@ class _Loop(DispatchMixin, SendsMixin):
         pass
 
 
+@contextlib.contextmanager
+def unix_listener(prefix: str) -> Iterator[tuple[socket.socket, str, list[socket.socket]]]:
+    """A listening AF_UNIX socket in a fresh temporary directory: ``(listener, path,
+    socks)``; every socket the test appends to ``socks`` is closed at the end, the
+    socket file and the directory removed."""
+    d = tempfile.mkdtemp(prefix=prefix)
+    path = os.path.join(d, "s")
+    ls = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    socks: list[socket.socket] = [ls]
+    try:
+        ls.bind(path)
+        ls.listen(4)
+        yield ls, path, socks
+    finally:
+        for s in socks:
+            s.close()
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        os.rmdir(d)
+
+
 def _pair(lsock: socket.socket, path: str) -> tuple[socket.socket, socket.socket]:
     c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     c.connect(path)
@@ -82,13 +106,7 @@ def _queue_stuck_reply(loop: _Loop, ident: bytes, frame: _Frame) -> None:
 
 
 def test_cut_leaves_a_new_connection_on_the_old_fd_number_alone() -> None:
-    d = tempfile.mkdtemp(prefix="kvshm-cutfix-")
-    path = os.path.join(d, "s")
-    ls = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    socks: list[socket.socket] = [ls]
-    try:
-        ls.bind(path)
-        ls.listen(4)
+    with unix_listener("kvshm-cutfix-") as (ls, path, socks):
         loop = _Loop()
         a_cli, a_srv = _pair(ls, path)
         socks += [a_cli, a_srv]
@@ -103,24 +121,10 @@ def test_cut_leaves_a_new_connection_on_the_old_fd_number_alone() -> None:
         loop._reap_sends(time.monotonic() + 10.0)   # A's reply is past its lease
         assert loop.errors.get("unread_replies") == 1
         assert _alive(b_cli, b_srv), "B's connection was shut down for A's replies"
-    finally:
-        for s in socks:
-            s.close()
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        os.rmdir(d)
 
 
 def test_cut_still_shuts_down_the_peer_that_does_not_read() -> None:
-    d = tempfile.mkdtemp(prefix="kvshm-cutfix-")
-    path = os.path.join(d, "s")
-    ls = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    socks: list[socket.socket] = [ls]
-    try:
-        ls.bind(path)
-        ls.listen(4)
+    with unix_listener("kvshm-cutfix-") as (ls, path, socks):
         loop = _Loop()
         a_cli, a_srv = _pair(ls, path)
         b_cli, b_srv = _pair(ls, path)
@@ -131,11 +135,3 @@ def test_cut_still_shuts_down_the_peer_that_does_not_read() -> None:
         a_cli.settimeout(5.0)
         assert a_cli.recv(1) == b""          # A's connection shut down: EOF
         assert _alive(b_cli, b_srv)          # B untouched
-    finally:
-        for s in socks:
-            s.close()
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        os.rmdir(d)
