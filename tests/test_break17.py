@@ -84,7 +84,6 @@ def test_cut_of_a_parked_or_sliced_request_names_the_connection_it_came_on() -> 
     fd number may name another client's connection already (the peer's closed, the
     kernel gave the number to the next accept): that client was shut down for the
     peer's unread replies, the bug cutfix fixed for replies sent at once."""
-    import socket
     import time
 
     from test_cut_fd_reuse import _alive, _Frame, _Loop, _pair, unix_listener
@@ -148,7 +147,6 @@ def test_cut_of_a_request_whose_header_was_decoded_over_turns() -> None:
     another client's connection, that client was shut down for the peer's unread
     replies."""
     import collections
-    import socket
     import time
 
     from test_cut_fd_reuse import _alive, _Loop, _pair, unix_listener
@@ -292,7 +290,6 @@ def test_cut_of_a_request_held_behind_its_peers_large_header() -> None:
     (conn_of of its frame) then, when the peer could be gone and its fd number another
     client's connection, which was shut down for the peer's unread replies."""
     import collections
-    import socket
     import time
 
     from test_cut_fd_reuse import _alive, _Loop, _pair, unix_listener
