@@ -32,7 +32,7 @@ def _request_state() -> dict[str, int]:
     seen: dict[str, int] = {}
     for o in gc.get_objects():
         t = type(o)
-        if t.__name__ in ("RequestDecoder", "_Decoding", "_Parked", "_Sliced") or (
+        if t.__name__ in ("RequestDecoder", "Counted", "_Decoding", "_Parked", "_Sliced") or (
                 t is types.GeneratorType and o.gi_code.co_name == "_walk"):
             seen[t.__name__] = seen.get(t.__name__, 0) + 1
     return seen
@@ -129,8 +129,19 @@ def test_server_requests_leave_no_cycle(monkeypatch: pytest.MonkeyPatch) -> None
     i.e. none was left in a cycle. (A collection would not say: the cycle's generator
     frees the rest from its finalizer, so ``collected`` and ``gc.garbage`` stay empty.)"""
     from kvshm.server import Server, ServerConfig
-    from kvshm.zmq_ctrl import router
+    from kvshm.zmq_ctrl import dispatch, router
 
+    made: list[int] = []
+
+    class Counted(RequestDecoder):
+        __slots__ = ()
+
+        def __init__(self, frame: Any) -> None:
+            made.append(1)
+            super().__init__(frame)
+
+    monkeypatch.setattr(dispatch, "RequestDecoder", Counted)
+    # the loop's own full collection (after 1 s quiet) would free a cycle before we look
     monkeypatch.setattr(router.ServiceLoop, "_full_gc", lambda self: None)
     srv = Server(ServerConfig(service_port=0, manage_port=None, prealloc_size=0.25,
                               block_size=4, max_batch=N, slice_keys=2048,
@@ -158,4 +169,5 @@ def test_server_requests_leave_no_cycle(monkeypatch: pytest.MonkeyPatch) -> None
             if f is not None:
                 f.close()
         srv.stop()
+    assert len(made) == 2               # both ALLOCs' headers were decoded over turns
     assert before == {} and left == {}
