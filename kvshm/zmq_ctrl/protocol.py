@@ -47,6 +47,9 @@ hold only bytes, str, int, float, bool or None (a batch's keys and sizes) are ta
 the collector's lists (:func:`kvshm._gcutil.untrack_plain`: such a list can be in no
 cycle), so no young collection while the request lives walks its items. The environment
 variable ``KVSHM_UNTRACK=0`` (read at import) leaves them tracked, for A/B figures.
+:class:`RequestDecoder` is in no reference cycle (its generator is not given the decoder):
+a request decoded over turns is freed by reference counting once the decoder and the
+request are dropped, never left for a young collection (tests/test_gc_cycles.py).
 """
 
 from __future__ import annotations
