@@ -175,10 +175,13 @@ def bench_remote_single(address: str, server_pid: int, redis_port: int | None,
 def bench_batches(address: str, server_pid: int, r: Any, redis_pid: int | None,
                   keys: list[bytes], vals: list[bytes], reps: int) -> dict[str, Any]:
     import kvshm
+    import kvshm.client
 
     n = len(keys)
     res: dict[str, list[float]] = {k: [] for k in (
-        "put", "get", "exists", "rset", "rmget", "put_cpu", "get_cpu")}
+        "put", "get", "exists", "rset", "rmget", "put_cpu", "get_cpu", "exists_one",
+        "exists_cpu", "exists_cpu_one", "exists_srv", "exists_srv_one")}
+    pipe0 = kvshm.client.PIPELINE
     with kvshm.Client(address, transport="tcp", timeout=120) as c:
         if c.transport != "tcp":
             raise RuntimeError(f"asked for tcp, got {c.transport}")
@@ -196,11 +199,21 @@ def bench_batches(address: str, server_pid: int, r: Any, redis_pid: int | None,
             res["get_cpu"].append(cpu / n)
             if got != vals:
                 raise RuntimeError("get_batch returned other bytes")
-            t = _now()
-            e = c.exists_batch(keys)
-            res["exists"].append(n / (_now() - t))
-            if not all(e):
-                raise RuntimeError("exists_batch missed keys")
+            # exists_batch pipelined (kvshm.client.PIPELINE) and as one request
+            # (KVSHM_PIPELINE=0's path), taking turns first; wall and this thread's CPU
+            for pipe in ((True, False) if len(res["exists"]) % 2 == 0 else (False, True)):
+                kvshm.client.PIPELINE = pipe
+                s0, c0, t = cpu_seconds(server_pid), time.thread_time(), _now()
+                e = c.exists_batch(keys)
+                dt, cc = _now() - t, time.thread_time() - c0
+                sc = cpu_seconds(server_pid) - s0
+                sfx = "" if pipe else "_one"
+                res["exists" + sfx].append(n / dt)
+                res["exists_cpu" + sfx].append(cc / n)
+                res["exists_srv" + sfx].append(sc / n)
+                if not all(e):
+                    raise RuntimeError("exists_batch missed keys")
+            kvshm.client.PIPELINE = pipe0
             if r is not None:
                 t = _now()
                 p = r.pipeline(transaction=False)

@@ -339,18 +339,42 @@ cdef inline int _int_arg(object x, int64_t *v, bint *big) except -1:
     return 1
 
 
-def pack_keys_request(int version, op, req_id, epoch, list keys):
-    """``encode_request(op, req_id, epoch, {"keys": keys})`` byte for byte (msgpack,
-    ``use_bin_type=True``: ``[version, op, req_id, epoch, {"keys": [bin, ...]}]``) in
-    one C loop, when every key is ``bytes`` and the ints fit 64 bits; else None (the
-    caller packs with msgpack, which raises what it raises)."""
-    cdef Py_ssize_t n = len(keys), i, total = 0, m
+cdef extern from *:
+    """
+    static inline int kv_bq_isbytes(PyObject *o) { return PyBytes_CheckExact(o); }
+    static inline Py_ssize_t kv_bq_blen(PyObject *o) { return PyBytes_GET_SIZE(o); }
+    static inline const char *kv_bq_bdata(PyObject *o) { return PyBytes_AS_STRING(o); }
+    """
+    bint kv_bq_isbytes(PyObject *o)
+    Py_ssize_t kv_bq_blen(PyObject *o)
+    const char *kv_bq_bdata(PyObject *o)
+
+
+def pack_keys_request(int version, op, req_id, epoch, list keys, Py_ssize_t start=0,
+                      Py_ssize_t stop=-1):
+    """``encode_request(op, req_id, epoch, {"keys": keys[start:stop]})`` byte for byte
+    (msgpack, ``use_bin_type=True``: ``[version, op, req_id, epoch, {"keys": [bin,
+    ...]}]``) in one C loop, when every key is ``bytes`` and the ints fit 64 bits; else
+    None (the caller packs with msgpack, which raises what it raises). ``start`` /
+    ``stop`` (default: the whole list; ``stop`` -1: its end) pack a part of ``keys``
+    without making the slice (a pipelined batch's parts, kvshm.client); they are
+    clamped to the list as a slice's bounds are (negative ``start``: 0). The keys are
+    read as borrowed references (no reference count written: the key objects' cache
+    lines are only read)."""
+    cdef Py_ssize_t n = PyList_GET_SIZE(keys), i, total = 0, m
     cdef int64_t v[3]
     cdef bint big[3]
     cdef uint8_t *o
     cdef uint8_t head[64]
     cdef int k
-    cdef object key
+    cdef PyObject *key
+    if stop < 0 or stop > n:
+        stop = n
+    if start < 0:
+        start = 0
+    if start > stop:
+        start = stop
+    n = stop - start
     if not 0 <= version < 128:
         return None
     if (_int_arg(op, &v[0], &big[0]) or _int_arg(req_id, &v[1], &big[1])
@@ -358,11 +382,11 @@ def pack_keys_request(int version, op, req_id, epoch, list keys):
         return None
     if n > <Py_ssize_t>0xFFFFFFFF:         # (C compares: no int object per key)
         return None
-    for i in range(n):
-        key = <object>PyList_GET_ITEM(keys, i)
-        if type(key) is not bytes:
+    for i in range(start, stop):
+        key = PyList_GET_ITEM(keys, i)
+        if not kv_bq_isbytes(key):
             return None
-        m = len(<bytes>key)
+        m = kv_bq_blen(key)
         if m > <Py_ssize_t>0xFFFFFFFF:
             return None
         total += m + (2 if m < 0x100 else 3 if m < 0x10000 else 5)
@@ -380,9 +404,10 @@ def pack_keys_request(int version, op, req_id, epoch, list keys):
     o = <uint8_t *>PyBytes_AS_STRING(out)
     memcpy(o, head, k)
     o += k
-    for i in range(n):
-        key = <object>PyList_GET_ITEM(keys, i)
-        m = len(<bytes>key)
+    for i in range(start, stop):
+        # (the list cannot change here: no Python code runs between the two loops)
+        key = PyList_GET_ITEM(keys, i)
+        m = kv_bq_blen(key)
         if m < 0x100:
             o[0] = 0xc4
             o[1] = <uint8_t>m
@@ -399,7 +424,7 @@ def pack_keys_request(int version, op, req_id, epoch, list keys):
             o[3] = <uint8_t>(m >> 8)
             o[4] = <uint8_t>m
             o += 5
-        memcpy(o, PyBytes_AS_STRING(key), m)
+        memcpy(o, kv_bq_bdata(key), m)
         o += m
     return out
 

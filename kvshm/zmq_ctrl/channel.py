@@ -156,6 +156,15 @@ send_message, recv_message = ((_send_zmqc, _recv_zmqc) if _zmqc is not None
                               else (_send_pyzmq, _recv_pyzmq))
 
 
+def _encode(op: int, req_id: int, epoch: int, body: Any) -> bytes:
+    """A request's header frame: ``body`` packed (:func:`encode_request`), or ``body``
+    itself when it is ``bytes``, the header already packed with this ``req_id`` and
+    ``epoch`` (the parts of a pipelined batch, :meth:`Channel.request_many`)."""
+    if type(body) is bytes:
+        return body
+    return encode_request(op, req_id, epoch, body)
+
+
 def endpoint_of(address: str) -> str:
     """ZeroMQ endpoint for an address: ``host:port``, ``tcp://...`` or ``ipc://...``.
 
@@ -251,6 +260,9 @@ class Channel:
         #: ``fn(req_id, status, body)`` for a reply no call waits for (a request sent
         #: with :meth:`send`); None: such replies are dropped.
         self.on_stray: Callable[[int, int, dict[str, Any]], None] | None = None
+        #: (during :meth:`request_many`) the replies it still waits for, by request id:
+        #: None until read, then ``(req_id, status, body, frames)``
+        self._want: dict[int, Any] | None = None
         #: what the kernel proves about a same-host server (set by the client after a
         #: local HELLO; cleared by :meth:`reset`): see kvshm.zmq_ctrl.serverwatch
         self.watch: ServerWatch | None = None
@@ -457,7 +469,7 @@ class Channel:
         sock = self._sock
         if sock is None or self._pid != os.getpid():
             sock = self._socket()
-        header = encode_request(op, req_id, epoch, body)
+        header = _encode(op, req_id, epoch, body)
         wait = self.timeout if timeout is None else timeout
         watch = self.watch
         if watch is not None and time.monotonic() - self._last > IDLE_S:
@@ -474,6 +486,11 @@ class Channel:
             # a half-sent message that the next send would complete. Drop the socket.
             self.reset()
             raise
+        return self._await(sock, req_id, wait, watch)
+
+    def _await(self, sock: zmq.Socket, req_id: int, wait: float,
+               watch: ServerWatch | None) -> tuple[int, int, dict[str, Any], list[Any]]:
+        """The wait of :meth:`request` (libzmq) for the reply to ``req_id``, sent now."""
         now = time.monotonic()
         deadline = now + wait
         self._watch_at = now + POLL_S
@@ -497,8 +514,7 @@ class Channel:
                 raise ProtocolError(f"bad reply from {self._where()}: {exc}") from None
             if rid != req_id:
                 # a reply sent without a wait (send), or of an abandoned request
-                if self.on_stray is not None:
-                    self.on_stray(rid, status, rbody)
+                self._stray(rid, status, rbody, msg)
                 if time.monotonic() >= deadline:    # (a flood of them: not past it)
                     return self._expired(sock, req_id, wait)
                 continue
@@ -556,7 +572,7 @@ class Channel:
                 break
             h = msg[0]
             r = self._reply_of(h if type(h) is bytes else h.buffer,  # type: ignore[union-attr]
-                               req_id)
+                               req_id, msg)
             if r is not None:
                 self.late += 1
                 self._last = time.monotonic()
@@ -564,7 +580,8 @@ class Channel:
         self._timed_out(wait)
         raise AssertionError("not reached")
 
-    def _reply_of(self, header: Any, req_id: int) -> tuple[int, int, dict[str, Any]] | None:
+    def _reply_of(self, header: Any, req_id: int, msg: Any = None
+                  ) -> tuple[int, int, dict[str, Any]] | None:
         """``(rid, status, body)`` of a reply header when it answers ``req_id``; another
         request's goes to on_stray (None). ProtocolError (reset) when undecodable."""
         try:
@@ -574,9 +591,18 @@ class Channel:
             raise ProtocolError(f"bad reply from {self._where()}: {exc}") from None
         if rid == req_id:
             return rid, status, rbody
+        self._stray(rid, status, rbody, msg)
+        return None
+
+    def _stray(self, rid: int, status: int, rbody: dict[str, Any], msg: Any) -> None:
+        """A reply that is not the one awaited: one of :meth:`request_many`'s (kept, with
+        its payload frames), else :attr:`on_stray`'s."""
+        want = self._want
+        if want is not None and rid in want and want[rid] is None:
+            want[rid] = (rid, status, rbody, list(msg[1:]) if msg is not None else [])
+            return
         if self.on_stray is not None:
             self.on_stray(rid, status, rbody)
-        return None
 
     def _note_look(self, now: float) -> None:
         """A slice of a wait ended: the longest time this caller went without running
@@ -603,13 +629,13 @@ class Channel:
         when a later :meth:`request` or :meth:`drain` reads it. Call with :attr:`lock`
         held. Raises ServerUnavailable when it cannot be sent (the socket is reset)."""
         if self.zmtp:
-            self._zsend_nowait(encode_request(op, req_id, epoch, body), frames)
+            self._zsend_nowait(_encode(op, req_id, epoch, body), frames)
             return
         sock = self._sock
         if sock is None or self._pid != os.getpid():
             sock = self._socket()
         try:
-            send_message(sock, encode_request(op, req_id, epoch, body), frames)
+            send_message(sock, _encode(op, req_id, epoch, body), frames)
         except zmq.ZMQError as exc:
             self.reset()
             raise ServerUnavailable(f"cannot send to kvshm server at {self._where()}: "
@@ -617,6 +643,72 @@ class Channel:
         except BaseException:
             self.reset()
             raise
+
+    def request_many(self, reqs: Sequence[tuple[int, dict[str, Any], Sequence[Any], int]],
+                     *, epoch: int = 0, timeout: float | None = None
+                     ) -> list[tuple[int, int, dict[str, Any], list[Any]]]:
+        """Send several requests back to back, then wait for every reply: a pipeline, so
+        the server serves one while this caller packs the next and reads the replies of
+        those done. Call with :attr:`lock` held.
+
+        ``reqs``: ``(op, body, frames, req_id)`` each; ``body`` a dict, or the header
+        frame already packed with that ``req_id`` and ``epoch`` (``bytes``). Returns ``(req_id, status, body,
+        frames)`` per request, in the order of ``reqs`` whatever order the replies come
+        in (a server serving a large one in slices answers a later small one first).
+
+        Each reply is waited for as :meth:`request` waits (the timeout counted again
+        from each reply that came, as a run of requests made one after the other would
+        count it): a server that stops answering, or whose connection closes, ends the
+        call in ServerUnavailable (ServerGone: the watch), and the replies still to come
+        are then lost with the socket (reset), as a timed-out request's. Raises what
+        :meth:`send` and :meth:`request` raise; a failure before the last request went
+        out leaves those sent unanswered (the caller treats them as a timed-out one).
+        """
+        if not reqs:
+            return []
+        want: dict[int, Any] = {}
+        for _, _, _, rid in reqs:
+            want[rid] = None
+        if len(want) != len(reqs):
+            raise ValueError("request_many: request ids must differ")
+        wait = self.timeout if timeout is None else timeout
+        self._want = want
+        try:
+            watch = self.watch
+            if watch is not None and time.monotonic() - self._last > IDLE_S:
+                self._check(watch, sent=False)      # (as request: before any send)
+                self._last = time.monotonic()       # (request looks again otherwise)
+            for op, body, frames, rid in reqs[:-1]:
+                self.send(op, body, frames, epoch=epoch, req_id=rid)
+            op, body, frames, rid = reqs[-1]
+            try:
+                r = self.request(op, body, frames, epoch=epoch, req_id=rid, timeout=wait)
+            except ServerGone as exc:
+                exc.sent = exc.sent or len(reqs) > 1   # the earlier ones went out
+                raise
+            want[rid] = r
+            for _, _, _, rid in reqs:
+                if want[rid] is None:       # not come yet (answered after the last)
+                    want[rid] = self._wait_for(rid, wait)
+        finally:
+            self._want = None
+        return [want[rid] for _, _, _, rid in reqs]
+
+    def _wait_for(self, req_id: int, wait: float
+                  ) -> tuple[int, int, dict[str, Any], list[Any]]:
+        """Wait for the reply to ``req_id``, sent earlier (:meth:`request_many`)."""
+        watch = self.watch
+        if self.zmtp:
+            zt = self._sock
+            if zt is None or self._pid != _pid[0]:
+                # (the connection was closed or never made since the send: its
+                # reply cannot come) a wait that ends as a lost reply's does
+                zt = self._zconn(time.monotonic() + wait, watch, wait)
+            return self._zawait(zt, req_id, wait, watch)
+        sock = self._sock
+        if sock is None or self._pid != os.getpid():
+            sock = self._socket()
+        return self._await(sock, req_id, wait, watch)
 
     def drain(self, limit: int = DRAIN_MAX) -> None:
         """Hand the replies already here to :attr:`on_stray`, without waiting, at most
@@ -657,8 +749,7 @@ class Channel:
             except DecodeError as exc:
                 self.reset()
                 raise ProtocolError(f"bad reply from {self._where()}: {exc}") from None
-            if self.on_stray is not None:
-                self.on_stray(rid, status, rbody)
+            self._stray(rid, status, rbody, msg)
 
     def _check(self, watch: ServerWatch, sent: bool) -> None:
         why = watch.gone()
@@ -879,7 +970,7 @@ class Channel:
     def _zrequest(self, op: int, body: dict[str, Any], frames: Sequence[Any], epoch: int,
                   req_id: int, timeout: float | None
                   ) -> tuple[int, int, dict[str, Any], list[Any]]:
-        header = encode_request(op, req_id, epoch, body)
+        header = _encode(op, req_id, epoch, body)
         wait = self.timeout if timeout is None else timeout
         watch = self.watch
         now = time.monotonic()
@@ -888,6 +979,11 @@ class Channel:
         zt = self._zconn(now + wait, watch, wait)
         self.sent += 1
         self._zsend(zt, header, frames, now + wait)
+        return self._zawait(zt, req_id, wait, watch)
+
+    def _zawait(self, zt: Any, req_id: int, wait: float, watch: ServerWatch | None
+                ) -> tuple[int, int, dict[str, Any], list[Any]]:
+        """The wait of :meth:`request` (ZMTP) for the reply to ``req_id``, sent now."""
         now = time.monotonic()
         deadline = now + wait
         self._watch_at = now + POLL_S
@@ -910,8 +1006,7 @@ class Channel:
                 self.reset()
                 raise ProtocolError(f"bad reply from {self._where()}: {exc}") from None
             if rid != req_id:
-                if self.on_stray is not None:
-                    self.on_stray(rid, status, rbody)
+                self._stray(rid, status, rbody, msg)
                 if time.monotonic() >= deadline:    # (a flood of them: not past it)
                     return self._zexpired(zt, req_id, wait)
                 continue
@@ -998,5 +1093,4 @@ class Channel:
             except DecodeError as exc:   # (as drain on libzmq: see drain)
                 self.reset()
                 raise ProtocolError(f"bad reply from {self._where()}: {exc}") from None
-            if self.on_stray is not None:
-                self.on_stray(rid, status, rbody)
+            self._stray(rid, status, rbody, msg)
