@@ -18,8 +18,14 @@ while this client packs the next and reads the replies already come. The result 
 one request's: the parts' answers are put together in key order, whatever order they
 come in; a refused part raises what the one request would have raised (the first refused
 part's); the keys are checked (InvalidKey, InvalidRequest for a batch over the limits)
-before any is sent, as before. ``KVSHM_PIPELINE=0`` in the environment (read at import;
-also :data:`PIPELINE`, read per call) sends each batch as one request.
+before any is sent, as before. Off by default: ``KVSHM_PIPELINE=1`` in the environment
+(read at import; also :data:`PIPELINE`, read per call) turns it on. Measured on this
+2-core VM with client and server on one host (``perf/bench_small.py``'s BATCH section
+times both in turns), it gains only when a core is idle for the other end (a prototype,
+load 0.6: 5.0 -> 7.1 M keys/s) and loses 1-15% beside other jobs (load 1.9-4.6: the two
+ends then share the cores, and the client pays ~0.01-0.02 us a key more); a client on
+another host, whose packing runs on its own CPU while the bytes cross the network, is
+the case it is for.
 """
 
 from __future__ import annotations
@@ -107,8 +113,8 @@ WRITE_BEHIND_BYTES = 32 << 20
 #: pages in as they are first touched. 4 GiB costs a client 8 MiB of page tables.
 POPULATE_MAX_BYTES = 4 << 30
 #: Whether large batches are pipelined (see the module docstring): the environment's
-#: ``KVSHM_PIPELINE`` (``0``: off), read at import.
-PIPELINE = os.environ.get("KVSHM_PIPELINE", "1").strip() != "0"
+#: ``KVSHM_PIPELINE`` (``1``: on; off by default), read at import.
+PIPELINE = os.environ.get("KVSHM_PIPELINE", "0").strip() not in ("", "0")
 #: Keys per request of a pipelined batch, by op. EXISTS: the server's C batch path
 #: serves up to ``SLICE_MULT * slice_keys`` (8,192 at the default 2,048) keys in one
 #: turn, so a part of that size is answered as it comes, in order (a larger one would be

@@ -27,9 +27,9 @@ remote (TCP transport, i.e. what a client on another host gets)
 batch (TCP, a server with 4 KiB blocks)
     ``put_batch`` / ``get_batch`` (fresh bytes) / ``exists_batch`` of --batch keys of
     64-byte values, keys/s, beside Redis pipelined SET / MGET (fresh bytes) of the same;
-    ``exists_batch`` pipelined (kvshm.client's default) and as one request
-    (``KVSHM_PIPELINE=0``'s path), taking turns in this run, with the client thread's and
-    the server process's CPU per key.
+    ``exists_batch`` as one request (the default) and pipelined (``KVSHM_PIPELINE=1``),
+    taking turns in this run, with the client thread's and the server process's CPU per
+    key.
 bystander (TCP)
     p50/p99 of a client doing single 4 KiB ``get_into`` in its own process while idle and
     while this process sends --batch-key put_batch/get_batch (alternating) to the same server.
@@ -457,12 +457,12 @@ def report(res: dict[str, Any]) -> None:
               f" us CPU/key)   get_batch (fresh bytes) {bat['get'] / 1e6:.2f} M/s (server "
               f"{bat['get_cpu'] * 1e6:.2f} us CPU/key)   exists_batch "
               f"{bat['exists'] / 1e6:.2f} M/s")
-        if "exists_one" in bat:
-            print(f"  exists_batch pipelined {bat['exists'] / 1e6:.2f} M/s (CPU/key client "
+        if "exists_pipe" in bat:
+            print(f"  exists_batch as one request {bat['exists'] / 1e6:.2f} M/s (CPU/key client "
                   f"{bat['exists_cpu'] * 1e6:.3f} us, server {bat['exists_srv'] * 1e6:.3f} us)"
-                  f"   as one request (KVSHM_PIPELINE=0) {bat['exists_one'] / 1e6:.2f} M/s "
-                  f"(client {bat['exists_cpu_one'] * 1e6:.3f} us, server "
-                  f"{bat['exists_srv_one'] * 1e6:.3f} us), same run, taking turns")
+                  f"   pipelined (KVSHM_PIPELINE=1) {bat['exists_pipe'] / 1e6:.2f} M/s "
+                  f"(client {bat['exists_cpu_pipe'] * 1e6:.3f} us, server "
+                  f"{bat['exists_srv_pipe'] * 1e6:.3f} us), same run, taking turns")
         if "rset" in bat:
             print(f"  redis pipelined SET {bat['rset'] / 1e6:.2f} M/s   MGET (fresh bytes) "
                   f"{bat['rmget'] / 1e6:.2f} M/s   put/redis {bat['put_vs_redis']:.2f}  "

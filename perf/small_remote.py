@@ -179,8 +179,8 @@ def bench_batches(address: str, server_pid: int, r: Any, redis_pid: int | None,
 
     n = len(keys)
     res: dict[str, list[float]] = {k: [] for k in (
-        "put", "get", "exists", "rset", "rmget", "put_cpu", "get_cpu", "exists_one",
-        "exists_cpu", "exists_cpu_one", "exists_srv", "exists_srv_one")}
+        "put", "get", "exists", "rset", "rmget", "put_cpu", "get_cpu", "exists_pipe",
+        "exists_cpu", "exists_cpu_pipe", "exists_srv", "exists_srv_pipe")}
     pipe0 = kvshm.client.PIPELINE
     with kvshm.Client(address, transport="tcp", timeout=120) as c:
         if c.transport != "tcp":
@@ -199,15 +199,16 @@ def bench_batches(address: str, server_pid: int, r: Any, redis_pid: int | None,
             res["get_cpu"].append(cpu / n)
             if got != vals:
                 raise RuntimeError("get_batch returned other bytes")
-            # exists_batch pipelined (kvshm.client.PIPELINE) and as one request
-            # (KVSHM_PIPELINE=0's path), taking turns first; wall and this thread's CPU
+            # exists_batch as one request (the default) and pipelined (KVSHM_PIPELINE=1,
+            # kvshm.client.PIPELINE), taking turns first; wall, this thread's CPU, the
+            # server's CPU
             for pipe in ((True, False) if len(res["exists"]) % 2 == 0 else (False, True)):
                 kvshm.client.PIPELINE = pipe
                 s0, c0, t = cpu_seconds(server_pid), time.thread_time(), _now()
                 e = c.exists_batch(keys)
                 dt, cc = _now() - t, time.thread_time() - c0
                 sc = cpu_seconds(server_pid) - s0
-                sfx = "" if pipe else "_one"
+                sfx = "_pipe" if pipe else ""
                 res["exists" + sfx].append(n / dt)
                 res["exists_cpu" + sfx].append(cc / n)
                 res["exists_srv" + sfx].append(sc / n)

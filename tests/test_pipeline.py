@@ -1,5 +1,5 @@
 """Pipelined batch EXISTS (kvshm.client: PIPELINE / PIPE_KEYS; Channel.request_many)
-against the one request it replaces (``KVSHM_PIPELINE=0``'s path): the same answers in
+against the one request it replaces (``PIPELINE`` off, the default): the same answers in
 key order, the same errors at the same keys, replies taken in any order, a refused part
 raising the one request's error, and a server that stops answering mid-pipeline ending
 the call in ServerUnavailable at its timeout (no hang), both transports of the channel."""
