@@ -985,14 +985,19 @@ cdef class Pool:
 
 
 cdef object _as_int64(object seq):
-    """A buffer of int64 from a sequence of ints or an int64 buffer (no copy then)."""
+    """A new int64 array of a sequence of ints or of an int64 buffer: always a private
+    copy. The callers check every offset and size in it, then copy with the GIL released;
+    a caller's buffer (a numpy array another thread writes) may change meanwhile, so
+    what is checked must be what the copy loop reads (a copy of n int64: cheap)."""
     import array
     try:
         m = memoryview(seq)
     except TypeError:
         return array.array("q", seq)
     if m.format in ("q", "l", "<q", "=q", "<l", "=l") and m.itemsize == 8 and m.ndim == 1:
-        return m
+        a = array.array("q")
+        a.frombytes(m.cast("B") if m.c_contiguous else m.tobytes())
+        return a
     return array.array("q", m.tolist())
 
 

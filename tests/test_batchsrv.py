@@ -294,3 +294,63 @@ def test_tcp_batches_of_small_values_over_slices():
             big = bytes(range(256)) * 1100
             c.put_batch([b"big", b"s1", b"s2"], [big, b"a", b""])
             assert c.get_batch([b"s1", b"big", b"s2", b"absent"]) == [b"a", big, b"", None]
+
+
+_RACE = r'''
+import sys, threading
+import numpy as np
+from kvshm import Pool
+from kvshm._pool import PackedValues
+
+name, BS = sys.argv[1], 4096
+pool = Pool.create(name, 64 * BS, BS)
+try:
+    n, size = 2000, 32 * 1024            # 64 MB copied per call: a long GIL-free loop
+    frame = bytes(range(256)) * (n * size // 256)
+    pv = PackedValues.of([frame], [n], [size] * n)
+    bad = 1 << 46                        # far outside the pool (a wild write on main)
+    offs = np.zeros(n, dtype=np.int64)   # the caller's buffer, shared with a thread
+    raced = 0
+    for attempt in range(20):
+        offs[:] = 0
+        go = threading.Event()
+
+        def flip():
+            go.wait()
+            offs[-1] = bad               # runs once write_values releases the GIL
+
+        t = threading.Thread(target=flip)
+        t.start()
+        go.set()
+        try:
+            pool.write_values(offs, pv)  # checked 0 everywhere; the copy must use 0
+        except IndexError:               # the flip came before the check: fine
+            pass
+        else:
+            raced += offs[-1] == bad
+        t.join()
+    assert pool.read_bytes(0, size) == frame[:size]
+    print("raced", raced)
+finally:
+    pool.close()
+    pool.unlink()
+'''
+
+
+def test_write_values_copies_the_offsets_it_checked(shm_name):
+    """Pool.write_values checks the offsets, then copies with the GIL released: a
+    caller's int64 buffer that another thread changes meanwhile must not move the copy
+    (on main the copy read the changed offset: a write far outside the pool, SIGSEGV).
+    Run in a child: a wild write there must not take pytest down."""
+    import os
+    import subprocess
+    import sys
+
+    try:
+        r = subprocess.run([sys.executable, "-c", _RACE, shm_name], capture_output=True,
+                           text=True, timeout=300, env=dict(os.environ))
+    finally:        # a child that crashed left its pool
+        if os.path.exists(f"/dev/shm/{shm_name}"):
+            os.unlink(f"/dev/shm/{shm_name}")
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr[-2000:])
+    assert r.stdout.startswith("raced ")
