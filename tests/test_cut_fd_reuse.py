@@ -45,6 +45,7 @@ class _Loop(DispatchMixin, SendsMixin):
         self.latency: dict[int, list[int]] = {}
         self.latency_sum: dict[int, float] = {}
         self._handlers: dict[int, Any] = {}
+        self._sends = 0                     # ServiceLoop's count of replies taken
 
     def _send(self, ident: bytes, header: bytes, frames: Any = (), track: bool = False):
         return _Tracker()

@@ -307,13 +307,20 @@ cdef class BatchQuery:
         job.more = self.more
         self.counts[op] += 1
         rid = int(<uint64_t>req_id) if rbig else req_id
-        if n > self.c_slice:
-            self.loop._sliced_c(ident, sess, rid, int(op), job.step, job.release, t0,
-                                <object>PyList_GET_ITEM(msg, 1))
+        # taken: a bug from here on is answered INTERNAL (no request goes unanswered)
+        try:
+            if n > self.c_slice:
+                self.loop._sliced_c(ident, sess, rid, int(op), job.step, job.release, t0,
+                                    <object>PyList_GET_ITEM(msg, 1))
+                return True
+            if n:
+                job._lookup(0, n)
+            head = job.reply()
+        except Exception as exc:
+            job.release()
+            self.loop._fast_internal(ident, rid, int(op), exc, t0)
             return True
-        if n:
-            job._lookup(0, n)
-        self.loop._send(ident, job.reply())
+        self.loop._send(ident, head)
         self.loop._record_latency(int(op), t0)
         return True
 

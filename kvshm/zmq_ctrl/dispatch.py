@@ -209,11 +209,16 @@ class DispatchMixin(LoopState):
                 if type(v) is list and len(v) > STREAM_REPLY_ITEMS:
                     # a large reply: encoded a chunk a turn, then sent (nothing pinned)
                     self._encodes.append(_Encoding(ident, op, ReplyEncoder(status, req_id,
-                                                                           rbody), t0))
+                                                                           rbody), t0,
+                                                  req_id))
                     return
         track = bool(on_sent) and session is not None
-        tracker = self._send(ident, encode_reply(status, req_id, rbody), frames,
-                             track=track)
+        try:
+            header = encode_reply(status, req_id, rbody)
+        except Exception as exc:    # a handler's reply msgpack cannot encode (a bug)
+            self._reply_bug(ident, session, req_id, op, exc, on_sent, t0)
+            return
+        tracker = self._send(ident, header, frames, track=track)
         if track:
             assert session is not None
             entries = [e for e in on_sent if not isinstance(e, int)]
@@ -225,6 +230,34 @@ class DispatchMixin(LoopState):
             else:
                 self._sending.append((tracker, entries, nblocks, session, ident,
                                       time.monotonic(), conn_of(src)))
+        self._record_latency(op, t0)
+
+    def _unanswered(self, msg: list[Any], decoded: Any, exc: BaseException) -> None:
+        """Answer INTERNAL a request whose dispatch raised before any reply went (a bug
+        outside the handlers; logged and counted by the caller): its id from ``decoded``
+        or its header; a header that does not decode has no id to answer."""
+        try:
+            ident = msg[0] if type(msg[0]) is bytes else msg[0].bytes
+            if decoded is None:
+                decoded = decode_request(msg[1].buffer)
+            req_id = decoded[2]
+            self._send(ident, encode_reply(Status.INTERNAL, req_id,
+                                           {"error": f"internal error: {exc!r}"}))
+        except Exception:
+            log.exception("internal error answering a request whose dispatch failed")
+
+    def _reply_bug(self, ident: bytes, session: Session | None, req_id: int, op: int,
+                   exc: BaseException, on_sent: list[Any], t0: float) -> None:
+        """A reply that could not be encoded (a bug): logged, counted, answered INTERNAL
+        (the handler's exceptions' status); what it pinned for its frames is settled."""
+        log.error("internal error encoding the reply to op %s", op, exc_info=exc)
+        self._count_error("internal")
+        if on_sent and session is not None:
+            self.store.sent(session, sum(e for e in on_sent if isinstance(e, int)),
+                            [e for e in on_sent if not isinstance(e, int)])
+            on_sent.clear()
+        self._send(ident, encode_reply(Status.INTERNAL, req_id,
+                                       {"error": f"internal error: {exc!r}"}))
         self._record_latency(op, t0)
 
     def _record_latency(self, op: int, t0: float) -> None:

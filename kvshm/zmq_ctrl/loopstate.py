@@ -69,6 +69,9 @@ class LoopState:
     _dispatch: Callable[..., None]
     _reply: Callable[..., None]
     _record_latency: Callable[[int, float], None]
+    _fast_internal: Callable[..., None]
+    _unanswered: Callable[..., None]
+    _sends: int
     _session_of: Callable[[bytes], Session | None]
     _hello: Callable[..., tuple[int, dict[str, Any], list[Any], Session | None]]
     _attempt: Callable[..., Any]

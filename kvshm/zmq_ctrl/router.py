@@ -241,6 +241,9 @@ class ServiceLoop(DispatchMixin, SessionsMixin, ParkedMixin, SlicesMixin, SendsM
         self._zmqc = _zmqc
         #: replies queued by :meth:`_send` while a turn drains the socket (a list), else None
         self._outq: list[tuple[bytes, bytes]] | None = None
+        #: replies :meth:`_send` took (sent or queued): a request whose dispatch raised
+        #: before any reply is answered INTERNAL (:meth:`_unanswered`), never twice
+        self._sends = 0
         self.endpoints: list[str] = list(bound)
         try:
             for ep in endpoints:
@@ -641,14 +644,18 @@ class ServiceLoop(DispatchMixin, SessionsMixin, ParkedMixin, SlicesMixin, SendsM
                 if len(q) >= HELD_MAX:
                     self._finish_decode(ident)
                 return
+        sends = self._sends
         try:
             self._dispatch(msg, None, 0.0, conn)
-        except Exception:      # a bug outside the handlers: log it, keep serving
+        except Exception as exc:    # a bug outside the handlers: log it, answer, keep serving
             log.exception("internal error dispatching a request")
             self._count_error("internal")
+            if self._sends == sends:
+                self._unanswered(msg, None, exc)
 
     def _send(self, ident: bytes, header: bytes, frames: list[Any] = (),  # type: ignore[assignment]
               track: bool = False) -> zmq.MessageTracker | None:
+        self._sends += 1
         outq = self._outq
         if outq is not None:
             if not track and not frames:

@@ -81,13 +81,15 @@ class _Decoding:
 class _Encoding:
     """A large reply being encoded (:meth:`ServiceLoop._run_encodes`)."""
 
-    __slots__ = ("ident", "op", "encoder", "t0")
+    __slots__ = ("ident", "op", "encoder", "t0", "req_id")
 
-    def __init__(self, ident: bytes, op: int, encoder: ReplyEncoder, t0: float) -> None:
+    def __init__(self, ident: bytes, op: int, encoder: ReplyEncoder, t0: float,
+                 req_id: int = 0) -> None:
         self.ident = ident
         self.op = op
         self.encoder = encoder
         self.t0 = t0
+        self.req_id = req_id        # for an INTERNAL reply if encoding it fails
 
 
 class SlicesMixin(LoopState):
@@ -249,11 +251,14 @@ class SlicesMixin(LoopState):
         """A large header decoded (``r``; None: it was refused): the request served,
         then the messages its peer sent since."""
         if r is not None:
+            sends = self._sends
             try:
                 self._dispatch(job.msg, r, job.t0, job.conn)
-            except Exception:
+            except Exception as exc:
                 log.exception("internal error dispatching a request")
                 self._count_error("internal")
+                if self._sends == sends:
+                    self._unanswered(job.msg, r, exc)
         q = self._held.pop(job.ident, None)
         while q:
             self._handle(*q.popleft())
@@ -266,7 +271,11 @@ class SlicesMixin(LoopState):
         budget = 4 * self.slice_keys
         for _ in range(len(self._encodes)):
             job = self._encodes.popleft()
-            header = job.encoder.step(budget)
+            try:
+                header = job.encoder.step(budget)
+            except Exception as exc:    # an item msgpack cannot encode (a bug)
+                self._fast_internal(job.ident, job.req_id, job.op, exc, job.t0)
+                continue
             if header is None:
                 self._encodes.append(job)
                 continue
