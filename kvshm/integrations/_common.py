@@ -14,17 +14,41 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TypeVar
+from urllib.parse import quote
 
 from kvshm._shmindex import KEY_MAX as LOCAL_KEY_MAX
 from kvshm.errors import KvshmError, ServerUnavailable, TransportError, ValueTooLarge
 
-__all__ = ["ResilientClient", "ChunkHeader", "pack_header", "parse_header", "header_length",
+__all__ = ["ResilientClient", "key_field", "ChunkHeader", "pack_header", "parse_header", "header_length",
            "HEADER_PROBE", "put_pieces", "get_pieces_into", "put_framed", "get_framed",
            "normalize_address", "as_bool", "raw_view"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+#: What starts a key field written by :func:`key_field` in its escaped form. ``quote``
+#: never writes it (``%`` is always followed by two hex digits there), nor ``"%h"``.
+ESCAPED = "%~"
+
+
+def key_field(s: str, sep: str = "|") -> str:
+    """One field of a key whose fields are joined with ``sep`` (one or more separator
+    characters): ``s`` as it is (today's keys byte for byte) unless it contains one of
+    them or starts with :data:`ESCAPED`; then
+    :data:`ESCAPED` + ``urllib.parse.quote(s, safe="")``, which holds no separator (no
+    ``"|"``, ``"@"``, ``"%"`` but its own escapes, ``"/"``).
+
+    Injective: two strings never give the same field (the escaped forms all start with
+    :data:`ESCAPED`, the others never do, and ``quote`` is injective), and no field
+    holds ``sep``, so the fields of a key split on ``sep`` again and two different
+    configurations never share a key. A field already ``quote``'d (the model name)
+    comes back unchanged.
+    """
+    if not any(c in s for c in sep) and not s.startswith(ESCAPED):
+        return s
+    return ESCAPED + quote(s, safe="")
 
 
 def compact_fields(fields: list[str], name_at: int, raw_len: int,
@@ -37,7 +61,8 @@ def compact_fields(fields: list[str], name_at: int, raw_len: int,
     so each lookup of one would be a server round trip), ``fields[name_at]`` (a name as
     ``urllib.parse.quote(name, safe="")`` writes it) becomes ``"%h"`` + the base32 of its
     16-byte BLAKE2b and the id goes in base64url. ``quote`` never writes ``"%h"``, so the
-    two forms never meet; neither writes ``"|"``, so the fields still split on it.
+    two forms never meet; neither writes ``"|"``, so the fields still split on it. The
+    other fields are :func:`key_field`'s (no ``"|"`` either).
     """
     ns = "|".join(fields) + "|"
     if len(ns.encode()) + 2 * raw_len <= key_max:

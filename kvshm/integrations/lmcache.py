@@ -39,7 +39,10 @@ the plugin name must then be ``kvshm`` or ``kvshm.<instance>``).
 
 Values
     One kvshm entry per chunk, under ``key_prefix + CacheEngineKey.to_string()`` (the
-    key already names model, world size, worker (TP rank), chunk hash and dtype). The value
+    key already names model, world size, worker (TP rank), chunk hash and dtype). A prefix
+    other than a name and one ``/`` at its end (``lmc/``), and model names or tags that
+    make LMCache's string ambiguous, are written escaped (:func:`prefix_field`,
+    :func:`chunk_field`), so no two plugins or chunks share a key. The value
     is a self-describing header (:mod:`kvshm.integrations._common`: magic, version,
     MemoryFormat, dtype and shape of each layer group, payload length) followed by the
     MemoryObj's bytes. ``put`` copies the MemoryObj's bytes once, straight into the pool;
@@ -61,6 +64,7 @@ import asyncio
 import concurrent.futures
 import logging
 from typing import Any, Callable, List, Optional, Sequence
+from urllib.parse import quote
 
 import torch
 
@@ -75,14 +79,17 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from kvshm.errors import ServerUnavailable
 from kvshm.integrations._common import (
+    ESCAPED,
     ChunkHeader,
     ResilientClient,
     get_framed,
+    key_field,
     pack_header,
     put_framed,
 )
 
-__all__ = ["KvshmConnector", "KvshmConnectorAdapter", "DEFAULTS", "store_key"]
+__all__ = ["KvshmConnector", "KvshmConnectorAdapter", "DEFAULTS", "store_key", "prefix_field",
+           "chunk_field"]
 
 log = logging.getLogger(__name__)
 
@@ -121,9 +128,39 @@ def _options(extra: dict[str, Any] | None, name: str) -> dict[str, Any]:
     return opts
 
 
+def prefix_field(prefix: str) -> str:
+    """How ``key_prefix`` starts the keys: as it is when it is a name and one ``/`` at
+    its end (``lmc/``, the default: today's keys byte for byte), else ``%~`` + its
+    percent-encoding + ``/`` (``_common.key_field``). Either way the key's first ``/``
+    ends it: with ``a/`` and ``a/b/`` as they are, ``a/`` + ``b/m@...`` (model ``b/m``)
+    would be ``a/b/`` + ``m@...`` (model ``m``), one key for two plugins' chunks."""
+    if prefix.endswith("/") and "/" not in prefix[:-1] and not prefix.startswith(ESCAPED):
+        return prefix
+    return ESCAPED + quote(prefix, safe="") + "/"
+
+
+def chunk_field(key: CacheEngineKey) -> str:
+    """``key.to_string()``, with the pieces that would make it ambiguous escaped
+    (``_common.key_field``): a model name with ``@``, a tag name with ``@`` or ``%``,
+    a tag value with ``@`` (LMCache joins them raw: tags ``a=x@b%y`` and ``a=x, b=y``
+    gave one string). Byte for byte ``to_string()`` otherwise."""
+    s = key.to_string()
+    model = key.model_name
+    tags = key.tags or ()
+    plain = [(str(k), str(v)) for k, v in tags]
+    if key_field(model, "@") == model and all(
+            key_field(k, "@%") == k and key_field(v, "@") == v for k, v in plain):
+        return s
+    tail = ("@" + "@".join(f"{k}%{v}" for k, v in plain)) if plain else ""
+    fixed = s[len(model):len(s) - len(tail)]        # @world@worker@hash@dtype[@layer]
+    tags_s = "".join(f"@{key_field(k, '@%')}%{key_field(v, '@')}" for k, v in plain)
+    return key_field(model, "@") + fixed + tags_s
+
+
 def store_key(key: CacheEngineKey, prefix: str = DEFAULTS["key_prefix"]) -> bytes:
-    """The kvshm key of an LMCache chunk key."""
-    return (prefix + key.to_string()).encode()
+    """The kvshm key of an LMCache chunk key (:func:`prefix_field` +
+    :func:`chunk_field`: two plugins or chunks never share a key)."""
+    return (prefix_field(prefix) + chunk_field(key)).encode()
 
 
 def _dtype_name(d: torch.dtype) -> str:
@@ -170,6 +207,7 @@ class KvshmConnector(RemoteConnector):
         self.plugin_name = plugin_name or _find_plugin_name(extra, type(self))
         self.options = o = _options(extra, self.plugin_name)
         self.key_prefix = o["key_prefix"]
+        self._prefix = prefix_field(self.key_prefix)      # how the keys start
         self.alloc_wait = float(o["alloc_wait"])
         self._kv = ResilientClient(o["url"], transport=o["transport"], timeout=o["timeout"],
                                    retry_interval=o["retry_interval"],
@@ -183,7 +221,7 @@ class KvshmConnector(RemoteConnector):
     # ---------------------------------------------------------------- plumbing
 
     def _key(self, key: CacheEngineKey) -> bytes:
-        return (self.key_prefix + key.to_string()).encode()
+        return (self._prefix + chunk_field(key)).encode()
 
     async def _offload(self, fn: Callable[..., Any], *args: Any,
                        on_abandon: Callable[[Any], None] | None = None) -> Any:
@@ -268,7 +306,7 @@ class KvshmConnector(RemoteConnector):
     async def list(self) -> List[str]:
         # CacheEngineKey strings of this plugin's chunks (kvshm's LIST: an O(keys) scan
         # on the server, for inspection, not the data path)
-        p = self.key_prefix.encode()
+        p = self._prefix.encode()
         keys = await self._offload(lambda: self._kv.call(lambda c: c.list_keys(p)))
         return [k[len(p):].decode(errors="replace") for k in keys]
 

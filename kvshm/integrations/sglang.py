@@ -43,7 +43,9 @@ Keys
     only SGLang's writer rank stores it). ``{layout}`` is the byte order of a stored page
     (:data:`MHA_PAGE_ORDER`): ``page_first`` (``kv-TLHD``), ``page_head`` (``kv-HTLD``)
     and ``layer_first`` = ``page_first_direct`` (``kv-LTHD``, the same bytes, checked);
-    MLA pools and other layouts use the layout name itself.
+    MLA pools and other layouts use the layout name itself. A prefix, dtype, layout or
+    page key holding ``|`` is written escaped (``_common.key_field``: ``%~`` + its
+    percent-encoding), so no two configurations share a key.
 
 Values
     One kvshm entry per page: the page's buffers from ``get_page_buffer_meta`` end to end
@@ -79,6 +81,7 @@ from kvshm.integrations._common import (
     ResilientClient,
     as_bool,
     get_pieces_into,
+    key_field,
     put_pieces,
     raw_view,
 )
@@ -164,9 +167,12 @@ class KvshmHiCacheStorage(HiCacheStorage):
         cfg = self.storage_config
         layout = str(getattr(mem_pool_host, "layout", "unknown"))
         self.key_layout = key_layout(layout, bool(cfg.is_mla_model))
-        parts = [str(self.options["kvshm_key_prefix"]), quote(cfg.model_name or "", safe=""),
-                 _dtype_name(getattr(mem_pool_host, "dtype", "unknown")), self.key_layout,
-                 f"p{getattr(mem_pool_host, 'page_size', 0)}"]
+        # every field free of "|" (key_field: as it is unless it holds one), the page
+        # key too (_keys): two configurations never share a key, today's keys stay
+        parts = [key_field(str(self.options["kvshm_key_prefix"])),
+                 quote(cfg.model_name or "", safe=""),
+                 key_field(_dtype_name(getattr(mem_pool_host, "dtype", "unknown"))),
+                 key_field(self.key_layout), f"p{getattr(mem_pool_host, 'page_size', 0)}"]
         parts.append("mla" if cfg.is_mla_model else f"tp{cfg.tp_rank}of{cfg.tp_size}")
         if cfg.pp_size > 1:
             parts.append(f"pp{cfg.pp_rank}of{cfg.pp_size}")
@@ -187,7 +193,7 @@ class KvshmHiCacheStorage(HiCacheStorage):
         if self.namespace is None:
             raise RuntimeError("KvshmHiCacheStorage: register_mem_pool_host() was not called")
         ns = self.namespace
-        return [(ns + k).encode() for k in keys]
+        return [(ns + key_field(k)).encode() for k in keys]
 
     def _page_views(self, keys: List[str], host_indices: torch.Tensor) -> list[list[memoryview]]:
         """Per key, the host-pool buffers of its page (one copy each way)."""

@@ -49,6 +49,8 @@ Keys
     publishes (``kvshm._shmindex.KEY_MAX``, 152 bytes; a model given by a long path), the
     model field is ``%h`` + the base32 of its 16-byte BLAKE2b and the OffloadKey is in
     unpadded base64url (``_common.compact_fields``): same-host lookups stay lock-free.
+    A prefix, dtype or layout holding ``|`` is written escaped (``_common.key_field``:
+    ``%~`` + its percent-encoding), so no two configurations share a key.
 
 Values
     One kvshm entry per chunk: the primary row's bytes as they are (``block_size_bytes``).
@@ -82,7 +84,13 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from kvshm.errors import KvshmError
-from kvshm.integrations._common import ResilientClient, as_bool, compact_fields, compact_key
+from kvshm.integrations._common import (
+    ResilientClient,
+    as_bool,
+    compact_fields,
+    compact_key,
+    key_field,
+)
 
 __all__ = ["KvshmTier"]
 
@@ -171,8 +179,11 @@ class KvshmTier(SecondaryTierManager):
             layout += "+canonical"
         if cfg.replicated_layout:
             layout += "+replicated"
-        parts = [prefix, quote(cfg.model.name, safe=""), str(cfg.model.dtype), parallel,
-                 layout, f"c{cfg.cache.blocks_per_chunk}x{cfg.cache.tokens_per_hash}",
+        # every field free of "|" (key_field: as it is unless it holds one): two
+        # configurations never share a key, and today's keys stay as they were
+        parts = [key_field(prefix), quote(cfg.model.name, safe=""),
+                 key_field(str(cfg.model.dtype)), parallel, key_field(layout),
+                 f"c{cfg.cache.blocks_per_chunk}x{cfg.cache.tokens_per_hash}",
                  f"r{self.block_size_bytes}"]
         ns, self._hex_keys = compact_fields(parts, 1, OFFLOAD_KEY_BYTES)
         self._ns = ns.encode()

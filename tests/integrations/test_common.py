@@ -259,3 +259,24 @@ def test_compact_fields_keep_inputs_apart() -> None:
     keys = {C.compact_key(s.encode(), False, r) for s in spaces for r in ids}
     assert len(keys) == 6 * len(ids)
     assert all(k.count(b"|") == 7 for k in keys)         # the fields still split on "|"
+
+
+def test_key_field_is_injective_and_keeps_plain_fields() -> None:
+    """key_field: a field without the separator (and not starting with "%~") as it is;
+    any other escaped, without the separator; never two inputs to one field."""
+    from urllib.parse import quote
+
+    plain = ["vllm", "sgl", "bfloat16", "NHD", "", "a%7Cb", "%h", quote("org/m", safe="")]
+    for s in plain:
+        assert C.key_field(s) == s
+    odd = ["a|b", "|", "%~x", "a%7Cb|", "%~" + quote("a|b", safe=""), "x@y|z"]
+    inputs = plain + odd
+    out = [C.key_field(s) for s in inputs]
+    assert len(set(out)) == len(inputs)
+    assert all("|" not in f for f in out)
+    assert C.key_field("a@b", "@%") != "a@b" and "@" not in C.key_field("a@b", "@%")
+    assert C.key_field("a%b", "@%") != C.key_field("a%25b", "@%")
+    # joined, the fields split again: two configurations never share a namespace
+    a = "|".join(C.key_field(f) for f in ["v|m", "x"])
+    b = "|".join(C.key_field(f) for f in ["v", "m|x"])
+    assert a != b and "v|m|x" not in (a, b)

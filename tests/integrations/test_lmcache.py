@@ -453,3 +453,38 @@ def test_engine_store_lookup_retrieve(kvshm_server: ServerProcess) -> None:
         assert engine.lookup(tokens) == CHUNK
     finally:
         LMCacheEngineBuilder.destroy(name)
+
+
+def test_prefixes_models_and_tags_never_share_a_key(kvshm_server: ServerProcess) -> None:
+    """The key prefix is joined to LMCache's key string with no separator: prefix
+    ``lmc/`` with model ``team/llama`` and prefix ``lmc/team/`` with model ``llama``
+    made one key, and one plugin read the other's chunk. Prefixes of a name and one
+    ``/`` (the default) and plain keys keep today's keys byte for byte."""
+    with kvshm.Client(kvshm_server.address) as c:
+        c.purge()
+    ka = CacheEngineKey("team/llama", 1, 0, 0x5EED, torch.bfloat16)
+    kb = CacheEngineKey("llama", 1, 0, 0x5EED, torch.bfloat16)
+    a = Lmc(make_config(kvshm_server.address, key_prefix="lmc/"))
+    b = Lmc(make_config(kvshm_server.address, key_prefix="lmc/team/"))
+    try:
+        o, _ = a.chunk(3)
+        a.put([ka], [o])
+        release(o)
+        assert a.backend.contains(ka)
+        assert not b.backend.contains(kb)
+        assert b.backend.get_blocking(kb) is None
+    finally:
+        a.close()
+        b.close()
+    assert store_key(ckey(0)) == b"lmc/" + ckey(0).to_string().encode()      # as before
+    assert store_key(ckey(0), "main/") == b"main/" + ckey(0).to_string().encode()
+    assert store_key(ka, "lmc/") != store_key(kb, "lmc/team/")
+    # LMCache's own string: tags a=x@b%y and a=x, b=y were one
+    from kvshm.integrations.lmcache import chunk_field, prefix_field
+
+    assert prefix_field("lmc/team/").count("/") == 1
+    t1 = CacheEngineKey(MODEL, 1, 0, 1, torch.bfloat16, {"lmcache.tag.a": "x@b%y"})
+    t2 = CacheEngineKey(MODEL, 1, 0, 1, torch.bfloat16,
+                        {"lmcache.tag.a": "x", "lmcache.tag.b": "y"})
+    assert t1.to_string() == t2.to_string() and chunk_field(t1) != chunk_field(t2)
+    assert chunk_field(t2) == t2.to_string()

@@ -484,3 +484,31 @@ def test_split_heads_is_refused_with_a_clear_error(server: ServerProcess) -> Non
         assert be.namespace is not None and "tp0of2" in be.namespace
     finally:
         be.close()
+
+
+def test_fields_holding_the_separator_never_share_a_key(server: ServerProcess) -> None:
+    """A page key holding "|" (or a key prefix) is escaped: joined raw, rank 0 of a
+    PP=2 engine's page ``K`` and a PP=1 engine's page ``pp0of2|K`` were one key, and
+    one read the other's KV. SGLang's own page keys (hex) keep today's keys."""
+    pa, pb = host_pool(), host_pool()
+    ca = make_config(server.address)
+    cb = make_config(server.address)
+    cb.pp_size, cb.pp_rank = 2, 0
+    a, b = create(ca, pa), create(cb, pb)
+    try:
+        assert b.namespace == a.namespace + "pp0of2|"
+        k = page_keys(1)[0]
+        assert a._keys([k]) == [(a.namespace + k).encode()]          # as before
+        assert a._keys(["pp0of2|" + k]) != b._keys([k])
+        write_kv(pa, 0, logical_kv(seed=4))
+        assert page_set(a, ["pp0of2|" + k], slots(0))
+        assert page_get(b, [k], slots(0)) == 0                      # not a's page
+        c = create(make_config(server.address, kvshm_key_prefix="sgl|x"), host_pool())
+        try:
+            assert c.namespace is not None and c.namespace.startswith("%~sgl%7Cx|")
+            assert c.namespace.count("|") == a.namespace.count("|")
+        finally:
+            c.close()
+    finally:
+        a.close()
+        b.close()

@@ -57,7 +57,7 @@ class Engine:
 
     def __init__(self, address: str, primary_chunks: int = 4, tp: int = 1,
                  agnostic: bool = False, model: str = "org/fake-model",
-                 **opts: Any) -> None:
+                 layout: str | None = None, **opts: Any) -> None:
         self.engine_id = f"kvshm-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         extra = {"spec_name": "TieringOffloadingSpec",
                  "cpu_bytes_to_use": primary_chunks * BLOCK_BYTES,
@@ -72,7 +72,8 @@ class Engine:
             parallel=OffloadingParallelConfig(
                 rank=0, world_size=tp, tp_size=tp, pp_size=1, pcp_size=1, dcp_size=1,
                 data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
-                is_parallelism_agnostic=agnostic))
+                is_parallelism_agnostic=agnostic),
+            kv_cache_layout=layout)
         self.spec = OffloadingSpecFactory.create_spec(cfg)
         self.mgr = self.spec.get_manager()
         self.tier: KvshmTier = self.mgr.secondary_tiers[0]
@@ -394,3 +395,31 @@ def test_compact_keys_stay_distinct(server: ServerProcess, engines: list[Engine]
     for x in ks[:5]:          # fields still split on "|": the last is the OffloadKey
         assert a.tier.store_key(x).decode().split("|")[3] == "tp1pp1pcp1dcp1"
         assert a.tier.store_key(x).count(b"|") == d.tier.store_key(x).count(b"|")
+
+
+def test_fields_holding_the_separator_never_share_a_key(server: ServerProcess,
+                                                        engines: list[Engine]) -> None:
+    """Two configurations whose fields hold "|" (the key prefix, the layout name) map to
+    different keys: joined raw, these two namespaces were one, and b read a's KV. Fields
+    without "|" keep today's keys byte for byte."""
+    a = Engine(server.address, model="m2", layout="NHD",
+               key_prefix="v|m|bfloat16|tp1pp1pcp1dcp1")
+    b = Engine(server.address, model="m", layout="m2|bfloat16|tp1pp1pcp1dcp1|NHD",
+               key_prefix="v")
+    d = Engine(server.address, layout="NHD")
+    engines.extend([a, b, d])
+    assert a.tier._hex_keys and b.tier._hex_keys        # the readable form, both
+    assert a.tier.namespace != b.tier.namespace
+    keys, data = chunks(1, a.stride)
+    req = ReqContext(req_id="r1")
+    with a.mgr.lock:
+        a.mgr.on_new_request(req)
+    a.store(req, keys, data)
+    with kvshm.Client(server.address) as c:
+        assert c.exists(a.tier.store_key(keys[0]))
+        assert not c.exists(b.tier.store_key(keys[0]))
+    assert d.tier.namespace == ("vllm|org%2Ffake-model|bfloat16|tp1pp1pcp1dcp1|NHD|c1x16|"
+                                f"r{d.tier.block_size_bytes}|")
+    assert a.tier.namespace.startswith("%~v%7Cm%7Cbfloat16%7Ctp1pp1pcp1dcp1|m2|")
+    for ns in (a.tier.namespace, b.tier.namespace):
+        assert ns.count("|") == d.tier.namespace.count("|")
