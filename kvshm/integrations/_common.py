@@ -19,9 +19,9 @@ from urllib.parse import quote
 from kvshm._shmindex import KEY_MAX as LOCAL_KEY_MAX
 from kvshm.errors import KvshmError, ServerUnavailable, TransportError, ValueTooLarge
 
-__all__ = ["ResilientClient", "key_field", "ChunkHeader", "pack_header", "parse_header", "header_length",
-           "HEADER_PROBE", "put_pieces", "get_pieces_into", "put_framed", "get_framed",
-           "normalize_address", "as_bool", "raw_view"]
+__all__ = ["ResilientClient", "key_field", "ChunkHeader", "pack_header", "parse_header",
+           "header_length", "HEADER_PROBE", "put_pieces", "get_pieces_into", "put_framed",
+           "get_framed", "normalize_address", "as_bool", "raw_view"]
 
 log = logging.getLogger(__name__)
 
