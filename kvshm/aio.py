@@ -467,7 +467,7 @@ class AsyncClient:
         rid = s.new_id()
         hb = s.hello_body()
         # the queued settle lists ride on it: applied to the old session first
-        body = s.take_piggyback(hb) if s.epoch else hb
+        body = s.hello_piggyback(hb)
         try:
             st, body, frames = await conn.request(Op.HELLO, body, (), s.epoch, rid)
         except BaseException:

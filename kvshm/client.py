@@ -513,6 +513,9 @@ class _Session:
         self._retired: list[OneSidedMover] = []
         self.lazy_rids: "collections.OrderedDict[int, None]" = collections.OrderedDict()
         self.lost_commits: list[int] = []   # lazily committed writes the server refused
+        # lazy COMMIT ids sent on a HELLO not applied yet: lost when it finds another
+        # server (a restart: the old epoch's settle lists are not applied there)
+        self.hello_commits: list[int] = []
         self.rdma_options = rdma   # kvshm.rdma.RdmaOptions or dict, for "rdma"/"auto"
         self.rdma: Any = None      # kvshm.rdma.ClientLink, made by kvshm.rdma on first use
         self.local: Any = None     # kvshm.localread reader of the server's shared index
@@ -581,13 +584,32 @@ class _Session:
                 body[name] = body.get(name, []) + taken
         return body
 
-    def requeue(self, body: dict[str, Any]) -> None:
+    def hello_piggyback(self, hb: dict[str, Any]) -> dict[str, Any]:
+        """The HELLO body ``hb`` with the queued settle lists (applied to the old
+        session first; none before the first HELLO); its COMMIT ids are remembered
+        until the reply is applied (:meth:`apply_hello`)."""
+        if not self.epoch:
+            return hb
+        body = self.take_piggyback(hb)
+        if body is not hb:
+            self.hello_commits.extend(body.get("commit", ()))
+        return body
+
+    def requeue(self, body: dict[str, Any], unapplied: bool = False) -> None:
         """Put back the RELEASE/ABORT ids a request carried that the server may not have
-        seen (both are idempotent). COMMITs are not resent."""
+        seen (both are idempotent). COMMITs are not resent (one the server applied would
+        be reported refused), except with ``unapplied``: the server answered that it
+        applied none (STALE_EPOCH), and the lazy COMMITs go again, on the HELLO that
+        follows (applied by the same server; reported lost by another,
+        :meth:`apply_hello`)."""
         for name, q in (("release", self.releases), ("abort", self.aborts)):
             for rid in body.get(name, ()):
                 if rid not in q:
                     q.append(rid)
+        if unapplied:
+            for rid in body.get("commit", ()):
+                if rid in self.lazy_rids and rid not in self.commits:
+                    self.commits.append(rid)
 
     def note_reply(self, body: dict[str, Any]) -> None:
         """Keep the lazily committed writes a reply says were refused (their lease ran
@@ -603,8 +625,9 @@ class _Session:
         if self.lost_commits:
             n = len(self.lost_commits)
             self.lost_commits.clear()
-            raise LeaseExpired(f"{n} earlier write(s) committed lazily were refused by the "
-                               "server (their lease ran out before the COMMIT arrived); "
+            raise LeaseExpired(f"{n} earlier write(s) committed lazily were not committed: "
+                               "the server refused them (their lease ran out before the "
+                               "COMMIT arrived) or restarted before the COMMIT reached it; "
                                "those keys were not stored")
 
     def piggyback_pending(self) -> bool:
@@ -853,10 +876,20 @@ class _Session:
         self.limits = Limits.from_wire(h["limits"])
         self.max_message = int(h.get("max_message", 0))
         self.capacity = int(h["pool"]["size"])
-        if not same_server:   # the same instance still holds the grants they name
+        if same_server:       # it applied what the HELLO carried: COMMITs it refused
+            self.note_reply(h)
+        else:                 # another instance: none of the grants the lists name exist
+            # lazily committed puts (reported done) whose COMMIT no server applied:
+            # raised as LeaseExpired by the next call, as refused lazy commits are
+            gone = [rid for rid in (*self.hello_commits, *self.commits)
+                    if rid in self.lazy_rids]
+            for rid in gone:
+                del self.lazy_rids[rid]
+            self.lost_commits.extend(gone)
             self.commits.clear()
             self.aborts.clear()
             self.releases.clear()
+        self.hello_commits.clear()
         self._close_local()
         unproven, self._unproven = self._unproven, None
         if unproven is not None and not same_server:
@@ -1536,7 +1569,7 @@ class _Drive:
             self.s.note_reply(reply.body)
             return _DONE
         if body is not None:       # not applied: they go again (after HELLO)
-            self.s.requeue(body)
+            self.s.requeue(body, unapplied=True)
         # the server restarted, or does not know this session: nothing was done; the
         # grant this request would have made does not exist
         if self.grants and self.grants[-1][0] == reply.req_id:
@@ -1736,7 +1769,7 @@ class Client:
             rid = s.new_id()
             # the queued settle lists ride on it: applied to the old session first
             hb = s.hello_body()
-            body = s.take_piggyback(hb) if s.epoch else hb
+            body = s.hello_piggyback(hb)
             try:
                 rid, st, rbody, frames = self._chan.request(Op.HELLO, body, req_id=rid,
                                                             epoch=s.epoch)

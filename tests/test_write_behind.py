@@ -538,3 +538,50 @@ def test_server_restart_mid_stream_reports_lost_writes():
         srv.kill()
         if srv2 is not None:
             srv2.stop()
+
+
+def test_lazy_commits_lost_with_a_server_restart_are_reported(monkeypatch):
+    """Puts committed lazily (their COMMIT rides on the next request), then the server
+    is killed and another starts on the same port and segment name (a new epoch): the
+    COMMITs never reached a server that stores them, so the next call raises
+    LeaseExpired for them, as for lazy commits the server refused (before: dropped at the
+    HELLO, no put reported lost, the keys silently missing); writing goes on."""
+    import kvshm.client
+    from kvshm.errors import LeaseExpired
+
+    # no idle flush: it would send the COMMITs to the old server first (within 0.1 s)
+    monkeypatch.setattr(kvshm.client, "IDLE_FLUSH_S", 3600.0)
+    port = free_port()
+    srv = ServerProcess(service_port=port, prealloc_size=1 / 64)
+    srv2 = None
+    c = None
+    try:
+        c = Client(srv.address, lazy_commit=True, transport="shm", timeout=2)
+        c.put("before", b"x" * 100)
+        c.flush()
+        for i in range(3):
+            c.put(f"after{i}", _val(i, 9000))       # allocated, copied; COMMIT queued
+        assert c._session.commits                   # (each rides on the next request)
+        srv.kill()
+        srv.remove_segment()
+        srv2 = ServerProcess(service_port=port, prealloc_size=1 / 64)
+        seen: list[BaseException] = []
+        for _ in range(10):
+            try:
+                c.flush()
+                break
+            except (LeaseExpired, kvshm.ServerUnavailable) as exc:
+                seen.append(exc)
+        assert any(isinstance(e, LeaseExpired) for e in seen), seen
+        with Client(srv2.address) as other:
+            for i in range(3):
+                assert not other.exists(f"after{i}")   # reported lost: not stored
+            c.put("again", b"works")
+            c.flush()
+            assert other.get("again") == b"works"
+    finally:
+        if c is not None:
+            c.close()
+        srv.kill()
+        if srv2 is not None:
+            srv2.stop()
