@@ -64,7 +64,8 @@ should set ``kv_transfer_params``.
 Keys: ``{key_prefix}|{uid}|tp{rank}of{size}|{layer name}|{block index}``, one value per
 (layer, block, TP rank): the block's ``[H, N, C]`` KV (vLLM's logical per-layer view
 ``[blocks, heads, tokens, content]``; one block of the block manager is several kernel
-blocks when the attention backend splits it), ``uid`` unique per request and engine.
+blocks when the attention backend splits it), ``uid`` unique per request and engine
+(``{engine id}.{request id}.{random}``, each id free of ``|``: ``_common.key_field``).
 
 Options (``kv_connector_extra_config``):
 
@@ -130,7 +131,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvshm.errors import KvshmError
 from kvshm.handoff import Handoff, check_ttl
-from kvshm.integrations._common import ResilientClient, as_bool, normalize_address
+from kvshm.integrations._common import ResilientClient, as_bool, key_field, normalize_address
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -691,7 +692,10 @@ class KvshmPDConnector(KVConnectorBase_V1):
                 if nr.sampling_params is not None else None
             if not (isinstance(params, dict) and params.get("do_remote_decode")):
                 continue
-            uid = f"{self.engine_id}.{nr.req_id}.{os.urandom(6).hex()}"
+            # no "|" in the uid (a key field; a decode refuses a uid with one): an id
+            # holding one (vLLM takes a client's X-Request-Id) is written escaped
+            uid = (f"{key_field(str(self.engine_id))}.{key_field(str(nr.req_id))}."
+                   f"{os.urandom(6).hex()}")
             self._producing[nr.req_id] = _Producing(uid, len(nr.prompt_token_ids or ()),
                                                     list(nr.block_ids[0]))
             self._plan(meta, nr.req_id, nr.num_computed_tokens,

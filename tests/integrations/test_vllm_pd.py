@@ -328,6 +328,31 @@ def test_records_hostile_odd_and_short(store: dict[str, ServerProcess], token: s
         cons.shutdown()
 
 
+def test_request_id_holding_the_separator_is_handed_off(store: dict[str, ServerProcess],
+                                                         token: str) -> None:
+    """A request id holding "|" (vLLM takes a client's X-Request-Id) made a uid with "|",
+    whose record every decode refused (a recompute); the uid now writes it escaped
+    (``_common.key_field``), plain ids as before."""
+    srv = store["srv"]
+    prod = sched_connector("kv_producer", srv.address, token)
+    cons = sched_connector("kv_consumer", srv.address, token)
+    try:
+        with client(srv, token) as c:
+            rec = prefill_one(prod, "user|7", c)
+            assert rec is not None
+            assert offer(cons, rec, "d1", False) == (PROMPT_TOKENS - 1) // BLOCK * BLOCK
+            assert "|" not in rec["kvshm_pd"]["uid"]
+            plain = prefill_one(prod, "r-1", c)
+            assert plain is not None
+            assert plain["kvshm_pd"]["uid"].startswith("unit-kv_producer.r-1.")   # as before
+            c.unpin(rec["kvshm_pd"]["handoff"]["pin"])
+            c.unpin(plain["kvshm_pd"]["handoff"]["pin"])
+            c.delete(c.list_keys(b"vllmpd|"))
+    finally:
+        prod.shutdown()
+        cons.shutdown()
+
+
 FIGURES: dict[str, Any] = {}
 
 
