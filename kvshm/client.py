@@ -1207,6 +1207,7 @@ class _Session:
         """
         wb = self.wb
         assert wb is not None
+        epoch = self.epoch
         need = [wb.nblocks(v.nbytes) for v in views]
         total = sum(need)
         got = None
@@ -1253,6 +1254,12 @@ class _Session:
             body["sums"] = sums
 
         def sent(rid: int) -> None:
+            if self.wb is not wb or self.epoch != epoch:
+                # the HELLO before this PLACE found another server: the copy went into
+                # the old pool, its reservation is gone (the PLACE is refused there):
+                # lost, raised by the next call (not read back from the new pool)
+                self.wb_lost.extend(bkeys)
+                return
             with wb.placed.lock:
                 wb.outstanding[rid] = bkeys
             wb.placed.add(rid, bkeys, sizes, extents, sums)
@@ -2247,6 +2254,7 @@ class Client:
                 s.need_hello = True
                 return False
             wb.checked = now
+        epoch = s.epoch
         got = wb.take1(n) or wb.take((n,)) or self._wait_refill(n)
         if got is None:
             return False
@@ -2274,6 +2282,12 @@ class Client:
         with chan.lock:
             if self._closed:
                 return False                # close() ran meanwhile: the general path says so
+            if s.wb is not wb or s.epoch != epoch:
+                # another thread's HELLO found another server (or dropped write-behind)
+                # since the blocks were taken: the copy went into a reservation of a
+                # pool that is no longer this client's. Put again the general way (not
+                # read back from the new pool at these offsets, nor lost unreported).
+                return False
             if wb.held_rid and wb.held_gen != gen:
                 self._send_held_locked()        # another reservation's: not mixed
             wb.puts += 1
