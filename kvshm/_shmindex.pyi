@@ -35,8 +35,10 @@ PREFETCH_AHEAD: int
 BATCH_CHUNK: int
 BATCH_SEGMENT: int
 BATCH_SEGMENT_BYTES: int
+BATCH_THREADS_MIN: int
 #: Set (not "" or "0") when a reader is made: its batch lookups go one key at a time.
 ENV_NO_FAST_BATCH: str
+ENV_BATCH_THREADS: str
 #: A read the caller must ask of the server instead.
 FALLBACK: int
 #: A read that found nothing, and the store holds nothing for that key.
@@ -47,6 +49,10 @@ STATE_CLOSED: int
 
 def key_hash(key: bytes | str) -> int:
     """The table's 64-bit hash of ``key``."""
+def default_batch_threads() -> int:
+    """2 on a process with 4 or more CPUs, else 1 (ENV_BATCH_THREADS unset)."""
+def batch_helper_stats() -> dict[str, int]:
+    """{"threads": helper threads made, "pieces": segment pieces they looked up}."""
 def default_slots(num_blocks: int) -> int:
     """Capacity in slots: the next power of two >= 2 x ``num_blocks``."""
 
@@ -137,6 +143,10 @@ class IndexReader:
     retries: int
     #: batch lookups prefetch ahead (False: one key at a time; ENV_NO_FAST_BATCH)
     fast_batch: bool
+    #: fewest keys of a batch lookup split over batch_threads (BATCH_THREADS_MIN)
+    threads_min: int
+    #: threads (1-8, the caller's included) of a large batch lookup (ENV_BATCH_THREADS)
+    batch_threads: int
     def __init__(self, name: str, reads_name: str, pool: Pool, epoch: int,
                  max_key: int = ...) -> None: ...
     def close(self) -> None:

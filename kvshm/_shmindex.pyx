@@ -59,6 +59,19 @@ slot's version like any read. ``KVSHM_NO_FAST_BATCH_READS`` (set to anything but
 "0" when the reader is made; :attr:`IndexReader.fast_batch` after) makes them look up
 one key at a time instead (the header read for each), for A/B figures and tests.
 
+Batches of :data:`BATCH_THREADS_MIN` keys or more may be looked up by more threads
+(:attr:`IndexReader.batch_threads`, from ``KVSHM_BATCH_READ_THREADS``: 1 to 8, the
+caller's included; 1 turns it off; default :func:`default_batch_threads`: 2 with 4 or
+more CPUs, else 1). The caller still copies and hashes every segment under the GIL;
+each segment is then offered in pieces of 512 keys to the process's helper threads
+(made at the first such batch, one batch at a time has them), which look pieces up
+while the caller copies the next segment, and the caller takes the pieces left. Each
+piece is the same lookup (the same prefetching, per-hit seqlock check and per-chunk
+table sequence check); the answer is the one-thread answer of the keys. A helper
+spins ~0.1 ms for more work after a piece, then sleeps; a helper that is not running
+(a busy machine) only leaves its pieces to the caller, but one preempted inside a
+piece is waited for. The stats counter ``retries`` may miss increments made by helpers.
+
 Reads segment (writable by same-user clients)::
 
     [ header: 256 bytes (magic KVSHMRR1, nrec, head @64, tail @128) | nrec x 16 bytes ]
@@ -228,7 +241,135 @@ cdef extern from *:
        client then says it was made before fork), with no getpid() per read. */
     #include <pthread.h>
     static volatile uint64_t kvx_fork_gen = 0;
-    static void kvx_on_fork_child(void) { kvx_fork_gen++; }
+    /* Batch lookup helpers: at most KVX_MAXH threads of the process (made at the first
+       batch that asks for them). One batch at a time holds them (kvx_pool_take; another
+       batch meanwhile looks its keys up alone). The batch's thread publishes a segment
+       as pieces (kvx_work_publish: the ticket, gen << 40 | pieces << 20 | next piece),
+       then it and the helpers claim pieces (a CAS on the ticket) until none is left, and
+       it waits for the pieces claimed to finish: a helper that is not running (a busy
+       machine) costs nothing but its wake-up. A helper spins ~KVX_SPIN pauses for the
+       next segment (they come every ~50 us), then sleeps on the condition variable. */
+    #include <sched.h>
+    #define KVX_MAXH 7
+    #define KVX_SPIN 4000
+    typedef void (*kvx_piecefn)(void *self, void *desc, uint32_t piece);
+    static struct {
+        kvx_piecefn fn;
+        void *self, *desc;      /* written before the ticket that names them */
+        uint64_t ticket;
+        uint64_t finished;      /* pieces of the ticket's segment finished */
+        uint64_t gen;
+        uint64_t helped;        /* pieces helpers ran (stats) */
+        int busy, nstarted, sleepers;
+        pthread_mutex_t mu;
+        pthread_cond_t cv;
+    } kvx_work = {NULL, NULL, NULL, 0, 0, 0, 0, 0, 0, 0,
+                  PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+    /* claim a piece of the published segment: 1 (its index in *piece), 0 (none left) */
+    static inline int kvx_work_claim(uint32_t *piece) {
+        uint64_t t = __atomic_load_n(&kvx_work.ticket, __ATOMIC_ACQUIRE);
+        for (;;) {
+            uint32_t next = (uint32_t)(t & 0xFFFFF), np = (uint32_t)((t >> 20) & 0xFFFFF);
+            if (next >= np) return 0;
+            if (__atomic_compare_exchange_n(&kvx_work.ticket, &t, t + 1, 0,
+                                            __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+                *piece = next;
+                return 1;
+            }
+        }
+    }
+    static void *kvx_helper_main(void *arg) {
+        uint32_t piece;
+        int spins = 0;
+        (void)arg;
+        for (;;) {
+            if (kvx_work_claim(&piece)) {
+                kvx_work.fn(kvx_work.self, kvx_work.desc, piece);
+                __atomic_add_fetch(&kvx_work.helped, 1, __ATOMIC_RELAXED);
+                __atomic_add_fetch(&kvx_work.finished, 1, __ATOMIC_RELEASE);
+                spins = 0;
+                continue;
+            }
+            if (++spins < KVX_SPIN) { kvx_pause(); continue; }
+            pthread_mutex_lock(&kvx_work.mu);
+            __atomic_add_fetch(&kvx_work.sleepers, 1, __ATOMIC_SEQ_CST);
+            for (;;) {
+                uint64_t t = __atomic_load_n(&kvx_work.ticket, __ATOMIC_SEQ_CST);
+                if ((t & 0xFFFFF) < ((t >> 20) & 0xFFFFF)) break;
+                pthread_cond_wait(&kvx_work.cv, &kvx_work.mu);
+            }
+            __atomic_sub_fetch(&kvx_work.sleepers, 1, __ATOMIC_SEQ_CST);
+            pthread_mutex_unlock(&kvx_work.mu);
+            spins = 0;
+        }
+        return NULL;
+    }
+    /* take the helpers for one batch, with up to n of them started: how many there are
+       (0: none: another batch has them, or no thread could be made) */
+    static int kvx_pool_take(int n) {
+        int expected = 0;
+        if (n > KVX_MAXH) n = KVX_MAXH;
+        if (n <= 0 || !__atomic_compare_exchange_n(&kvx_work.busy, &expected, 1, 0,
+                                                   __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
+            return 0;
+        while (kvx_work.nstarted < n) {
+            pthread_t th;
+            pthread_attr_t at;
+            int bad;
+            pthread_attr_init(&at);
+            pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+            pthread_attr_setstacksize(&at, 256 << 10);
+            bad = pthread_create(&th, &at, kvx_helper_main, NULL);
+            pthread_attr_destroy(&at);
+            if (bad) break;
+            kvx_work.nstarted++;
+        }
+        if (kvx_work.nstarted == 0) {
+            __atomic_store_n(&kvx_work.busy, 0, __ATOMIC_RELEASE);
+            return 0;
+        }
+        return kvx_work.nstarted < n ? kvx_work.nstarted : n;
+    }
+    static uint64_t kvx_helped(void) { return __atomic_load_n(&kvx_work.helped, __ATOMIC_RELAXED); }
+    static int kvx_helpers(void) { return kvx_work.nstarted; }
+    static void kvx_pool_give(void) { __atomic_store_n(&kvx_work.busy, 0, __ATOMIC_RELEASE); }
+    /* publish a segment of np pieces (np < 2 ** 20): fn(self, desc, piece) each */
+    static void kvx_work_publish(void *fn, void *self, void *desc, uint32_t np) {
+        kvx_work.fn = (kvx_piecefn)fn;
+        kvx_work.self = self;
+        kvx_work.desc = desc;
+        __atomic_store_n(&kvx_work.finished, 0, __ATOMIC_RELAXED);
+        kvx_work.gen = (kvx_work.gen + 1) & 0xFFFFFF;
+        __atomic_store_n(&kvx_work.ticket, (kvx_work.gen << 40) | ((uint64_t)np << 20),
+                         __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(&kvx_work.sleepers, __ATOMIC_SEQ_CST)) {
+            pthread_mutex_lock(&kvx_work.mu);
+            pthread_cond_broadcast(&kvx_work.cv);
+            pthread_mutex_unlock(&kvx_work.mu);
+        }
+    }
+    /* (the batch's thread) a piece it ran is finished */
+    static inline void kvx_work_finished(void) {
+        __atomic_add_fetch(&kvx_work.finished, 1, __ATOMIC_RELEASE);
+    }
+    /* wait until all np pieces are finished (they are all claimed) */
+    static void kvx_work_wait(uint32_t np) {
+        int spins = 0;
+        while (__atomic_load_n(&kvx_work.finished, __ATOMIC_ACQUIRE) != np) {
+            if (++spins < 2000) kvx_pause();
+            else sched_yield();         /* a helper preempted mid-piece: let it run */
+        }
+    }
+    static void kvx_on_fork_child(void) {
+        kvx_fork_gen++;
+        /* the child has none of the parent's threads (nor its batch) */
+        kvx_work.nstarted = 0;
+        kvx_work.busy = 0;
+        kvx_work.sleepers = 0;
+        kvx_work.ticket = 0;
+        pthread_mutex_init(&kvx_work.mu, NULL);
+        pthread_cond_init(&kvx_work.cv, NULL);
+    }
     static int kvx_atfork_done = 0;
     static inline int kvx_watch_forks(void) {
         if (kvx_atfork_done) return 0;
@@ -296,6 +437,14 @@ cdef extern from *:
     void KVX_PREFETCH_KEY(const char* slots, uint64_t h, uint64_t base, uint64_t n,
                           uint64_t obase, uint64_t on) nogil
     void kvx_pause() nogil
+    int kvx_pool_take(int n) nogil
+    void kvx_pool_give() nogil
+    uint64_t kvx_helped() nogil
+    int kvx_helpers() nogil
+    int kvx_work_claim(uint32_t* piece) nogil
+    void kvx_work_publish(void* fn, void* self, void* desc, uint32_t np) nogil
+    void kvx_work_finished() nogil
+    void kvx_work_wait(uint32_t np) nogil
     uint64_t kvx_hash(const char* s, size_t n) nogil
     uint64_t kvx_hash_copy(const char* s, size_t n, char* d) nogil
     uint64_t kvx_home(uint64_t h, uint64_t n) nogil
@@ -340,6 +489,38 @@ RING_RECORDS = 65536
 #: Environment variable: set (to anything but "" or "0") when an :class:`IndexReader` is
 #: made, its batch lookups go one key at a time (no prefetch; A/B figures, tests).
 ENV_NO_FAST_BATCH = "KVSHM_NO_FAST_BATCH_READS"
+#: Environment variable: threads (1 to 8, this one included) a batch lookup of at least
+#: :data:`BATCH_THREADS_MIN` keys looks its keys up with (read when an
+#: :class:`IndexReader` is made; :attr:`IndexReader.batch_threads` after); 1: this thread
+#: only. Default :func:`default_batch_threads`.
+ENV_BATCH_THREADS = "KVSHM_BATCH_READ_THREADS"
+
+
+def default_batch_threads():
+    """Threads a batch lookup uses when :data:`ENV_BATCH_THREADS` is not set: 2 when
+    this process may run on 4 or more CPUs, else 1."""
+    try:
+        ncpu = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        ncpu = os.cpu_count() or 1
+    return 2 if ncpu >= 4 else 1
+
+
+def batch_helper_stats():
+    """The batch lookups' helper threads of this process: ``{"threads": made,
+    "pieces": pieces of segments they looked up}`` (:attr:`IndexReader.batch_threads`)."""
+    return {"threads": kvx_helpers(), "pieces": kvx_helped()}
+
+
+def _env_threads():
+    v = os.environ.get(ENV_BATCH_THREADS, "")
+    if v.strip() == "":
+        return default_batch_threads()
+    try:
+        n = int(v)
+    except ValueError:
+        raise ValueError(f"{ENV_BATCH_THREADS}={v!r}: not a whole number") from None
+    return max(1, min(8, n))           # (C_MAX_THREADS)
 
 _MAGIC = b"KVSHMIX1"
 _RING_MAGIC = b"KVSHMRR1"
@@ -410,6 +591,15 @@ DEF C_SEG_BYTES = 98304
 #: and looks up at a time (one segment; the GIL is released per segment for >= 2048 keys).
 BATCH_SEGMENT = C_SEG
 BATCH_SEGMENT_BYTES = C_SEG_BYTES
+# batch lookups split over helper threads (IndexReader.batch_threads): batches of at
+# least C_THREADS_MIN keys, segments of at least C_SPLIT_MIN keys, in pieces of C_PIECE
+DEF C_THREADS_MIN = 32768
+DEF C_SPLIT_MIN = 2048
+DEF C_PIECE = 512
+DEF C_MAX_PIECES = 16            # (C_SEG / C_PIECE and more)
+DEF C_MAX_THREADS = 8
+#: Fewest keys of a batch lookup that is split over :attr:`IndexReader.batch_threads`.
+BATCH_THREADS_MIN = C_THREADS_MIN
 DEF VOID_SLOT = 0xFFFFFFFF
 
 
@@ -449,6 +639,19 @@ cdef struct Slot:
     uint64_t size
     # the key, then the checksum (flags & 1), then nextents x (u32, u32): unaligned
     char key[C_DATA]
+
+
+cdef struct SegWork:
+    # a segment split into pieces of ``piece`` keys for helper threads (_probe_seg)
+    const char* arena
+    const uint32_t* offs
+    const uint64_t* hashes
+    Py_ssize_t nk
+    Py_ssize_t piece
+    char* out
+    bint prefix
+    uint32_t np                       # pieces
+    Py_ssize_t done[C_MAX_PIECES]     # each piece's _probe_all
 
 
 cdef struct Rec:
@@ -1683,6 +1886,39 @@ cdef class IndexWriter:
                           source=self)
 
 
+cdef void _probe_piece(IndexReader self, SegWork* w, uint32_t p) noexcept nogil:
+    """One piece of a segment (any thread: the batch's or a helper)."""
+    cdef Py_ssize_t a = <Py_ssize_t>p * w.piece
+    w.done[p] = self._probe_all(w.arena, w.offs + a, w.hashes + a, min(w.piece, w.nk - a),
+                                w.out + a, w.prefix)
+
+
+cdef Py_ssize_t _fill_seg(PyObject** items, Py_ssize_t s0, Py_ssize_t nk, Py_ssize_t maxk,
+                          char* arena, uint32_t* offs, uint64_t* hashes,
+                          Py_ssize_t cap) except -2:
+    """Copy and hash the keys of one segment from ``items[s0]`` (at most C_SEG keys and
+    ``cap`` bytes of theirs) into ``arena`` / ``offs`` / ``hashes``: how many, or -1
+    when one of them is not a key the table can hold (another type, empty, over
+    ``maxk`` bytes). ``items``: a list's or tuple's, borrowed (no Python code runs)."""
+    cdef Py_ssize_t i = s0, total = 0, n
+    cdef const char* k
+    while i < nk and i - s0 < C_SEG:
+        if i + 8 < nk:
+            kvx_prefetch(items[i + 8])  # the key object's header, 8 ahead
+        if not kvx_key_of(items[i], &k, &n):
+            n = 0
+        if not 0 < n <= maxk:
+            return -1
+        if total + n + 8 > cap:         # (+ 8: kvx_hash_copy's last word)
+            break                       # the segment's bytes are full
+        offs[i - s0] = <uint32_t>total
+        hashes[i - s0] = kvx_hash_copy(k, n, arena + total)
+        total += n
+        i += 1
+    offs[i - s0] = <uint32_t>total
+    return i - s0
+
+
 cdef class IndexReader:
     """A client's read-only view of the server's shared index, with lock-free reads
     through the pool mapped in this process.
@@ -1737,6 +1973,8 @@ cdef class IndexReader:
     cdef public uint64_t fallbacks
     cdef public uint64_t retries
     cdef public bint fast_batch
+    cdef int _threads
+    cdef public Py_ssize_t threads_min
     cdef object _pool
 
     def __cinit__(self):
@@ -1782,6 +2020,8 @@ cdef class IndexReader:
             raise ValueError(f"{name} belongs to server epoch {found}, not {epoch}")
         self.epoch = epoch
         self.fast_batch = os.environ.get(ENV_NO_FAST_BATCH, "") in ("", "0")
+        self._threads = _env_threads()
+        self.threads_min = C_THREADS_MIN
         self._forkgen = kvx_forks()
         self._cap = 2 * h.capacity
         self._wide = self._map + C_HEADER + 2 * h.capacity * C_SLOT
@@ -2542,7 +2782,14 @@ cdef class IndexReader:
         cdef uint64_t* hashes
         cdef char* out
         cdef bytes flags
-        cdef bint own, nogil_ok, is_list
+        cdef bint own, nogil_ok, is_list, want_h
+        cdef int nh = 0, cur = 0
+        cdef Py_ssize_t nsn
+        cdef SegWork ws[2]
+        cdef SegWork* pending = NULL
+        cdef char* arena2 = NULL
+        cdef uint32_t* offs2 = NULL
+        cdef uint64_t* hashes2 = NULL
         cdef size_t need
         cdef PyObject** items
         cdef Py_ssize_t maxk = <Py_ssize_t>self.max_key
@@ -2559,10 +2806,13 @@ cdef class IndexReader:
         out = PyBytes_AS_STRING(flags)
         if nk == 0:
             return flags, 0
-        # the reader's scratch buffers, kept between calls; a second thread's batch
-        # meanwhile gets its own
+        nogil_ok = nk >= 2048
+        want_h = nogil_ok and self.fast_batch and self._threads > 1 and nk >= self.threads_min
+        # the reader's scratch buffers, kept between calls (twice the room when helpers
+        # may look keys up: two segments at a time); a second thread's batch meanwhile
+        # gets its own
         own = not self._scr_busy
-        need = (C_SEG + 1) * (sizeof(uint64_t) + sizeof(uint32_t))
+        need = (C_SEG + 1) * (sizeof(uint64_t) + sizeof(uint32_t)) * (2 if want_h else 1)
         cap = C_SEG_BYTES
         if own:
             self._scr_busy = True
@@ -2570,15 +2820,15 @@ cdef class IndexReader:
                 c_free(self._scr[0])
                 self._scr[0] = <char*>malloc(need)
                 self._scr_cap[0] = need if self._scr[0] != NULL else 0
-            if self._scr_cap[1] < <size_t>cap:
+            if self._scr_cap[1] < <size_t>cap * (2 if want_h else 1):
                 c_free(self._scr[1])
-                self._scr[1] = <char*>malloc(cap)
-                self._scr_cap[1] = cap if self._scr[1] != NULL else 0
+                self._scr[1] = <char*>malloc(cap * (2 if want_h else 1))
+                self._scr_cap[1] = cap * (2 if want_h else 1) if self._scr[1] != NULL else 0
             hashes = <uint64_t*>self._scr[0]
             arena = self._scr[1]
         else:
             hashes = <uint64_t*>malloc(need)
-            arena = <char*>malloc(cap)
+            arena = <char*>malloc(cap * (2 if want_h else 1))
         if hashes == NULL or arena == NULL:
             if own:
                 self._scr_busy = False
@@ -2587,37 +2837,60 @@ cdef class IndexReader:
                 c_free(arena)
             raise MemoryError()
         offs = <uint32_t*>(hashes + C_SEG + 1)
-        nogil_ok = nk >= 2048
+        if want_h:
+            hashes2 = <uint64_t*>(offs + C_SEG + 1)
+            offs2 = <uint32_t*>(hashes2 + C_SEG + 1)
+            arena2 = arena + cap
+            nh = kvx_pool_take(self._threads - 1)
         self._busy += 1
         try:
             s0 = 0
-            while s0 < nk:
+            if nh:
+                # with helpers: segment k is looked up (its pieces claimed by the helpers
+                # and, once it has copied and hashed segment k + 1 into the other
+                # buffers, by this thread) while this thread copies segment k + 1
+                if is_list and PyList_GET_SIZE(keys) != nk:
+                    return None
+                sn = _fill_seg(PySequence_Fast_ITEMS(keys), 0, nk, maxk, arena, offs,
+                               hashes, cap)
+                if sn < 0:
+                    return None               # (a key the table cannot hold: see below)
+                while True:
+                    self._seg_publish(&ws[cur], arena, offs, hashes, sn, out + s0, prefix)
+                    pending = &ws[cur]
+                    nsn = 0
+                    if s0 + sn < nk:
+                        # (the list re-read: the GIL was released for the last segment)
+                        if is_list and PyList_GET_SIZE(keys) != nk:
+                            nsn = -1
+                        else:
+                            nsn = _fill_seg(PySequence_Fast_ITEMS(keys), s0 + sn, nk, maxk,
+                                            arena2, offs2, hashes2, cap)
+                    with nogil:
+                        done = self._seg_finish(pending)
+                    pending = NULL
+                    s0 += done
+                    if done < sn or s0 >= nk:
+                        break                 # a fallback, (prefix) a key not found, or all
+                    if nsn < 0:
+                        return None           # a bad key next, or the list changed
+                    arena, arena2 = arena2, arena
+                    offs, offs2 = offs2, offs
+                    hashes, hashes2 = hashes2, hashes
+                    cur ^= 1
+                    sn = nsn
+            while s0 < nk and not nh:
                 # (re-read each segment: with the GIL released, another thread may
                 # have changed the list; its length changed, the general path answers)
                 if is_list and PyList_GET_SIZE(keys) != nk:
                     return None
                 items = PySequence_Fast_ITEMS(keys)  # borrowed: no Python code runs
-                total = 0
-                i = s0
-                while i < nk and i - s0 < C_SEG:
-                    if i + 8 < nk:
-                        kvx_prefetch(items[i + 8])  # the key object's header, 8 ahead
-                    if not kvx_key_of(items[i], &k, &n):
-                        n = 0
-                    if not 0 < n <= maxk:
-                        # a key the table cannot hold: the whole batch goes to the
-                        # client's general path, which raises for a key it refuses
-                        # (wrong type, empty, over the server's limit) and asks the
-                        # server otherwise
-                        return None
-                    if total + n + 8 > cap:   # (+ 8: kvx_hash_copy's last word)
-                        break                 # the segment's bytes are full
-                    offs[i - s0] = <uint32_t>total
-                    hashes[i - s0] = kvx_hash_copy(k, n, arena + total)
-                    total += n
-                    i += 1
-                sn = i - s0
-                offs[sn] = <uint32_t>total
+                sn = _fill_seg(items, s0, nk, maxk, arena, offs, hashes, cap)
+                if sn < 0:
+                    # a key the table cannot hold: the whole batch goes to the client's
+                    # general path, which raises for a key it refuses (wrong type,
+                    # empty, over the server's limit) and asks the server otherwise
+                    return None
                 if nogil_ok:
                     with nogil:
                         done = self._probe_all(arena, offs, hashes, sn, out + s0, prefix)
@@ -2639,6 +2912,11 @@ cdef class IndexReader:
                         return None
             done = s0
         finally:
+            if pending != NULL:             # (an exception while its pieces ran)
+                with nogil:
+                    self._seg_finish(pending)
+            if nh:
+                kvx_pool_give()
             self._busy -= 1
             if own:
                 self._scr_busy = False
@@ -2646,6 +2924,58 @@ cdef class IndexReader:
                 c_free(hashes)
                 c_free(arena)
         return flags, done
+
+    @property
+    def batch_threads(self):
+        """Threads (this one included, 1 to 8) a fast batch lookup of at least
+        :data:`BATCH_THREADS_MIN` keys looks its keys up with: each segment's keys are
+        copied and hashed here, then looked up in pieces by this thread and helper
+        threads of the process, whichever claims a piece first (the helpers are made
+        at the first such batch; they spin ~0.1 ms for more, then sleep). One batch at a time has the helpers; another meanwhile runs alone.
+        From :data:`ENV_BATCH_THREADS` (default :func:`default_batch_threads`)."""
+        return self._threads
+
+    @batch_threads.setter
+    def batch_threads(self, int n):
+        if not 1 <= n <= C_MAX_THREADS:
+            raise ValueError(f"batch_threads must be in [1, {C_MAX_THREADS}]")
+        self._threads = n
+
+    cdef void _seg_publish(self, SegWork* w, const char* arena, const uint32_t* offs,
+                           const uint64_t* hashes, Py_ssize_t nk, char* out,
+                           bint prefix) noexcept nogil:
+        """Offer a segment's :meth:`_probe_all` to the helpers (taken, kvx_pool_take), in
+        pieces of C_PIECE keys (at most C_MAX_PIECES); :meth:`_seg_finish` ends it."""
+        cdef uint32_t np
+        w.arena = arena
+        w.offs = offs
+        w.hashes = hashes
+        w.nk = nk
+        w.out = out
+        w.prefix = prefix
+        w.piece = C_PIECE
+        np = <uint32_t>((nk + C_PIECE - 1) // C_PIECE)
+        if np > C_MAX_PIECES:
+            w.piece = (nk + C_MAX_PIECES - 1) // C_MAX_PIECES
+            np = <uint32_t>((nk + w.piece - 1) // w.piece)
+        w.np = np
+        kvx_work_publish(<void*>_probe_piece, <void*>self, w, np)
+
+    cdef Py_ssize_t _seg_finish(self, SegWork* w) noexcept nogil:
+        """Look up the pieces of ``w`` no helper claimed, wait for those they did, and
+        return :meth:`_probe_all`'s of the whole segment (the first piece that stopped
+        early decides)."""
+        cdef uint32_t p
+        cdef Py_ssize_t a
+        while kvx_work_claim(&p):
+            _probe_piece(self, w, p)
+            kvx_work_finished()
+        kvx_work_wait(w.np)             # (no piece left running: the buffers are free)
+        for p in range(w.np):
+            a = <Py_ssize_t>p * w.piece
+            if w.done[p] < min(w.piece, w.nk - a):
+                return a + w.done[p]
+        return w.nk
 
     cdef void _free_scratch(self) noexcept:
         c_free(self._scr[0])

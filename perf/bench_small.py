@@ -311,16 +311,23 @@ def bench_batch_queries(c: Any, keys: list[bytes], reps: int) -> dict[str, Any]:
     n = len(keys)
     d = dict.fromkeys(keys, 0)
     lr = c.session.local
-    modes = [True, False] if lr is not None and hasattr(lr, "fast_batch") else [None]
+    modes: list[Any] = [True, False] if lr is not None and hasattr(lr, "fast_batch") else [None]
+    # the reader's thread count, and 1 vs 2 threads (kvshm._shmindex batch_threads,
+    # KVSHM_BATCH_READ_THREADS) in the same run, by wall and by the process's CPU time
+    threads0 = getattr(lr, "batch_threads", None) if lr is not None else None
+    if threads0 is not None:
+        modes += ["t1", "t2"]
     wall: dict[str, list[float]] = {}
     cpus: dict[str, list[float]] = {}
+    pcpus: dict[str, list[float]] = {}
     cpu = time.thread_time
 
     def timed(label: str, fn: Any) -> Any:
-        t, tc = _now(), cpu()
+        t, tc, pc = _now(), cpu(), time.process_time()
         r = fn()
         wall.setdefault(label, []).append(n / (_now() - t))
         cpus.setdefault(label, []).append(n / max(cpu() - tc, 1e-9))
+        pcpus.setdefault(label, []).append(n / max(time.process_time() - pc, 1e-9))
         return r
 
     def exists(sfx: str) -> None:
@@ -339,19 +346,27 @@ def bench_batch_queries(c: Any, keys: list[bytes], reps: int) -> dict[str, Any]:
             found = timed("dict", lambda: [k in d for k in keys])
             assert all(found)
             for fast in modes:
-                if fast is not None:
+                if fast in ("t1", "t2"):
+                    lr.fast_batch = True
+                    lr.batch_threads = int(fast[1])
+                elif fast is not None:
                     lr.fast_batch = fast
-                sfx = "" if fast in (True, None) else "_slow"
+                    if threads0 is not None:
+                        lr.batch_threads = threads0
+                sfx = {True: "", None: "", False: "_slow"}.get(fast, "_" + str(fast))
                 for q in ((exists, match) if rep % 2 == 0 else (match, exists)):
                     q(sfx)
     finally:
         if modes[0] is not None:
             lr.fast_batch = True
+        if threads0 is not None:
+            lr.batch_threads = threads0
     med = statistics.median
-    out: dict[str, Any] = {"keys": n}
+    out: dict[str, Any] = {"keys": n, "threads": threads0}
     for label in wall:
         out[f"{label}_keys_per_s"] = med(wall[label])
         out[f"{label}_keys_per_cpu_s"] = med(cpus[label])
+        out[f"{label}_keys_per_proc_cpu_s"] = med(pcpus[label])
     return out
 
 
@@ -425,6 +440,14 @@ def report(res: dict[str, Any]) -> None:
                       f"{bq['exists_keys_per_cpu_s'] / bq['exists_slow_keys_per_cpu_s']:.2f}x,"
                       f" {bq['match_prefix_keys_per_cpu_s'] / bq['match_prefix_slow_keys_per_cpu_s']:.2f}x"
                       " by CPU time")
+            if "exists_t2_keys_per_s" in bq:
+                print(f"    reader's batch_threads {bq['threads']}; same run, 1 vs 2 threads "
+                      "(KVSHM_BATCH_READ_THREADS), M keys/s wall / by the process's CPU time:")
+                for t in ("t1", "t2"):
+                    print(f"      {t[1]} thread(s): exists_batch {bq[f'exists_{t}_keys_per_s'] / 1e6:.2f}"
+                          f" / {bq[f'exists_{t}_keys_per_proc_cpu_s'] / 1e6:.2f}, match_prefix "
+                          f"{bq[f'match_prefix_{t}_keys_per_s'] / 1e6:.2f} / "
+                          f"{bq[f'match_prefix_{t}_keys_per_proc_cpu_s'] / 1e6:.2f}")
     rem = res.get("remote")
     if rem:
         print(f"\nREMOTE (TCP transport), single-key 4 KiB, requests/s per phase of "
