@@ -577,6 +577,10 @@ DEF C_CHUNK = 256
 # slots a batch lookup looks at from a key's home before it puts the key aside (the
 # two it prefetched), and the slots after those it then prefetches for it
 DEF FIRST_SLOTS = 2
+# keys longer than C_LINE_KEY bytes (from the slot's byte 32) go on into its second
+# cache line, up to C_INLINE_KEY (longer: in a wide record)
+DEF C_LINE_KEY = 32
+DEF C_INLINE_KEY = 88
 DEF MORE_SLOTS = 4
 #: Keys ahead of the one looked up whose slots a batch lookup prefetches.
 PREFETCH_AHEAD = AHEAD
@@ -2604,7 +2608,9 @@ cdef class IndexReader:
         fallback without; returns the keys looked up (the rest of ``out`` unset).
 
         Fast (``fast_batch``): the two slots from the home of the key AHEAD places on
-        are prefetched before each lookup; a key whose probe goes past them is put aside
+        are prefetched before each lookup (the first cache line of each; and the home
+        slot's second line for a key of C_LINE_KEY < n <= C_INLINE_KEY bytes, which
+        goes on into it); a key whose probe goes past them is put aside
         with the next MORE_SLOTS slots prefetched, and finished at the end of its chunk
         of C_CHUNK keys (so that its misses overlap the next keys' instead of stalling
         the loop). The tables are read from the header once per chunk. A hit stands
@@ -2638,6 +2644,8 @@ cdef class IndexReader:
             if quick and i == 0:
                 for j in range(min(nk, AHEAD)):
                     KVX_PREFETCH_KEY(self._slots, hashes[j], base, nslots, obase, onslots)
+                    if C_LINE_KEY < offs[j + 1] - offs[j] <= C_INLINE_KEY:
+                        kvx_prefetch(self._slots + (base + kvx_home(hashes[j], nslots)) * C_SLOT + 64)
             while i < lim:
                 k = arena + offs[i]
                 n = offs[i + 1] - offs[i]
@@ -2647,6 +2655,9 @@ cdef class IndexReader:
                     j = i + AHEAD
                     if j < nk:
                         KVX_PREFETCH_KEY(self._slots, hashes[j], base, nslots, obase, onslots)
+                        if C_LINE_KEY < offs[j + 1] - offs[j] <= C_INLINE_KEY:
+                            # its key goes on into the home slot's second cache line
+                            kvx_prefetch(self._slots + (base + kvx_home(hashes[j], nslots)) * C_SLOT + 64)
                     if onslots:             # a migration: the old table, then the new one
                         r = self._probe1(k, n, hashes[i], obase, onslots)
                         if r == R_MISS:
