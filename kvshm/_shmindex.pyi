@@ -50,7 +50,7 @@ STATE_CLOSED: int
 def key_hash(key: bytes | str) -> int:
     """The table's 64-bit hash of ``key``."""
 def default_batch_threads() -> int:
-    """2 on a process with 4 or more CPUs, else 1 (ENV_BATCH_THREADS unset)."""
+    """1 (ENV_BATCH_THREADS unset): more threads are opt-in."""
 def batch_helper_stats() -> dict[str, int]:
     """{"threads": helper threads made, "pieces": segment pieces they looked up}."""
 def default_slots(num_blocks: int) -> int:

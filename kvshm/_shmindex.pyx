@@ -61,16 +61,16 @@ one key at a time instead (the header read for each), for A/B figures and tests.
 
 Batches of :data:`BATCH_THREADS_MIN` keys or more may be looked up by more threads
 (:attr:`IndexReader.batch_threads`, from ``KVSHM_BATCH_READ_THREADS``: 1 to 8, the
-caller's included; 1 turns it off; default :func:`default_batch_threads`: 2 with 4 or
-more CPUs, else 1). The caller still copies and hashes every segment under the GIL;
-each segment is then offered in pieces of 512 keys to the process's helper threads
-(made at the first such batch, one batch at a time has them), which look pieces up
-while the caller copies the next segment, and the caller takes the pieces left. Each
-piece is the same lookup (the same prefetching, per-hit seqlock check and per-chunk
-table sequence check); the answer is the one-thread answer of the keys. A helper
-spins ~0.1 ms for more work after a piece, then sleeps; a helper that is not running
-(a busy machine) only leaves its pieces to the caller, but one preempted inside a
-piece is waited for. The stats counter ``retries`` may miss increments made by helpers.
+caller's included; 1, the default (:func:`default_batch_threads`), turns it off). The
+caller still copies and hashes every segment under the GIL; each segment is then offered
+in pieces of 512 keys to the process's helper threads (made at the first such batch, one
+batch at a time has them), which look pieces up while the caller copies the next
+segment, and the caller takes the pieces left. Each piece is the same lookup (the same
+prefetching, per-hit seqlock check and per-chunk table sequence check); the answer is
+the one-thread answer of the keys. A helper spins ~0.1 ms for more work after a piece,
+then sleeps; a helper that is not running (a busy machine) only leaves its pieces to the
+caller, but one preempted inside a piece is waited for. The stats counter ``retries``
+may miss increments made by helpers.
 
 Reads segment (writable by same-user clients)::
 
@@ -497,13 +497,12 @@ ENV_BATCH_THREADS = "KVSHM_BATCH_READ_THREADS"
 
 
 def default_batch_threads():
-    """Threads a batch lookup uses when :data:`ENV_BATCH_THREADS` is not set: 2 when
-    this process may run on 4 or more CPUs, else 1."""
-    try:
-        ncpu = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        ncpu = os.cpu_count() or 1
-    return 2 if ncpu >= 4 else 1
+    """Threads a batch lookup uses when :data:`ENV_BATCH_THREADS` is not set: 1 (the
+    caller's only). More threads are opt-in: not yet measured faster on a quiet host,
+    they cost CPU (helpers spin for work) and on a busy one (an inference host's cores
+    run the engine) a helper preempted inside a piece makes the caller wait; a CPU
+    quota (cgroup) is not seen in the affinity mask a count could be taken from."""
+    return 1
 
 
 def batch_helper_stats():
