@@ -328,3 +328,44 @@ def test_a_forked_child_gets_helpers_of_its_own(shm_name):
         assert t.readers["two"].exists_batch(keys) == [True] * len(keys)
     finally:
         t.close()
+
+
+def test_a_slot_held_in_a_write_in_a_later_piece_sends_the_batch_to_the_server(shm_name):
+    """A key whose slot stays in a write (odd version: the server stopped mid-write) in
+    any piece of any segment: exists_batch gives None and match_prefix FALLBACK (from
+    that key on the answer is not known), with 1, 2 and 4 threads; the slot written
+    again, the answers are back."""
+    import mmap
+    import struct
+
+    import posix_ipc
+
+    t = Tables(shm_name, blocks=32768, initial=4096)
+    try:
+        keys = [b"held-%08d" % i for i in range(3 * BATCH_SEGMENT)]
+        for i, k in enumerate(keys):
+            assert t.writer.publish(k, 10, [(i, 1)]) >= 0
+        shm = posix_ipc.SharedMemory(t.writer.name)
+        m = mmap.mmap(shm.fd, shm.size)
+        shm.close_fd()
+        try:
+            for at in (3, 2 * PIECE + 7, BATCH_SEGMENT + 3 * PIECE + 1, len(keys) - 2):
+                offs, sizes, toks = t.readers["one"].locate([keys[at]])
+                slot, version = toks[0]
+                where = 4096 + slot * 128                      # HEADER_SIZE, SLOT_SIZE
+                assert struct.unpack_from("<Q", m, where)[0] == version
+                struct.pack_into("<Q", m, where, version + 1)  # a write begun, never ended
+                try:
+                    for label in ("one", "two", "four"):
+                        r = t.readers[label]
+                        assert r.exists_batch(keys) is None, (label, at)
+                        assert r.match_prefix(keys) == FALLBACK, (label, at)
+                        assert r.match_prefix(keys[:at]) == at, (label, at)
+                finally:
+                    struct.pack_into("<Q", m, where, version)
+                for label in ("one", "two", "four"):
+                    assert t.readers[label].exists_batch(keys) == [True] * len(keys)
+        finally:
+            m.close()
+    finally:
+        t.close()
