@@ -361,7 +361,11 @@ def fill(frames, counts, list sizes, list outs):
                 c = counts[fi]
                 fi += 1
             if outs is None:
-                d = PyBytes_FromStringAndSize(src, n)
+                o = frames[fi - 1]
+                if c == 1 and counts[fi - 1] == 1 and type(o) is bytes:
+                    d = o               # the frame is the value (its size checked above)
+                else:
+                    d = PyBytes_FromStringAndSize(src, n)
             else:
                 o = outs[k]
                 ob = PyMemoryView_GET_BUFFER(o)

@@ -74,6 +74,7 @@ from kvshm.movers import Layout, OneSidedMover, ShmMover, placed
 from kvshm.zmq_ctrl.channel import CALL1 as _CALL1, NOT_SENT as _NOT_SENT, _pid
 from kvshm.zmq_ctrl.channel import DRAIN_MAX, Channel, check_resolvable, endpoint_of
 from kvshm.zmq_ctrl import serverwatch
+from kvshm.zmq_ctrl import frames as _frames
 from kvshm.zmq_ctrl.frames import FrameLayoutError
 from kvshm.zmq_ctrl.frames import pack as pack_frames
 from kvshm.zmq_ctrl.frames import unpack as unpack_frames
@@ -135,6 +136,8 @@ class _Req(NamedTuple):
     # sent without waiting for its reply: called with the request id before it goes
     # (the reply reaches _Session.late_reply); the operation gets an empty OK reply
     noreply: Callable[[int], None] | None = None
+    # where the reply's payload may go (Channel.request's into: a GET into buffers)
+    into: Callable[[int, dict[str, Any]], Any] | None = None
 
 
 class _Many(NamedTuple):
@@ -1302,7 +1305,7 @@ class _Session:
                 _batch.check_outs(bkeys, outs, byte_view)   # refuses as byte_view would
                 if not bkeys:
                     return [], []
-                r = yield _Req(Op.GET, {"keys": bkeys})
+                r = yield _Req(Op.GET, {"keys": bkeys}, into=_frames.into(outs))
                 return self.got(bkeys, None, None, False, r, outs)
             if _batch is not None:      # one C loop; messages made only on failure
                 views = _batch.out_views(bkeys, outs, byte_view)
@@ -1390,6 +1393,12 @@ class _Session:
                                 "unsent bytes on the server; read in smaller batches")
         counts = r.body.get("counts", [1] * len(r.frames))
         if outs is not None:
+            try:        # received straight into ``outs`` (the ZMTP transport: _Req.into)
+                if _frames.placed(r.frames, counts, sizes):
+                    return sizes, [None] * len(sizes)
+            except FrameLayoutError as exc:
+                raise ProtocolError(f"GET reply from {self.hello.get('server')}: "
+                                    f"{exc}") from None
             if _batch is not None and type(sizes) is list and \
                     _batch.fill_outs(r.frames, counts, sizes, outs):
                 return sizes, [None] * len(sizes)
@@ -1810,8 +1819,9 @@ class Client:
                     self._send_held_locked()    # this client's writes reach it in order
                 rid, body = drive.prepare(req)
                 try:
+                    kw: dict[str, Any] = {} if req.into is None else {"into": req.into}
                     rid, st, rbody, frames = self._chan.request(
-                        req.op, body, req.frames, req_id=rid, epoch=s.epoch)
+                        req.op, body, req.frames, req_id=rid, epoch=s.epoch, **kw)
                 except BaseException as exc:
                     if not _gone_unsent(exc):
                         # timed out, send failed, interrupted: the server may hold what

@@ -58,6 +58,7 @@ import os as _os
 
 cdef extern from "Python.h":
     int _PyBytes_Resize(PyObject **bytes, Py_ssize_t newsize) except -1
+    long long PyLong_AsLongLongAndOverflow(object v, int *overflow) except? -1
     PyObject *PyBytes_FromStringAndSize_p "PyBytes_FromStringAndSize"(
         const char *v, Py_ssize_t n) except NULL
     char *PyBytes_AS_STRING_p "PyBytes_AS_STRING"(PyObject *o)
@@ -103,6 +104,18 @@ cdef extern from *:
         }
         return recv(fd, buf, n, 0);
     }
+    /* recvmsg into n iovecs: without waiting (ms < 0), else as kz_recv_wait */
+    static ssize_t kz_recvv(int fd, struct iovec *iov, int n, int ms, int *cur) {
+        struct msghdr m; memset(&m, 0, sizeof m);
+        m.msg_iov = iov; m.msg_iovlen = n;
+        if (ms < 0) return recvmsg(fd, &m, MSG_DONTWAIT);
+        if (ms != *cur) {
+            struct timeval tv; tv.tv_sec = ms / 1000; tv.tv_usec = (ms % 1000) * 1000;
+            if (setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv) < 0) return -1;
+            *cur = ms;
+        }
+        return recvmsg(fd, &m, 0);
+    }
     static int kz_setup(int fd) {
         int fl = fcntl(fd, F_GETFL);
         /* blocking: receives wait with SO_RCVTIMEO, sends never block (MSG_DONTWAIT) */
@@ -123,6 +136,7 @@ cdef extern from *:
     Py_ssize_t kz_writev(int fd, iovec *iov, int n) noexcept nogil
     Py_ssize_t kz_recv(int fd, void *buf, size_t n) noexcept nogil
     Py_ssize_t kz_recv_wait(int fd, void *buf, size_t n, int ms, int *cur) noexcept nogil
+    Py_ssize_t kz_recvv(int fd, iovec *iov, int n, int ms, int *cur) noexcept nogil
     int kz_setup(int fd) noexcept nogil
     int kz_errno() noexcept nogil
     int close(int fd) noexcept nogil
@@ -190,6 +204,11 @@ DEF _RBUF = 262144
 DEF _FIRST_ALLOC = 1048576
 FIRST_ALLOC = _FIRST_ALLOC
 DEF _IOV_MAX = 512
+#: most iovecs of one receive straight into the destinations (:meth:`Conn.recv`'s into)
+DEF _RIOV = 128
+#: a long frame's header: the bytes a receive that ends a frame (with more to come) also
+#: asks for, into the buffer, so that the next frame's body is received in place too
+DEF _HDR_LONG = 9
 
 GREETING = (b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x01" + b"NULL" + b"\x00" * 16
             + b"\x00" + b"\x00" * 31)
@@ -240,6 +259,15 @@ cdef class Conn:
     cdef long long last_us          # kz_now_us() of the last byte received or sent
     cdef readonly object peer       # the peer's READY properties (dict)
     cdef int rcv_ms                 # the socket's SO_RCVTIMEO now (ms; 0: none)
+    # destinations (recv's ``into``): the message being received has them (dmsg); its
+    # payload bytes go, in order, into dv[0][:dlen[0]], dv[1][:dlen[1]], ...; di/doff:
+    # where the next byte goes; dleft: bytes still to place; fr_dir: the frame being
+    # received is placed there (not in a bytes object); dgot: buffers held
+    cdef bint dmsg, fr_dir
+    cdef Py_buffer *dv
+    cdef Py_ssize_t *dlen
+    cdef Py_ssize_t dgot, di, doff, dleft
+    cdef object into                # recv's ``into`` during one call, else None
 
     def __cinit__(self, int fd):
         self.fd = -1
@@ -259,6 +287,7 @@ cdef class Conn:
             self.fd = -1
         Py_XDECREF(self.fr)
         self.fr = NULL
+        self._dend()
         free(self.rbuf)
         self.rbuf = NULL
 
@@ -277,7 +306,103 @@ cdef class Conn:
             self.fd = -1
         Py_XDECREF(self.fr)
         self.fr = NULL
+        self._dend()
         self.parts = []
+
+    def end_into(self):
+        """Called when a call that passed ``into`` to :meth:`recv` is done with it: when
+        a message with destinations is still being received (the call gave up on it:
+        its deadline, an exception), the connection is closed, as its further bytes
+        would go into buffers the caller has taken back. Returns True when it closed."""
+        if not self.dmsg:
+            return False
+        self.close()
+        self.rs = self.re = 0           # (the rest of that message: never parsed)
+        return True
+
+    cdef void _dend(self) noexcept:
+        """Release the destinations (the message that had them is whole, or given up)."""
+        cdef Py_ssize_t i
+        for i in range(self.dgot):
+            PyBuffer_Release(&self.dv[i])
+        free(self.dv)
+        free(self.dlen)
+        self.dv = NULL
+        self.dlen = NULL
+        self.dgot = 0
+        self.dleft = 0
+        self.dmsg = False
+        self.fr_dir = False
+
+    cdef int _dstart(self, object plan) except -1:
+        """Take ``plan`` (``into``'s answer for a message's first frame): None, or
+        ``(buffers, sizes)``, the payload's bytes to go into ``buffers[i][:sizes[i]]`` in
+        order (a negative size: none for that buffer, which is not looked at). Each
+        other buffer must be writable and C-contiguous and its size an int of at most
+        its length: else nothing is taken (the payload is received as usual)."""
+        cdef Py_ssize_t n, i, total = 0
+        cdef long long v
+        cdef int ovf = 0
+        cdef object bufs, sizes, sz
+        if plan is None:
+            return 0
+        bufs, sizes = plan
+        n = len(bufs)
+        if len(sizes) != n:
+            return 0
+        self.dv = <Py_buffer *>malloc(sizeof(Py_buffer) * (n + 1))
+        self.dlen = <Py_ssize_t *>malloc(sizeof(Py_ssize_t) * (n + 1))
+        if self.dv == NULL or self.dlen == NULL:
+            self._dend()
+            raise MemoryError
+        for i in range(n):
+            sz = sizes[i]
+            if type(sz) is not int:
+                self._dend()
+                return 0
+            v = PyLong_AsLongLongAndOverflow(sz, &ovf)
+            if ovf:
+                self._dend()
+                return 0
+            if v < 0:
+                continue                # (a miss)
+            try:
+                PyObject_GetBuffer(bufs[i], &self.dv[self.dgot],
+                                   PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)
+            except (TypeError, ValueError, BufferError):
+                self._dend()
+                return 0
+            self.dgot += 1
+            if v > self.dv[self.dgot - 1].len:
+                self._dend()
+                return 0
+            self.dlen[self.dgot - 1] = <Py_ssize_t>v
+            total += <Py_ssize_t>v
+        self.di = 0
+        self.doff = 0
+        self.dleft = total
+        self.dmsg = True
+        return 0
+
+    cdef void _dput(self, const unsigned char *src, Py_ssize_t n) noexcept:
+        """``n`` more bytes of the frame being placed (n <= dleft): copied from ``src``,
+        or (src NULL) already received in place."""
+        cdef Py_ssize_t k
+        self.dleft -= n
+        self.fr_got += n
+        while n > 0:
+            k = self.dlen[self.di] - self.doff
+            if k == 0:
+                self.di += 1
+                self.doff = 0
+                continue
+            if k > n:
+                k = n
+            if src != NULL:
+                memcpy(<char *>self.dv[self.di].buf + self.doff, src, k)
+                src += k
+            self.doff += k
+            n -= k
 
     cdef int _fail(self, exc) except -1:
         self.close()
@@ -399,19 +524,48 @@ cdef class Conn:
         """Receive more bytes (into the frame being filled when it is large and the
         buffer is empty, else into the buffer). Returns 1 when some arrived, 0 when
         ``deadline`` passed first. Raises PeerClosed (the peer closed), OSError."""
-        cdef Py_ssize_t r, want
-        cdef int err, rc, left
+        cdef Py_ssize_t r, want, need, k, off, j
+        cdef int err, rc, left, m = 0
         cdef void *dst
-        cdef bint direct
+        cdef int direct                 # 0: into the buffer, 1: the frame's bytes,
+        cdef iovec iov[_RIOV + 1]       # 2: the destinations (recv's into)
         while True:
-            direct = False
-            if self.fr != NULL and self.rs == self.re \
-                    and self.fr_size - self.fr_got >= (_RBUF >> 2):
+            direct = 0
+            want = 0
+            need = self.fr_size - self.fr_got
+            if self.rs == self.re and need >= (_RBUF >> 2) and self.fr_dir:
+                # straight into the destinations, as many as one receive can take
+                m = 0
+                j = self.di
+                off = self.doff
+                while want < need and m < _RIOV:
+                    k = self.dlen[j] - off
+                    if k > 0:
+                        if k > need - want:
+                            k = need - want
+                        iov[m].iov_base = <char *>self.dv[j].buf + off
+                        iov[m].iov_len = k
+                        m += 1
+                        want += k
+                    j += 1
+                    off = 0
+                if want >= (_RBUF >> 2):
+                    direct = 2
+            elif self.rs == self.re and need >= (_RBUF >> 2) and self.fr != NULL:
                 if self.fr_got == self.fr_alloc:
                     self._grow()
-                dst = PyBytes_AS_STRING_p(self.fr) + self.fr_got
+                iov[0].iov_base = PyBytes_AS_STRING_p(self.fr) + self.fr_got
                 want = self.fr_alloc - self.fr_got
-                direct = True
+                iov[0].iov_len = want
+                m = 1
+                direct = 1
+            if direct:
+                if want == need and self.fr_more:
+                    # the frame's last bytes, and the next frame's header with them
+                    self.rs = self.re = 0
+                    iov[m].iov_base = self.rbuf
+                    iov[m].iov_len = _HDR_LONG
+                    m += 1
             else:
                 if self.rs == self.re:
                     self.rs = self.re = 0
@@ -422,14 +576,25 @@ cdef class Conn:
                 dst = self.rbuf + self.re
                 want = _RBUF - self.re
             left = <int>max(0, deadline - kz_now_ms())
-            if left > 0:
+            if direct:
+                if left > 0:
+                    with nogil:
+                        r = kz_recvv(self.fd, iov, m, left, &self.rcv_ms)
+                else:
+                    r = kz_recvv(self.fd, iov, m, -1, &self.rcv_ms)
+            elif left > 0:
                 with nogil:
                     r = kz_recv_wait(self.fd, dst, want, left, &self.rcv_ms)
             else:
                 r = kz_recv(self.fd, dst, want)
             if r > 0:
                 if direct:
-                    self.fr_got += r
+                    k = min(r, want)
+                    if direct == 2:
+                        self._dput(NULL, k)
+                    else:
+                        self.fr_got += k
+                    self.re += r - k        # (the next header, when asked for)
                 else:
                     self.re += r
                 self.last_us = kz_now_us()
@@ -485,6 +650,21 @@ cdef class Conn:
         cdef list msg
         cdef object obj
         while True:
+            if self.fr_dir:
+                take = min(self.re - self.rs, self.fr_size - self.fr_got)
+                if take > 0:
+                    self._dput(self.rbuf + self.rs, take)
+                    self.rs += take
+                if self.fr_got < self.fr_size:
+                    return None
+                self.fr_dir = False
+                self.parts.append(self.fr_size)     # (its length: placed, not here)
+                if not self.fr_more:
+                    msg = self.parts
+                    self.parts = []
+                    self._dend()
+                    return msg
+                continue
             if self.fr != NULL:
                 take = min(self.re - self.rs, self.fr_size - self.fr_got)
                 while take > 0:
@@ -504,7 +684,11 @@ cdef class Conn:
                 if not self.fr_more:
                     msg = self.parts
                     self.parts = []
+                    if self.dmsg:
+                        self._dend()
                     return msg
+                if self.into is not None and not self.dmsg and len(self.parts) == 1:
+                    self._dstart(self.into(obj))
                 continue
             avail = self.re - self.rs
             if avail < 2:
@@ -538,16 +722,37 @@ cdef class Conn:
             self.rs += hl
             self.fr_size = size
             self.fr_got = 0
-            self.fr_alloc = min(size, _FIRST_ALLOC)
             self.fr_more = fl & 1
+            if self.dmsg and self.fr_size <= self.dleft:
+                self.fr_dir = True          # (placed in the destinations: see top)
+                continue
+            self.fr_alloc = min(size, _FIRST_ALLOC)
             self.fr = PyBytes_FromStringAndSize_p(NULL, self.fr_alloc)
 
-    def recv(self, int timeout_ms):
+    def recv(self, int timeout_ms, into=None):
         """One whole message (a list of ``bytes``), or None when none completed within
         ``timeout_ms`` (0: only what is here now; a message begun stays for the next
         call; it returns by its deadline even while the peer goes on sending: at most
         one more buffer of bytes is read once it passed). Raises PeerClosed, ZmtpError, PeerError, OSError (the connection is then
-        closed)."""
+        closed).
+
+        ``into``: a callable given the first frame (``bytes``) of each message with more
+        frames that completes in this call; it returns None, or ``(buffers, sizes)``:
+        the rest of that message's bytes (its payload, whatever its frame boundaries)
+        go in order straight into ``buffers[0][:sizes[0]]``, ``buffers[1][:sizes[1]]``,
+        ... (the kernel copies them there: no bytes object, no second copy). Each frame
+        so placed is an ``int`` (its length) in the message; a frame larger than the
+        room left is received as usual (``bytes``). Buffers that are not writable and
+        C-contiguous, or smaller than their size: nothing is placed. The buffers are
+        held until the message is whole or the connection closes; a caller that gives
+        up on the message calls :meth:`end_into`."""
+        self.into = into
+        try:
+            return self._recv(timeout_ms)
+        finally:
+            self.into = None
+
+    cdef object _recv(self, int timeout_ms):
         cdef long long deadline = kz_now_ms() + timeout_ms
         cdef bint first = True
         cdef object m
@@ -689,7 +894,7 @@ cdef class Conn:
         may be whole: :meth:`recv` tells), or the peer closed; else 0. For callers that
         wait as on a zmq socket (``events`` must include POLLIN, 1)."""
         cdef int rc
-        if self.re > self.rs and self.fr == NULL or self.fd < 0:
+        if self.re > self.rs and self.fr == NULL and not self.fr_dir or self.fd < 0:
             return 1
         with nogil:
             rc = kz_poll1(self.fd, POLLIN, timeout_ms)
@@ -780,7 +985,7 @@ cdef class Conn:
         cdef Py_buffer ob
         cdef object res
         st[0] = 2
-        if self.fr != NULL or self.parts:
+        if self.fr != NULL or self.fr_dir or self.parts:
             return None
         if avail < 2:
             st[0] = 0
@@ -851,7 +1056,7 @@ cdef class Conn:
         cdef int st = 0
         while True:
             if self.fd < 0:
-                return self.recv(0)     # (buffered whole messages, else PeerClosed)
+                return self._recv(0)    # (buffered whole messages, else PeerClosed)
             m = self._fast1(kind, req_id, out, &st)
             if st == 1:
                 return m

@@ -26,6 +26,14 @@ server gone (ServerGone; looked at every slice once the close was seen); a ZMTP 
 violation by the peer is a ProtocolError at once. ``KVSHM_ZMTP=0`` in the environment (read at import; also
 :data:`ZMTP`) turns it off: libzmq carries every endpoint, as it carries CURVE ones,
 ``inproc://`` and the async client's (kvshm.aio) always.
+
+A request may name where its reply's payload goes (:meth:`Channel.request`'s ``into``:
+a batch GET into the caller's buffers): on the ZMTP transport the reply's value frames
+are then received straight into those buffers (the kernel's one copy; no bytes object
+per frame, no second copy, no page fault per fresh page) and come back as their lengths
+(ints). ``KVSHM_ZMTP_INTO=0`` in the environment (read at import; also :data:`INTO`)
+turns that off: the frames come back as ``bytes`` and the caller copies them, as on
+libzmq, which never places them.
 """
 
 from __future__ import annotations
@@ -138,6 +146,10 @@ except ImportError:
 #: environment's ``KVSHM_ZMTP``, read at import: ``0`` for libzmq); read when a channel
 #: is made or moved (reset with an endpoint).
 ZMTP = _zmtp is not None and os.environ.get("KVSHM_ZMTP", "1").strip() != "0"
+#: Whether a request's ``into`` places its reply's payload straight into the caller's
+#: buffers on the ZMTP transport (the environment's ``KVSHM_ZMTP_INTO``, read at import:
+#: ``0`` turns it off); read at each request.
+INTO = os.environ.get("KVSHM_ZMTP_INTO", "1").strip() != "0"
 #: a connection idle this long (ms) is polled for the server's close before a send
 ALIVE_IDLE_MS = 1
 # os.getpid() is a system call; this is the pid, kept right across fork()
@@ -439,15 +451,26 @@ class Channel:
         return rid
 
     def request(self, op: int, body: dict[str, Any], frames: Sequence[Any] = (), *,
-                epoch: int = 0, req_id: int | None = None, timeout: float | None = None
+                epoch: int = 0, req_id: int | None = None, timeout: float | None = None,
+                into: Callable[[int, dict[str, Any]],
+                               tuple[Sequence[Any], Sequence[int]] | None] | None = None
                 ) -> tuple[int, int, dict[str, Any], list[Any]]:
         """Send one request and wait for its reply. Call with :attr:`lock` held.
+
+        ``into`` (the ZMTP transport, with :data:`INTO`; ignored on libzmq): called with
+        the status and body of this request's reply as soon as its header is here,
+        before its payload frames; it returns None, or ``(buffers, sizes)``: the
+        payload's bytes then go in order straight into ``buffers[i][:sizes[i]]``
+        (:meth:`kvshm.zmq_ctrl._zmtp.Conn.recv`), and each frame so placed comes back as
+        its length (an ``int``). A call that ends before the reply is whole (its
+        deadline, an exception) closes the connection: no byte of it lands later.
 
         Returns
         -------
         (req_id, status, body, frames)
             ``frames``: the reply's payload frames, each ``bytes`` or (from
-            ``ZERO_COPY_BYTES`` on) a zero-copy object with the buffer protocol.
+            ``ZERO_COPY_BYTES`` on) a zero-copy object with the buffer protocol; with
+            ``into``, frames placed in its buffers are ints (their lengths).
 
         Raises
         ------
@@ -465,7 +488,8 @@ class Channel:
         if req_id is None:
             req_id = self.new_id()
         if self.zmtp:
-            return self._zrequest(op, body, frames, epoch, req_id, timeout)
+            return self._zrequest(op, body, frames, epoch, req_id, timeout,
+                                  into if INTO else None)
         sock = self._sock
         if sock is None or self._pid != os.getpid():
             sock = self._socket()
@@ -968,8 +992,31 @@ class Channel:
             raise
 
     def _zrequest(self, op: int, body: dict[str, Any], frames: Sequence[Any], epoch: int,
-                  req_id: int, timeout: float | None
+                  req_id: int, timeout: float | None, into: Any = None
                   ) -> tuple[int, int, dict[str, Any], list[Any]]:
+        if into is None:
+            return self._zrequest2(op, body, frames, epoch, req_id, timeout, None)
+
+        def hook(header: bytes) -> Any:
+            # the header of a message with payload frames: this request's reply?
+            try:
+                status, rid, rbody = decode_reply(header)
+                if rid != req_id or type(rbody) is not dict:
+                    return None
+                return into(status, rbody)
+            except Exception:
+                return None             # (the usual path words what is wrong)
+
+        try:
+            return self._zrequest2(op, body, frames, epoch, req_id, timeout, hook)
+        finally:
+            zt = self._sock
+            if zt is not None and zt.end_into():
+                self._sock = None       # (a reply given up mid-way: closed, see request)
+
+    def _zrequest2(self, op: int, body: dict[str, Any], frames: Sequence[Any], epoch: int,
+                   req_id: int, timeout: float | None, hook: Any
+                   ) -> tuple[int, int, dict[str, Any], list[Any]]:
         header = _encode(op, req_id, epoch, body)
         wait = self.timeout if timeout is None else timeout
         watch = self.watch
@@ -979,10 +1026,10 @@ class Channel:
         zt = self._zconn(now + wait, watch, wait)
         self.sent += 1
         self._zsend(zt, header, frames, now + wait)
-        return self._zawait(zt, req_id, wait, watch)
+        return self._zawait(zt, req_id, wait, watch, hook)
 
-    def _zawait(self, zt: Any, req_id: int, wait: float, watch: ServerWatch | None
-                ) -> tuple[int, int, dict[str, Any], list[Any]]:
+    def _zawait(self, zt: Any, req_id: int, wait: float, watch: ServerWatch | None,
+                hook: Any = None) -> tuple[int, int, dict[str, Any], list[Any]]:
         """The wait of :meth:`request` (ZMTP) for the reply to ``req_id``, sent now."""
         now = time.monotonic()
         deadline = now + wait
@@ -991,7 +1038,7 @@ class Channel:
         ms = self._slice_ms
         while True:
             try:
-                msg = zt.recv(ms)
+                msg = zt.recv(ms, hook)
             except OSError as exc:
                 self._zlost(watch, exc, deadline, wait)
                 raise                   # (not reached)

@@ -16,9 +16,10 @@ one with a count of 0 (it continues the value of the frame before).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-__all__ = ["PACK_BELOW", "PACK_FRAME_BYTES", "FrameLayoutError", "pack", "unpack", "plan"]
+__all__ = ["PACK_BELOW", "PACK_FRAME_BYTES", "FrameLayoutError", "pack", "unpack", "plan",
+           "into", "placed"]
 
 #: Values smaller than this (bytes) are packed; larger ones travel zero-copy alone.
 PACK_BELOW = 256 << 10
@@ -119,6 +120,74 @@ def unpack(frames: Sequence[Any], counts: Sequence[Any], sizes: Sequence[Any]
         i += count
         fi += 1
     return out
+
+
+def into(outs: Sequence[Any]) -> Callable[[int, dict[str, Any]], Any]:
+    """``into`` for :meth:`kvshm.zmq_ctrl.channel.Channel.request` of a batch GET whose
+    values go into ``outs`` (one buffer per key): for an OK reply whose ``sizes`` is a
+    list of one entry per key (none -2, refused), ``(outs, sizes)``: the payload (the hits' values, in
+    order) goes into ``outs[i][:sizes[i]]`` for each hit (a negative size, a miss, takes
+    no bytes); anything else None (the reply is received as usual)."""
+    def plan(status: int, body: dict[str, Any]) -> Any:
+        sizes = body.get("sizes")
+        if status != 0 or type(sizes) is not list or len(sizes) != len(outs) \
+                or -2 in sizes:         # (-2: refused, QuotaExceeded; nothing placed)
+            return None
+        return outs, sizes
+    return plan
+
+
+def placed(frames: Sequence[Any], counts: Sequence[Any], sizes: Sequence[Any]) -> bool:
+    """Whether a GET reply's payload was placed in the caller's buffers (:func:`into`):
+    True when its frames are all ints (the lengths of frames placed) that match
+    ``counts`` and ``sizes`` as :func:`unpack` wants them; False when none is an int
+    (the frames are here: the usual path takes them). ``sizes``: one per key, negative
+    for a miss.
+
+    Raises
+    ------
+    FrameLayoutError
+        Frames placed (or some of them) that do not match counts and sizes: the values
+        in the buffers are not to be trusted (as :func:`unpack` raises for such a reply).
+    """
+    n_int = 0
+    for f in frames:
+        if type(f) is int:
+            n_int += 1
+    if not n_int:
+        return False
+    if n_int != len(frames):
+        raise FrameLayoutError(f"{len(frames) - n_int} of {len(frames)} payload frames do "
+                               "not fit the sizes given")
+    if len(counts) != len(frames):
+        raise FrameLayoutError(f"{len(frames)} payload frames but {len(counts)} counts")
+    if any(type(c) is not int or c < 0 for c in counts):
+        raise FrameLayoutError("counts must be ints >= 0")
+    hit = [n for n in sizes if n >= 0]   # (ints: into placed nothing otherwise)
+    if sum(counts) != len(hit):
+        raise FrameLayoutError(f"counts add up to {sum(counts)} values, sizes give "
+                               f"{len(hit)}")
+    i = fi = 0
+    nf = len(frames)
+    while fi < nf:
+        count = counts[fi]
+        if count == 0:
+            raise FrameLayoutError(f"frame {fi} continues a value, but the frame before "
+                                   "does not hold exactly one")
+        more = fi + 1
+        while more < nf and counts[more] == 0:
+            more += 1
+        got = sum(frames[fi:more])
+        if more > fi + 1 and count != 1:
+            raise FrameLayoutError(f"frame {fi + 1} continues a value, but frame {fi} "
+                                   f"holds {count}")
+        want = sum(hit[i:i + count])
+        if got != want:
+            raise FrameLayoutError(f"frames {fi}-{more - 1} hold {got} bytes, their "
+                                   f"{count} values {want}")
+        i += count
+        fi = more
+    return True
 
 
 def _bytes_view(f: Any) -> memoryview:
