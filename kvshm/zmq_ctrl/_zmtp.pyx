@@ -29,8 +29,12 @@ API
 ---
 ``Conn(fd)``: takes over a connected stream socket (made non-blocking, close-on-exec).
 ``Conn.handshake(routing_id, timeout_ms)``, ``Conn.send(header, frames, timeout_ms)``,
-``Conn.recv(timeout_ms)`` (one whole message as a list of ``bytes``, or None when none
-completed in time; a message begun stays buffered for the next call), ``Conn.call1`` and
+``Conn.recv(timeout_ms, into=None)`` (one whole message as a list of ``bytes``, or None
+when none completed in time; a message begun stays buffered for the next call; ``into``
+names buffers the payload of a message goes into straight from the socket, the
+kernel's one copy: no bytes object per frame, no second copy; kvshm.zmq_ctrl.channel
+passes it for a batch GET into caller buffers unless ``KVSHM_ZMTP_INTO=0`` is in the
+environment), ``Conn.end_into()``, ``Conn.call1`` and
 ``Conn.recv1`` (the one-key request path, as kvshm.zmq_ctrl._zmqc's: the header packed and
 the usual reply read in C), ``Conn.alive(idle_ms)``, ``Conn.close()``.
 
