@@ -180,6 +180,11 @@ def _parts(n: int, op: int) -> int:
     return k if k and n >= PIPE_MIN_PARTS * k else 0
 
 
+def _out_view(o: Any) -> memoryview:
+    """A writable byte view of an output without the buffer protocol (a tensor)."""
+    return byte_view(o, writable=True)
+
+
 class _Reply(NamedTuple):
     req_id: int
     status: int
@@ -1305,7 +1310,7 @@ class _Session:
                 _batch.check_outs(bkeys, outs, byte_view)   # refuses as byte_view would
                 if not bkeys:
                     return [], []
-                r = yield _Req(Op.GET, {"keys": bkeys}, into=_frames.into(outs))
+                r = yield _Req(Op.GET, {"keys": bkeys}, into=_frames.into(outs, _out_view))
                 return self.got(bkeys, None, None, False, r, outs)
             if _batch is not None:      # one C loop; messages made only on failure
                 views = _batch.out_views(bkeys, outs, byte_view)

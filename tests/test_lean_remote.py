@@ -185,7 +185,8 @@ def _fake(c: Client, replies: list[tuple[int, dict[str, Any], list[Any]]]) -> li
     it = iter(replies)
 
     def request(op: int, body: dict[str, Any], frames: Any = (), *, epoch: int = 0,
-                req_id: int | None = None, timeout: float | None = None) -> Any:
+                req_id: int | None = None, timeout: float | None = None,
+                into: Any = None) -> Any:   # (into: never placed, as on libzmq)
         sent.append((int(op), dict(body)))
         st, rbody, rframes = next(it)
         return req_id, st, rbody, list(rframes)

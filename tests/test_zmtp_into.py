@@ -397,3 +397,32 @@ def test_conn_into_declines_unusual_plans():
         out.extend(b"x")
     finally:
         b.close()
+
+
+class _NoBuffer:
+    """An output without the buffer protocol (as a torch tensor): a view makes one."""
+
+    def __init__(self, n: int) -> None:
+        self.arr = np.zeros(n, np.uint8)
+
+
+def test_conn_into_takes_a_view_of_an_output_without_the_buffer_protocol():
+    for with_view in (False, True):
+        a, b = socket.socketpair()
+        try:
+            zt = _zmtp.Conn(a.detach())
+            out = _NoBuffer(6)
+            b.sendall(_frames([b"hdr", b"abcd"]))
+            plan = ([out], [4], (lambda o: memoryview(o.arr)) if with_view else None)
+            msg = zt.recv(1000, lambda h: plan)
+            if with_view:
+                assert msg == [b"hdr", 4] and out.arr.tobytes() == b"abcd\x00\x00"
+            else:
+                assert msg == [b"hdr", b"abcd"] and not out.arr.any()
+            # a view that raises: nothing placed
+            b.sendall(_frames([b"hdr", b"efgh"]))
+            msg = zt.recv(1000, lambda h: ([out], [4], lambda o: 1 / 0))
+            assert msg == [b"hdr", b"efgh"]
+            zt.close()
+        finally:
+            b.close()

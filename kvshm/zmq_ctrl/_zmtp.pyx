@@ -343,14 +343,19 @@ cdef class Conn:
         ``(buffers, sizes)``, the payload's bytes to go into ``buffers[i][:sizes[i]]`` in
         order (a negative size: none for that buffer, which is not looked at). Each
         other buffer must be writable and C-contiguous and its size an int of at most
-        its length: else nothing is taken (the payload is received as usual)."""
+        its length: else nothing is taken (the payload is received as usual). A third
+        item, when given: ``view(obj)``, called for an object without the buffer
+        protocol (a torch tensor), returns one over its memory (or raises: nothing
+        taken)."""
         cdef Py_ssize_t n, i, total = 0
         cdef long long v
         cdef int ovf = 0
-        cdef object bufs, sizes, sz
+        cdef object bufs, sizes, sz, view = None, o
         if plan is None:
             return 0
-        bufs, sizes = plan
+        bufs, sizes = plan[0], plan[1]
+        if len(plan) > 2:
+            view = plan[2]
         n = len(bufs)
         if len(sizes) != n:
             return 0
@@ -370,10 +375,18 @@ cdef class Conn:
                 return 0
             if v < 0:
                 continue                # (a miss)
+            o = bufs[i]
             try:
-                PyObject_GetBuffer(bufs[i], &self.dv[self.dgot],
-                                   PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)
-            except (TypeError, ValueError, BufferError):
+                try:
+                    PyObject_GetBuffer(o, &self.dv[self.dgot],
+                                       PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)
+                except TypeError:
+                    if view is None:
+                        raise
+                    o = view(o)         # (a tensor: its memory as a buffer)
+                    PyObject_GetBuffer(o, &self.dv[self.dgot],
+                                       PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)
+            except Exception:
                 self._dend()
                 return 0
             self.dgot += 1

@@ -122,18 +122,21 @@ def unpack(frames: Sequence[Any], counts: Sequence[Any], sizes: Sequence[Any]
     return out
 
 
-def into(outs: Sequence[Any]) -> Callable[[int, dict[str, Any]], Any]:
+def into(outs: Sequence[Any], view: Callable[[Any], Any] | None = None
+         ) -> Callable[[int, dict[str, Any]], Any]:
     """``into`` for :meth:`kvshm.zmq_ctrl.channel.Channel.request` of a batch GET whose
     values go into ``outs`` (one buffer per key): for an OK reply whose ``sizes`` is a
-    list of one entry per key (none -2, refused), ``(outs, sizes)``: the payload (the hits' values, in
-    order) goes into ``outs[i][:sizes[i]]`` for each hit (a negative size, a miss, takes
-    no bytes); anything else None (the reply is received as usual)."""
+    list of one entry per key (none -2, refused), ``(outs, sizes, view)``: the payload
+    (the hits' values, in order) goes into ``outs[i][:sizes[i]]`` for each hit (a
+    negative size, a miss, takes no bytes; ``view(o)``: a buffer over an output without
+    the buffer protocol, a torch tensor); anything else None (the reply is received as
+    usual)."""
     def plan(status: int, body: dict[str, Any]) -> Any:
         sizes = body.get("sizes")
         if status != 0 or type(sizes) is not list or len(sizes) != len(outs) \
                 or -2 in sizes:         # (-2: refused, QuotaExceeded; nothing placed)
             return None
-        return outs, sizes
+        return outs, sizes, view
     return plan
 
 
