@@ -265,11 +265,14 @@ def test_a_server_that_dies_mid_reply(monkeypatch):
 
 
 def test_a_reply_that_stalls_past_the_deadline_lands_nothing_later(monkeypatch):
-    """Header and a part of the value, a stall past the call's timeout, then the rest:
-    the call raises at its deadline and closes the connection, so the late bytes never
-    reach the caller's buffer (which it may reuse at once)."""
+    """Header and a part of the value, then a stall until the call gave up (its
+    timeout), then the rest: the call raised and closed the connection, so the late
+    bytes never reach the caller's buffer (which it may reuse at once)."""
+    import threading
+
     monkeypatch.setattr(chmod, "INTO", True)
     v = b"\x02" * (1 << 20)
+    gave_up = threading.Event()
     sent_rest: list[bool] = []
 
     def script(s: socket.socket) -> None:
@@ -278,13 +281,12 @@ def test_a_reply_that_stalls_past_the_deadline_lands_nothing_later(monkeypatch):
         _, _, rid, _, _ = decode_request(msg[0])
         data = _frames([encode_reply(0, rid, {"sizes": [len(v)], "counts": [1]}), v])
         s.sendall(data[:300_000])
-        time.sleep(1.5)
+        gave_up.wait(30)
         try:
             s.sendall(data[300_000:])
             sent_rest.append(True)
         except OSError:
             sent_rest.append(False)
-        time.sleep(0.3)
 
     fake = FakeServer(script)
     ch = _channel(fake, timeout=0.5)
@@ -294,11 +296,14 @@ def test_a_reply_that_stalls_past_the_deadline_lands_nothing_later(monkeypatch):
             ch.request(Op.GET, {"keys": [b"a"]}, into=F.into([out]))
         assert ch._sock is None
         got_then = bytes(out)
-        out.extend(b"x")                            # released
-        time.sleep(2.0)
-        assert bytes(out[:len(v)]) == got_then      # no late byte landed
         assert got_then.count(2) < len(v)
+        out.extend(b"x")                            # released
+        gave_up.set()
+        fake.th.join(10)
+        time.sleep(0.2)
+        assert bytes(out[:len(v)]) == got_then      # no late byte landed
     finally:
+        gave_up.set()
         ch.close()
         fake.close()
 
@@ -426,3 +431,20 @@ def test_conn_into_takes_a_view_of_an_output_without_the_buffer_protocol():
             zt.close()
         finally:
             b.close()
+
+
+def test_into_plans_only_a_plain_ok_reply():
+    outs = [bytearray(4), bytearray(4)]
+    plan = F.into(outs)
+    assert plan(0, {"sizes": [4, -1]}) == (outs, [4, -1], None)
+    assert plan(1, {"sizes": [4, -1]}) is None                 # not OK
+    assert plan(0, {"sizes": [4, -2]}) is None                 # refused: QuotaExceeded
+    assert plan(0, {"sizes": [4]}) is None                     # not one per key
+    assert plan(0, {"sizes": (4, 4)}) is None and plan(0, {}) is None
+    assert not F.placed([b"ab"], [1], [2]) and not F.placed([], [], [-1, -1])
+    assert F.placed([3, 1], [1, 0], [4, -1])                   # one value, two runs
+    for frames, counts, sizes in (([3, 2], [1, 0], [4]), ([4], [1, 0], [4]),
+                                  ([2, 2], [2, 0], [2, 2]), ([4, b"x"], [1, 1], [4, 1]),
+                                  ([4], [0], [4]), ([4], ["1"], [4])):
+        with pytest.raises(F.FrameLayoutError):
+            F.placed(frames, counts, sizes)
