@@ -1010,7 +1010,7 @@ class Channel:
         try:
             return self._zrequest2(op, body, frames, epoch, req_id, timeout, hook)
         finally:
-            zt = self._sock
+            zt: Any = self._sock        # (a _zmtp.Conn on this transport)
             if zt is not None and zt.end_into():
                 self._sock = None       # (a reply given up mid-way: closed, see request)
 
