@@ -448,6 +448,14 @@ def report(res: dict[str, Any]) -> None:
                           f" / {bq[f'exists_{t}_keys_per_proc_cpu_s'] / 1e6:.2f}, match_prefix "
                           f"{bq[f'match_prefix_{t}_keys_per_s'] / 1e6:.2f} / "
                           f"{bq[f'match_prefix_{t}_keys_per_proc_cpu_s'] / 1e6:.2f}")
+        bq40 = loc.get("batch_queries_40")
+        if bq40:
+            print(f"  same with 40-byte keys (hex, as bench_index's): exists_batch "
+                  f"{bq40['exists_keys_per_s'] / 1e6:.2f}, match_prefix "
+                  f"{bq40['match_prefix_keys_per_s'] / 1e6:.2f} M keys/s; by CPU "
+                  f"{bq40['exists_keys_per_cpu_s'] / 1e6:.2f} / "
+                  f"{bq40['match_prefix_keys_per_cpu_s'] / 1e6:.2f}; dict membership "
+                  f"{bq40['dict_keys_per_s'] / 1e6:.2f}  (target >= 20 M)")
     rem = res.get("remote")
     if rem:
         print(f"\nREMOTE (TCP transport), single-key 4 KiB, requests/s per phase of "
@@ -605,6 +613,14 @@ def main(argv: list[str] | None = None) -> int:
                     with kvshm.Client(srv4.address, transport="shm", timeout=120) as c:
                         c.put_batch(keys, vals)
                         res["local"]["batch_queries"] = bench_batch_queries(c, keys, args.reps)
+                        # the same with 40-byte keys (a hex chunk hash, bench_index's keys):
+                        # a hit then reads both cache lines of its 128-byte slot
+                        keys40 = [b"%040x" % (i * 0x9E3779B97F4A7C15 % (1 << 160))
+                                  for i in range(n)]
+                        c.put_batch(keys40, vals)
+                        res["local"]["batch_queries_40"] = bench_batch_queries(c, keys40,
+                                                                               args.reps)
+                        c.delete(keys40)
                 if "batch" in only:
                     res["batch"] = small_remote.bench_batches(
                         srv4.address, srv4.pid, r,
