@@ -1892,7 +1892,9 @@ class Client:
                 for j, (i, g) in enumerate(zip(todo, got)):
                     if g[1] == Status.STALE_EPOCH:
                         if j == 0 and first_body is not None:
-                            s.requeue(first_body)    # not applied: they go again
+                            # not applied: they go again, the lazy COMMITs on the HELLO
+                            # (reported lost if it finds another server), as drive.after
+                            s.requeue(first_body, unapplied=True)
                         stale.append(i)
                     else:
                         s.note_reply(g[2])
