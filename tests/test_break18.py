@@ -69,3 +69,85 @@ def test_pipelined_exists_after_restart_reports_lazy_commits_lost(monkeypatch, p
         srv.remove_segment()
         if srv2 is not None:
             srv2.stop()
+
+
+# --------------------------------------------- gcpause2: RequestDecoder's static walk
+
+def _dec_all(frame, budget):
+    from kvshm.zmq_ctrl.protocol import DecodeError, RequestDecoder
+    try:
+        d = RequestDecoder(frame)
+        for _ in range(len(frame) + 10):
+            r = d.step(budget)
+            if r is not None:
+                assert d.step(budget) == r          # asked twice: the same result
+                return ("ok", r)
+        raise AssertionError("never done")
+    except DecodeError:
+        return ("err", None)
+
+
+def _one_go(frame):
+    from kvshm.zmq_ctrl.protocol import DecodeError, decode_request
+    try:
+        return ("ok", decode_request(frame))
+    except DecodeError:
+        return ("err", None)
+
+
+def test_decoder_every_prefix_and_budget_matches_decode_request():
+    """(held) A header with runs of plain items (the _scan_plain fast run) and not-plain
+    ones, cut at every byte (each prefix) and decoded a budget of 1, 3, 17, 300 at a
+    time: decoded or refused exactly as decode_request decodes or refuses it."""
+    import msgpack
+
+    from kvshm.zmq_ctrl.protocol import PROTOCOL_VERSION
+    keys = [b"k%03d" % i for i in range(40)] + ["s\u00e9", 7, -1, 2 ** 63, None, [b"x"]]
+    frame = msgpack.packb([PROTOCOL_VERSION, 5, 99, 3,
+                           {"keys": keys, "sizes": list(range(300)), "x": {"a": 1}}],
+                          use_bin_type=True)
+    for budget in (1, 3, 17, 300):
+        assert _dec_all(frame, budget) == _one_go(frame)
+    for cut in range(len(frame)):
+        want = _one_go(frame[:cut])
+        assert want[0] == "err"
+        for budget in (1, 17):
+            assert _dec_all(frame[:cut], budget) == want, (cut, budget)
+    assert _dec_all(frame + b"\x00", 5) == ("err", None)
+
+
+@pytest.mark.parametrize("how", ["abandoned", "error", "done"])
+def test_decoder_freed_without_a_collection(how):
+    """(held) With the collector off, a decoder abandoned mid-walk (its client gone), one
+    that raised mid-walk, or one done, is freed with its generator and body by
+    reference counting alone."""
+    import gc
+    import weakref
+
+    import msgpack
+
+    from kvshm.zmq_ctrl.protocol import PROTOCOL_VERSION, DecodeError, RequestDecoder
+    body = {"keys": [b"key-%05d" % i for i in range(5000)]}
+    if how == "error":
+        body["sizes"] = list(range(100)) + [{1: 2}]   # an int map key: refused
+    frame = msgpack.packb([PROTOCOL_VERSION, 5, 1, 1, body], use_bin_type=True)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        gc.collect()
+        d = RequestDecoder(frame)
+        g = weakref.ref(d._gen)
+        if how == "abandoned":
+            assert d.step(1000) is None
+        elif how == "error":
+            with pytest.raises(DecodeError):
+                while d.step(1000) is None:
+                    pass
+        else:
+            while d.step(1000) is None:
+                pass
+        del d
+        assert g() is None
+    finally:
+        if was:
+            gc.enable()

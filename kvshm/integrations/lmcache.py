@@ -142,8 +142,9 @@ def prefix_field(prefix: str) -> str:
 def chunk_field(key: CacheEngineKey) -> str:
     """``key.to_string()``, with the pieces that would make it ambiguous escaped
     (``_common.key_field``): a model name with ``@``, a tag name with ``@`` or ``%``,
-    a tag value with ``@`` (LMCache joins them raw: tags ``a=x@b%y`` and ``a=x, b=y``
-    gave one string). Byte for byte ``to_string()`` otherwise."""
+    a tag value with ``@``, or with ``%`` after an escaped tag name (LMCache joins them
+    raw: tags ``a=x@b%y`` and ``a=x, b=y`` gave one string). Byte for byte
+    ``to_string()`` otherwise."""
     s = key.to_string()
     model = key.model_name
     tags = key.tags or ()
@@ -153,8 +154,15 @@ def chunk_field(key: CacheEngineKey) -> str:
         return s
     tail = ("@" + "@".join(f"{k}%{v}" for k, v in plain)) if plain else ""
     fixed = s[len(model):len(s) - len(tail)]        # @world@worker@hash@dtype[@layer]
-    tags_s = "".join(f"@{key_field(k, '@%')}%{key_field(v, '@')}" for k, v in plain)
-    return key_field(model, "@") + fixed + tags_s
+    out = []
+    for k, v in plain:
+        ek = key_field(k, "@%")
+        # an escaped name holds its own "%XX": its value then never holds a raw "%"
+        # (escaped if it has one), so the "%" that ends the name is the last of the
+        # tag (a plain value) or the one before "%~" (an escaped value); before, tag
+        # a@ = 25% and tag a@% = "" were both %~a%40%25%
+        out.append(f"@{ek}%{key_field(v, '@' if ek == k else '@%')}")
+    return key_field(model, "@") + fixed + "".join(out)
 
 
 def store_key(key: CacheEngineKey, prefix: str = DEFAULTS["key_prefix"]) -> bytes:
