@@ -898,7 +898,11 @@ cdef class Pool:
         """
         cdef const int64_t[:] off = _as_int64(offsets)
         cdef const int64_t[:] sz = _as_int64(sizes)
-        cdef Py_ssize_t i, j, k, n = off.shape[0], ng = len(counts), c
+        # the counts as checked, a private copy (as the offsets and sizes): ``counts``
+        # is the caller's, which another thread may change while a group is copied
+        # with the GIL released; read again, a grown count overran its bytes object
+        cdef const int64_t[:] cnt = _as_int64(counts)
+        cdef Py_ssize_t i, j, k, n = off.shape[0], ng = cnt.shape[0], c
         cdef int64_t acc
         cdef char* dst
         cdef list out = []
@@ -908,9 +912,9 @@ cdef class Pool:
         try:
             i = 0
             for j in range(ng):
-                c = counts[j]
-                if c < 0 or c > n - i:
+                if cnt[j] < 0 or cnt[j] > n - i:
                     raise ValueError(f"counts add up to more than the {n} ranges")
+                c = cnt[j]
                 acc = 0
                 for k in range(i, i + c):
                     self._check_range(off[k], sz[k])
@@ -921,7 +925,7 @@ cdef class Pool:
                 raise ValueError(f"counts add up to {i}, not the {n} ranges")
             i = 0
             for j in range(ng):
-                c = counts[j]
+                c = cnt[j]
                 dst = PyBytes_AS_STRING(out[j])
                 with nogil:
                     for k in range(i, i + c):

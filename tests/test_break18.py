@@ -151,3 +151,55 @@ def test_decoder_freed_without_a_collection(how):
     finally:
         if was:
             gc.enable()
+
+
+# ------------------------------------------- debt: Pool copies read what they checked
+
+_GROUPS = r"""
+import sys
+from kvshm._pool import Pool
+
+name = sys.argv[1]
+p = Pool.create(name, 64 * 4096, 4096)
+try:
+    p.write(0, b"a" * 4096)
+    p.write(4096, b"b" * 4096)
+
+    class Counts(list):
+        # checked as [1, 1]; read again for the copies as [2, 0]: the first group's
+        # bytes object (1 range, 4 KiB) would get 2 ranges copied into it
+        calls = 0
+
+        def __getitem__(self, j):
+            Counts.calls += 1
+            v = list.__getitem__(self, j)
+            return v if Counts.calls <= len(self) else [2, 0][j]
+
+    offs, sizes = [0, 4096], [4096, 4096]
+    for _ in range(200):
+        Counts.calls = 0
+        out = p.read_groups(offs, sizes, Counts([1, 1]))
+        assert out == [b"a" * 4096, b"b" * 4096], [len(o) for o in out]
+    print("ok", flush=True)
+finally:
+    p.close()
+    p.unlink()
+"""
+
+
+def test_read_groups_copies_the_counts_it_checked(shm_name):
+    """Pool.read_groups checked each group's ranges against ``counts`` (a caller's
+    sequence, read again item by item for the copies, with the GIL released between
+    groups: another thread may change it), then copied by what it read the second time:
+    a count that grew meanwhile copied past the end of the group's bytes object (heap
+    overflow) and read offsets past the private copy (as 2b7fbdc fixed for offsets and
+    sizes). It must copy what it checked."""
+    import subprocess
+    import sys
+    try:
+        r = subprocess.run([sys.executable, "-c", _GROUPS, shm_name],
+                           capture_output=True, text=True, timeout=120)
+    finally:
+        if os.path.exists("/dev/shm/" + shm_name):     # (the child crashed)
+            os.unlink("/dev/shm/" + shm_name)
+    assert r.returncode == 0 and "ok" in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])
