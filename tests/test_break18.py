@@ -203,3 +203,203 @@ def test_read_groups_copies_the_counts_it_checked(shm_name):
         if os.path.exists("/dev/shm/" + shm_name):     # (the child crashed)
             os.unlink("/dev/shm/" + shm_name)
     assert r.returncode == 0 and "ok" in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])
+
+
+# ------------------------------------------ tcpbatch: Channel.request_many, odd servers
+
+# A ROUTER taking N requests, then: "dup" answers each twice (last first) plus a reply
+# with an id none of them has; "early" answers the last first, then the others in order,
+# each preceded by a stray copy of the last one's reply. Then it answers one more
+# request (the next call on the same channel), once.
+_FAKE2 = r"""
+import sys, msgpack, zmq
+mode, n = sys.argv[1], int(sys.argv[2])
+s = zmq.Context().socket(zmq.ROUTER)
+s.setsockopt(zmq.LINGER, 0)
+port = s.bind_to_random_port("tcp://127.0.0.1")
+print(port, flush=True)
+got = []
+while len(got) < n:
+    m = s.recv_multipart()
+    v, op, rid, epoch, body = msgpack.unpackb(m[1], raw=False)
+    got.append((m[0], rid, body["keys"]))
+def answer(ident, rid, keys):
+    body = {"found": [k.endswith(b"1") for k in keys]}
+    s.send_multipart([ident, msgpack.packb([v, 0, rid, body], use_bin_type=True)])
+if mode == "dup":
+    for g in reversed(got):
+        answer(*g)
+        answer(*g)
+    answer(got[0][0], 10 ** 9, [b"zz"])
+elif mode == "early":
+    answer(*got[-1])
+    for g in got[:-1]:
+        answer(*got[-1])
+        answer(*g)
+m = s.recv_multipart()
+v, op, rid, epoch, body = msgpack.unpackb(m[1], raw=False)
+answer(m[0], rid, body["keys"])
+import time; time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("mode", ["dup", "early"])
+@pytest.mark.parametrize("zmtp_on", [False, True], ids=["libzmq", "zmtp"])
+def test_request_many_duplicate_and_stray_replies(monkeypatch, mode, zmtp_on):
+    """(held) Replies duplicated, a stray id, the last part answered first and again
+    between the others: each part gets its own reply once, the extra ones go to
+    on_stray, and the channel's next request gets its own reply (not a left-over)."""
+    import subprocess
+    import sys
+
+    import kvshm.zmq_ctrl.channel as chmod
+    from kvshm.zmq_ctrl.channel import Channel
+
+    if zmtp_on and not chmod.ZMTP:
+        pytest.skip("no ZMTP transport")
+    monkeypatch.setattr(chmod, "ZMTP", zmtp_on)
+    keys = [f"key-{i:03d}".encode() for i in range(40)]
+    parts = [keys[i:i + 10] for i in range(0, 40, 10)]
+    p = subprocess.Popen([sys.executable, "-c", _FAKE2, mode, str(len(parts))],
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(p.stdout.readline())
+        ch = Channel(f"tcp://127.0.0.1:{port}", 10.0)
+        try:
+            stray: list[int] = []
+            ch.on_stray = lambda rid, st, body: stray.append(rid)
+            reqs = [(Op.EXISTS, {"keys": q}, (), ch.new_id()) for q in parts]
+            with ch.lock:
+                got = ch.request_many(reqs)
+                assert [g[0] for g in got] == [r[3] for r in reqs]
+                assert [g[2]["found"] for g in got] == [
+                    [k.endswith(b"1") for k in q] for q in parts]
+                rid = ch.new_id()
+                r = ch.request(Op.EXISTS, {"keys": [b"x1", b"y"]}, req_id=rid)
+            assert (r[0], r[2]["found"]) == (rid, [True, False])
+            want = ([r[3] for r in reversed(reqs)] + [10 ** 9] if mode == "dup"
+                    else [reqs[-1][3]] * (len(parts) - 1))
+            assert sorted(stray) == sorted(want)
+        finally:
+            ch.close()
+    finally:
+        p.kill()
+        p.wait()
+        p.stdout.close()
+
+
+# --------------------------- tcpbatch: one client shared by threads, pipelining on
+
+@pytest.fixture(scope="module")
+def shared_server():
+    srv = ServerProcess(prealloc_size=1 / 4)
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.parametrize("where", ["tcp", "ipc"])
+@pytest.mark.parametrize("impl", ["zmtp", "libzmq"])
+def test_threads_share_one_pipelining_client(shared_server, monkeypatch, where, impl):
+    """(held) tests/test_threads_shared_client.py's run (workers checking every answer,
+    server pauses, delays inside the lock) with pipelining on and parts of 2 keys (each
+    exists_batch of 4-8 keys pipelined), plus a victim thread whose pipelined
+    exists_batch calls get a 1 ms deadline (they time out while their parts' replies are
+    still to come): no other thread's call fails or gets another's answer."""
+    import threading
+
+    import kvshm.zmq_ctrl.channel as chmod
+    import test_threads_shared_client as T
+    from kvshm.errors import KvshmError
+
+    if impl == "zmtp" and not chmod.ZMTP:
+        pytest.skip("no ZMTP transport")
+    monkeypatch.setattr(chmod, "ZMTP", impl == "zmtp")
+    monkeypatch.setenv("KVSHM_NO_LOCAL_READS", "1")
+    monkeypatch.setattr(client_mod, "PIPELINE", True)
+    monkeypatch.setitem(client_mod.PIPE_KEYS, Op.EXISTS, 2)
+    victims: set[int] = set()
+    real_many = chmod.Channel.request_many
+    pipelined = [0, 0]
+
+    def many(self, reqs, **kw):
+        pipelined[0] += 1
+        if threading.get_ident() in victims:
+            old = self._slice_ms
+            self._slice_ms = 1
+            kw["timeout"] = 0.001
+            try:
+                return real_many(self, reqs, **kw)
+            finally:
+                self._slice_ms = old
+        return real_many(self, reqs, **kw)
+
+    monkeypatch.setattr(chmod.Channel, "request_many", many)
+
+    def victim(c, stop, seen):
+        victims.add(threading.get_ident())
+        i = 0
+        while not stop.is_set():
+            i += 1
+            keys = [f"victim-{(i + j) % 16}".encode() for j in range(8)]
+            try:
+                if i % 3 == 0:
+                    c.put_batch(keys[:2], [b"v" * 3000, b"w" * 70000])
+                else:
+                    c.exists_batch(keys)
+            except ServerUnavailable:
+                seen[0] += 1
+            except KvshmError:
+                pass
+
+    monkeypatch.setattr(T, "_victim", victim)
+    if where == "tcp":
+        c = Client(shared_server.address, transport="tcp", timeout=T.SAFE_TIMEOUT)
+    else:
+        c = Client(shared_server.ipc, timeout=T.SAFE_TIMEOUT)
+    try:
+        errors = T._run(c, lambda f: f(c), shared_server, monkeypatch, victim=True)
+        assert not errors, "\n".join(errors[:20])
+        assert pipelined[0] > 0
+        keys = [f"after-{i}".encode() for i in range(9)]
+        c.put_batch(keys[::2], [b"x"] * 5)
+        assert c.exists_batch(keys) == [i % 2 == 0 for i in range(9)]
+    finally:
+        monkeypatch.undo()
+        c.close()
+
+
+def test_pipelined_exists_stale_middle_part_goes_again(shared_server, monkeypatch):
+    """(held) A middle part answered STALE_EPOCH (the session forgotten between two
+    parts, injected on the replies): after a HELLO only that part goes again, and the
+    answer is the one request's, in key order; lazily committed puts riding on the
+    first part are stored (the first part was answered)."""
+    import kvshm.zmq_ctrl.channel as chmod
+    from kvshm.zmq_ctrl.protocol import Status
+
+    monkeypatch.setattr(client_mod, "PIPELINE", True)
+    monkeypatch.setitem(client_mod.PIPE_KEYS, Op.EXISTS, 100)
+    monkeypatch.setattr(client_mod.localread, "fits", lambda keys, limits: False)
+    monkeypatch.setattr(client_mod, "IDLE_FLUSH_S", 3600.0)
+    real_many = chmod.Channel.request_many
+    calls: list[int] = []
+
+    def many(self, reqs, **kw):
+        got = real_many(self, reqs, **kw)
+        calls.append(len(reqs))
+        if len(calls) == 1:
+            got[2] = (got[2][0], Status.STALE_EPOCH, {"error": "forgot"}, [])
+        return got
+
+    monkeypatch.setattr(chmod.Channel, "request_many", many)
+    with Client(shared_server.address, lazy_commit=True, timeout=10) as c:
+        keys = [f"stale-mid-{i}".encode() for i in range(1000)]
+        c.put_batch(keys[::7], [b"v"] * len(keys[::7]))
+        c.flush()
+        c.put(b"stale-mid-lazy", b"w" * 9000)          # its COMMIT rides on part 0
+        assert c._session.commits
+        got = c.exists_batch(keys)
+        assert got == [i % 7 == 0 for i in range(1000)]
+        assert calls == [10, 1]
+        c.flush()
+        with Client(shared_server.address, transport="tcp") as other:
+            assert other.get(b"stale-mid-lazy") == b"w" * 9000
