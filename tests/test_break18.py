@@ -403,3 +403,56 @@ def test_pipelined_exists_stale_middle_part_goes_again(shared_server, monkeypatc
         c.flush()
         with Client(shared_server.address, transport="tcp") as other:
             assert other.get(b"stale-mid-lazy") == b"w" * 9000
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_pipelined_exists_server_killed_mid_pipeline(monkeypatch, transport):
+    """(held) The server SIGKILLed once the first part's reply came (the others still to
+    come): the call ends in ServerUnavailable (ServerGone on the same host) at its
+    timeout, never a wrong answer; a new server on the same port then answers the
+    client's next call; nothing left in /dev/shm."""
+    import kvshm.zmq_ctrl.channel as chmod
+
+    monkeypatch.setattr(client_mod, "PIPELINE", True)
+    monkeypatch.setitem(client_mod.PIPE_KEYS, Op.EXISTS, 100)
+    monkeypatch.setattr(client_mod.localread, "fits", lambda keys, limits: False)
+    port = free_port()
+    srv = ServerProcess(service_port=port)
+    srv2 = None
+    real_stray = chmod.Channel._stray
+    armed = [False]
+
+    def stray(self, rid, status, rbody, msg):
+        if armed[0] and self._want is not None:
+            armed[0] = False
+            srv.kill()
+            srv.proc.wait()
+        return real_stray(self, rid, status, rbody, msg)
+
+    monkeypatch.setattr(chmod.Channel, "_stray", stray)
+    keys = [f"kill-{i}".encode() for i in range(5000)]
+    try:
+        with Client(srv.address, transport=transport, timeout=2.0) as c:
+            c.put_batch(keys[:10], [b"v"] * 10)
+            armed[0] = True
+            try:
+                got = c.exists_batch(keys)
+            except ServerUnavailable:
+                pass
+            else:   # (every reply came before the kill took: then it is right)
+                assert got == [True] * 10 + [False] * 4990
+            assert not armed[0]
+            srv.remove_segment()
+            srv2 = ServerProcess(service_port=port)
+            for _ in range(5):
+                try:
+                    got = c.exists_batch(keys)
+                    break
+                except ServerUnavailable:
+                    continue
+            assert got == [False] * 5000
+    finally:
+        srv.kill()
+        srv.remove_segment()
+        if srv2 is not None:
+            srv2.stop()
