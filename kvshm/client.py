@@ -1867,18 +1867,26 @@ class Client:
                     self._send_held_locked()
                 items = []
                 first_body = None
-                for j, i in enumerate(todo):
-                    req = many.reqs[i]
-                    assert not req.stateful and req.noreply is None
-                    part = req.body
-                    if j == 0 and type(part) is _KeysPart:
-                        req = req._replace(body=part.body())     # settles may ride on it
-                    rid, body = drive.prepare(req, piggyback=j == 0)
-                    if j == 0:
-                        first_body = drive.body
-                    elif type(body) is _KeysPart:
-                        body = body.header(req.op, rid, s.epoch)  # type: ignore[assignment]
-                    items.append((req.op, body, req.frames, rid))
+                try:
+                    for j, i in enumerate(todo):
+                        req = many.reqs[i]
+                        assert not req.stateful and req.noreply is None
+                        part = req.body
+                        if j == 0 and type(part) is _KeysPart:
+                            req = req._replace(body=part.body())  # settles may ride on it
+                        rid, body = drive.prepare(req, piggyback=j == 0)
+                        if j == 0:
+                            first_body = drive.body
+                        elif type(body) is _KeysPart:
+                            body = body.header(req.op, rid, s.epoch)  # type: ignore[assignment]
+                        items.append((req.op, body, req.frames, rid))
+                except BaseException:
+                    # (packing the parts: an interrupt, MemoryError) nothing was sent:
+                    # the settles the first part took go again, lazy COMMITs with them
+                    drive.body = None
+                    if first_body is not None:
+                        s.requeue(first_body, unapplied=True)
+                    raise
                 drive.body = first_body
                 try:
                     got = self._chan.request_many(items, epoch=s.epoch)

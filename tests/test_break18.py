@@ -456,3 +456,40 @@ def test_pipelined_exists_server_killed_mid_pipeline(monkeypatch, transport):
         srv.remove_segment()
         if srv2 is not None:
             srv2.stop()
+
+
+def test_pipelined_exists_interrupted_while_packing_keeps_lazy_commits(shared_server,
+                                                                         monkeypatch):
+    """An exception while the parts are packed (a KeyboardInterrupt, a MemoryError),
+    after the first part took the queued settles (lazy COMMITs) and before anything was
+    sent: the settles must go again with the next request (before: dropped with the
+    unsent first part, the lazily committed put was never stored and never reported)."""
+    monkeypatch.setattr(client_mod, "PIPELINE", True)
+    monkeypatch.setitem(client_mod.PIPE_KEYS, Op.EXISTS, 100)
+    monkeypatch.setattr(client_mod.localread, "fits", lambda keys, limits: False)
+    monkeypatch.setattr(client_mod, "IDLE_FLUSH_S", 3600.0)
+    real_header = client_mod._KeysPart.header
+    armed = [True]
+
+    def header(self, op, rid, epoch):
+        if armed[0] and self.start >= 200:
+            armed[0] = False
+            raise KeyboardInterrupt
+        return real_header(self, op, rid, epoch)
+
+    monkeypatch.setattr(client_mod._KeysPart, "header", header)
+    with Client(shared_server.address, lazy_commit=True, timeout=10) as c:
+        keys = [f"intr-{i}".encode() for i in range(1000)]
+        c.put(b"intr-lazy", b"z" * 9000)
+        assert c._session.commits
+        sent = c._chan.sent
+        with pytest.raises(KeyboardInterrupt):
+            c.exists_batch(keys)
+        assert c._chan.sent == sent          # nothing went out
+        try:
+            c.flush()
+        except LeaseExpired:
+            pytest.fail("reported lost, but nothing was sent: it can be committed")
+        with Client(shared_server.address, transport="tcp") as other:
+            assert other.get(b"intr-lazy") == b"z" * 9000
+        assert c.exists_batch(keys) == [False] * 1000
