@@ -493,3 +493,33 @@ def test_pipelined_exists_interrupted_while_packing_keeps_lazy_commits(shared_se
         with Client(shared_server.address, transport="tcp") as other:
             assert other.get(b"intr-lazy") == b"z" * 9000
         assert c.exists_batch(keys) == [False] * 1000
+
+
+def test_pack_keys_request_declines_what_it_cannot_pack_exactly(shared_server, monkeypatch):
+    """(held) pack_keys_request declines (None) a part holding a bytes subclass or a str
+    (msgpack's path then packs it, or raises), whatever start/stop clamp to; and a batch
+    of bytes-subclass keys gets the same answer or error with pipelining on and off."""
+    import msgpack
+
+    from kvshm.zmq_ctrl import _batchq
+
+    class B(bytes):
+        pass
+
+    keys = [b"a", B(b"b"), "c", b"d"]
+    assert _batchq.pack_keys_request(3, 1, 2, 3, keys, 0, 1) == msgpack.packb(
+        [3, 1, 2, 3, {"keys": [b"a"]}], use_bin_type=True)
+    for a, b in [(0, 2), (1, 2), (2, 3), (0, -1), (-5, 100)]:
+        assert _batchq.pack_keys_request(3, 1, 2, 3, keys, a, b) is None, (a, b)
+    assert _batchq.pack_keys_request(3, 1, 2, 3, keys, 3, 100) is not None
+    monkeypatch.setitem(client_mod.PIPE_KEYS, Op.EXISTS, 100)
+    with Client(shared_server.address, transport="tcp") as c:
+        ks = [B(b"sub-%d" % i) for i in range(500)]
+        out = []
+        for on in (False, True):
+            monkeypatch.setattr(client_mod, "PIPELINE", on)
+            try:
+                out.append(c.exists_batch(ks))
+            except Exception as exc:  # noqa: BLE001 - compared
+                out.append((type(exc), str(exc)))
+        assert out[0] == out[1]
