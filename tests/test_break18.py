@@ -523,3 +523,25 @@ def test_pack_keys_request_declines_what_it_cannot_pack_exactly(shared_server, m
             except Exception as exc:  # noqa: BLE001 - compared
                 out.append((type(exc), str(exc)))
         assert out[0] == out[1]
+
+
+def test_pipelined_exists_with_write_behind_in_flight(shared_server, monkeypatch):
+    """(held) A write-behind client's PLACE replies still to come (they reach
+    late_reply as strays while a pipelined exists_batch waits for its parts): the batch
+    answers every key written (own or the server's), no PLACE reply is taken for a part
+    nor a part's for a PLACE, and flush() then passes with everything stored."""
+    monkeypatch.setattr(client_mod, "PIPELINE", True)
+    monkeypatch.setitem(client_mod.PIPE_KEYS, Op.EXISTS, 50)
+    monkeypatch.setattr(client_mod.localread, "fits", lambda keys, limits: False)
+    with Client(shared_server.address, write_behind=True, timeout=10) as c:
+        assert c._session.wb is not None
+        keys = [f"wbpipe-{i}".encode() for i in range(600)]
+        for i, k in enumerate(keys[:300]):
+            c.put(k, bytes([i % 251]) * (100 + i))
+            if i % 50 == 49:
+                assert c.exists_batch(keys) == [j <= i for j in range(600)]
+        c.flush()
+        assert c.exists_batch(keys) == [j < 300 for j in range(600)]
+        with Client(shared_server.address, transport="tcp") as other:
+            got = other.get_batch(keys[:300])
+        assert got == [bytes([i % 251]) * (100 + i) for i in range(300)]
