@@ -53,6 +53,7 @@ from kvshm.client import (
     _door_token,
     _gone_unsent,
     _operator_token,
+    found_of,
     _Drive,
     _Reply,
     _Req,
@@ -837,7 +838,7 @@ class AsyncClient:
         bkeys = await self._keys(keys)
         if not bkeys:
             return []
-        return (await self._simple(Op.EXISTS, {"keys": bkeys}, "exists"))["found"]
+        return found_of(await self._simple(Op.EXISTS, {"keys": bkeys}, "exists"), len(bkeys))
 
     async def match_prefix(self, keys: Sequence[Key]) -> int:
         """How many leading keys of ``keys`` the store holds."""

@@ -224,6 +224,18 @@ class _Buffers:
 OpGen = Generator[_Req, _Reply, Any]
 
 
+def found_of(body: Any, n: int) -> list[bool]:
+    """The ``found`` list of an EXISTS reply for ``n`` keys, as sent.
+
+    Raises ProtocolError when it is not a list of ``n`` items: a reply that would put
+    answers on other keys (pipelined parts, a bad server) is never read as one."""
+    found = body.get("found") if isinstance(body, dict) else None
+    if type(found) is not list or len(found) != n:
+        got = len(found) if isinstance(found, list) else type(found).__name__
+        raise ProtocolError(f"EXISTS reply for {n} keys has found of {got}")
+    return found  # type: ignore[no-any-return]
+
+
 def _check(r: _Reply, what: str) -> None:
     if r.status != Status.OK:
         msg = r.body.get("error", Status(r.status).name if r.status in Status._value2member_map_
@@ -1492,9 +1504,9 @@ class _Session:
         rs = yield _Many([_Req(Op.EXISTS, _KeysPart(bkeys, i, min(i + k, len(bkeys))))  # type: ignore[arg-type]
                           for i in range(0, len(bkeys), k)])
         found: list[bool] = []
-        for r in rs:
+        for j, r in enumerate(rs):
             _check(r, "exists")
-            found += r.body["found"]
+            found += found_of(r.body, min(k, len(bkeys) - j * k))
         return found
 
     def op_simple(self, op: int, body: dict[str, Any], what: str) -> OpGen:
@@ -2629,7 +2641,8 @@ class Client:
         k = _parts(len(bkeys), Op.EXISTS)
         if k:
             return self._run(self._session.op_exists_parts(bkeys, k))  # type: ignore[no-any-return]
-        return self._run(self._session.op_simple(Op.EXISTS, {"keys": bkeys}, "exists"))["found"]  # type: ignore[no-any-return]
+        return found_of(self._run(self._session.op_simple(Op.EXISTS, {"keys": bkeys}, "exists")),
+                        len(bkeys))
 
     def match_prefix(self, keys: Sequence[Key]) -> int:
         """How many leading keys of ``keys`` the store holds (a prefix match)."""

@@ -545,3 +545,52 @@ def test_pipelined_exists_with_write_behind_in_flight(shared_server, monkeypatch
         with Client(shared_server.address, transport="tcp") as other:
             got = other.get_batch(keys[:300])
         assert got == [bytes([i % 251]) * (100 + i) for i in range(300)]
+
+
+# ------------------------- the lead: an EXISTS reply's found list of the wrong length
+
+def test_found_of_checks_the_length_and_type():
+    """found_of takes exactly n answers, else ProtocolError (never shifted answers)."""
+    from kvshm.client import found_of
+    from kvshm.errors import ProtocolError
+
+    assert found_of({"found": [True, False]}, 2) == [True, False]
+    for body in ({"found": [True]}, {"found": [True, False, True]}, {"found": None},
+                 {"found": (True, False)}, {}, None, [True, False]):
+        with pytest.raises(ProtocolError):
+            found_of(body, 2)
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["one-request", "pipelined"])
+def test_exists_batch_refuses_a_found_list_of_the_wrong_length(shared_server, monkeypatch,
+                                                               pipeline):
+    """A server whose EXISTS reply (or one pipelined part's) has one answer too few
+    gives ProtocolError, not a list whose answers sit on other keys (break18's open
+    item: the reply length was not checked)."""
+    import kvshm.zmq_ctrl.channel as chmod
+    from kvshm.errors import ProtocolError
+
+    monkeypatch.setattr(client_mod, "PIPELINE", pipeline)
+    monkeypatch.setitem(client_mod.PIPE_KEYS, Op.EXISTS, 64)
+    keys = [f"fl-{i:04d}".encode() for i in range(300)]
+    with Client(shared_server.address, transport="tcp", timeout=10) as c:
+        c.put_batch(keys[::2], [b"v"] * 150)
+        want = [i % 2 == 0 for i in range(300)]
+        assert c.exists_batch(keys) == want
+        orig1, orig_many = chmod.Channel.request, chmod.Channel.request_many
+
+        def cut(r):
+            if isinstance(r, tuple) and len(r) > 2 and isinstance(r[2], dict) \
+                    and isinstance(r[2].get("found"), list) and len(r[2]["found"]) > 1:
+                r[2]["found"] = r[2]["found"][1:]
+            return r
+
+        monkeypatch.setattr(chmod.Channel, "request",
+                            lambda self, *a, **k: cut(orig1(self, *a, **k)))
+        monkeypatch.setattr(chmod.Channel, "request_many",
+                            lambda self, *a, **k: [cut(r) for r in orig_many(self, *a, **k)])
+        with pytest.raises(ProtocolError):
+            c.exists_batch(keys)
+        monkeypatch.setattr(chmod.Channel, "request", orig1)
+        monkeypatch.setattr(chmod.Channel, "request_many", orig_many)
+        assert c.exists_batch(keys) == want
