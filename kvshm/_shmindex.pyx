@@ -1896,6 +1896,15 @@ cdef void _probe_piece(IndexReader self, SegWork* w, uint32_t p) noexcept nogil:
                                 w.out + a, w.prefix)
 
 
+cdef inline bint _stopped(const char* end, Py_ssize_t done, bint prefix) noexcept nogil:
+    """Whether a :meth:`IndexReader._probe_all` that looked up all its ``done`` keys
+    (``end``: just past their answers) stopped at its last one (a fallback, or with
+    ``prefix`` a key not found): it returns the keys looked up, that key included, so
+    a stop at the last key reads as no stop; the keys after it must not be looked up
+    as if it had not been (a fallback there answered as a miss)."""
+    return done > 0 and (end[-1] == R_FALLBACK or (prefix and end[-1] != R_HIT))
+
+
 cdef Py_ssize_t _fill_seg(PyObject** items, Py_ssize_t s0, Py_ssize_t nk, Py_ssize_t maxk,
                           char* arena, uint32_t* offs, uint64_t* hashes,
                           Py_ssize_t cap) except -2:
@@ -2880,7 +2889,7 @@ cdef class IndexReader:
                         done = self._seg_finish(pending)
                     pending = NULL
                     s0 += done
-                    if done < sn or s0 >= nk:
+                    if done < sn or s0 >= nk or _stopped(out + s0, done, prefix):
                         break                 # a fallback, (prefix) a key not found, or all
                     if nsn < 0:
                         return None           # a bad key next, or the list changed
@@ -2907,7 +2916,7 @@ cdef class IndexReader:
                 else:
                     done = self._probe_all(arena, offs, hashes, sn, out + s0, prefix)
                 s0 += done
-                if done < sn:
+                if done < sn or _stopped(out + s0, done, prefix):
                     break                     # a fallback, or (prefix) a key not found
             if s0 < nk and prefix:
                 # the answer is the key that stopped it: the keys after it must still be
@@ -2983,7 +2992,8 @@ cdef class IndexReader:
         kvx_work_wait(w.np)             # (no piece left running: the buffers are free)
         for p in range(w.np):
             a = <Py_ssize_t>p * w.piece
-            if w.done[p] < min(w.piece, w.nk - a):
+            if w.done[p] < min(w.piece, w.nk - a) or _stopped(w.out + a + w.done[p],
+                                                               w.done[p], w.prefix):
                 return a + w.done[p]
         return w.nk
 
