@@ -156,3 +156,107 @@ def test_the_default_starts_no_thread_and_exit_with_helpers_alive_does_not_hang(
             assert out.stdout.split("\n")[0] == want
     finally:
         t.close()
+
+
+def test_a_fork_while_helpers_run_pieces_of_another_threads_batch(shm_name):
+    """Held: a thread forks while another thread's batches (4 threads) run pieces on
+    the helpers; the child (none of those threads) makes a reader with 3 threads whose
+    batches answer right and do not hang (new helpers, the pool's state reset)."""
+    code = textwrap.dedent("""
+        import os, sys, threading, time
+        from kvshm import Pool
+        from kvshm._shmindex import IndexReader, batch_helper_stats
+        pool = Pool.attach(sys.argv[1])
+        def reader(n):
+            r = IndexReader(sys.argv[1] + "-index", sys.argv[1] + "-reads", pool,
+                            int(sys.argv[2]))
+            r.batch_threads = n
+            r.threads_min = 1
+            return r
+        keys = [b"fk-%08d" % i for i in range(40000)]
+        r = reader(4)
+        stop = False
+        bad = []
+        def spin():
+            while not stop:
+                if r.exists_batch(keys) != [True] * len(keys):
+                    bad.append(1)
+        th = threading.Thread(target=spin)
+        th.start()
+        while batch_helper_stats()["pieces"] == 0:
+            time.sleep(0.001)
+        kids = []
+        for _ in range(5):
+            pid = os.fork()
+            if pid == 0:
+                ok = 0
+                try:
+                    c = reader(3)
+                    ok = all(c.exists_batch(keys) == [True] * len(keys) for _ in range(3)) \\
+                        and c.match_prefix(keys) == len(keys)
+                finally:
+                    os._exit(0 if ok else 1)
+            kids.append(pid)
+            time.sleep(0.005)
+        codes = [os.waitpid(p, 0)[1] for p in kids]
+        stop = True
+        th.join()
+        print(codes, bad, flush=True)
+    """)
+    t = Tables(shm_name, blocks=65536, initial=4096)
+    try:
+        for i in range(40000):
+            assert t.writer.publish(b"fk-%08d" % i, 10, [(i % 65000, 1)]) >= 0
+        out = subprocess.run([sys.executable, "-c", code, shm_name, str(EPOCH)],
+                             capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == "[0, 0, 0, 0, 0] []"
+    finally:
+        t.close()
+
+
+# ---- TCP get_batch_into: Conn.recv(into=) -------------------------------------------
+
+def _conn_pair():
+    import socket
+
+    from kvshm.zmq_ctrl import _zmtp
+    a, b = socket.socketpair()
+    return _zmtp.Conn(a.detach()), b
+
+
+def test_an_interrupt_while_the_destinations_are_taken_releases_them():
+    """Finding: a KeyboardInterrupt (any BaseException) raised while Conn.recv's into
+    took the buffers of a message (here from the view of an output without the buffer
+    protocol, as byte_view runs a tensor's Python) left the buffers taken so far
+    exported: a bytearray the caller got back could never be resized again
+    (BufferError), end_into did not see it (the message was not marked), and the next
+    plan's malloc lost them for good. Now released before the interrupt goes on."""
+    import numpy as np
+    from test_zmtp import _frames
+
+    class NoBuffer:
+        def __init__(self, n: int) -> None:
+            self.arr = np.zeros(n, np.uint8)
+
+    def interrupted(o):
+        raise KeyboardInterrupt
+
+    zt, peer = _conn_pair()
+    try:
+        out = bytearray(8)
+        peer.sendall(_frames([b"hdr", b"abcd", b"efgh"]))
+        with pytest.raises(KeyboardInterrupt):
+            zt.recv(1000, lambda h: ([out, NoBuffer(8)], [4, 4], interrupted))
+        out.extend(b"x")                    # released (BufferError before)
+        assert not zt.end_into() and not zt.closed
+        # the message goes on as usual (nothing placed), then the connection serves on
+        assert zt.recv(1000) == [b"hdr", b"abcd", b"efgh"]
+        peer.sendall(_frames([b"hdr", b"ijkl"]))
+        out2 = bytearray(4)
+        assert zt.recv(1000, lambda h: ([out2], [4])) == [b"hdr", 4]
+        assert out2 == b"ijkl" and out == bytearray(8) + b"x"
+        out2.extend(b"y")
+        zt.close()
+    finally:
+        peer.close()

@@ -364,37 +364,43 @@ cdef class Conn:
         if self.dv == NULL or self.dlen == NULL:
             self._dend()
             raise MemoryError
-        for i in range(n):
-            sz = sizes[i]
-            if type(sz) is not int:
-                self._dend()
-                return 0
-            v = PyLong_AsLongLongAndOverflow(sz, &ovf)
-            if ovf:
-                self._dend()
-                return 0
-            if v < 0:
-                continue                # (a miss)
-            o = bufs[i]
-            try:
+        try:
+            for i in range(n):
+                sz = sizes[i]
+                if type(sz) is not int:
+                    self._dend()
+                    return 0
+                v = PyLong_AsLongLongAndOverflow(sz, &ovf)
+                if ovf:
+                    self._dend()
+                    return 0
+                if v < 0:
+                    continue                # (a miss)
+                o = bufs[i]
                 try:
-                    PyObject_GetBuffer(o, &self.dv[self.dgot],
-                                       PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)
-                except TypeError:
-                    if view is None:
-                        raise
-                    o = view(o)         # (a tensor: its memory as a buffer)
-                    PyObject_GetBuffer(o, &self.dv[self.dgot],
-                                       PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)
-            except Exception:
-                self._dend()
-                return 0
-            self.dgot += 1
-            if v > self.dv[self.dgot - 1].len:
-                self._dend()
-                return 0
-            self.dlen[self.dgot - 1] = <Py_ssize_t>v
-            total += <Py_ssize_t>v
+                    try:
+                        PyObject_GetBuffer(o, &self.dv[self.dgot],
+                                           PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)
+                    except TypeError:
+                        if view is None:
+                            raise
+                        o = view(o)         # (a tensor: its memory as a buffer)
+                        PyObject_GetBuffer(o, &self.dv[self.dgot],
+                                           PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)
+                except Exception:
+                    self._dend()
+                    return 0
+                self.dgot += 1
+                if v > self.dv[self.dgot - 1].len:
+                    self._dend()
+                    return 0
+                self.dlen[self.dgot - 1] = <Py_ssize_t>v
+                total += <Py_ssize_t>v
+        except BaseException:
+            # (a KeyboardInterrupt in a view or a sequence's item, an error of one:
+            # the buffers taken so far are not to stay exported)
+            self._dend()
+            raise
         self.di = 0
         self.doff = 0
         self.dleft = total
