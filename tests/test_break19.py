@@ -12,9 +12,12 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
+from typing import Any
 
 import pytest
 
+from kvshm.zmq_ctrl.protocol import Op
 from kvshm._shmindex import BATCH_SEGMENT, FALLBACK, IndexReader, batch_helper_stats
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -260,3 +263,101 @@ def test_an_interrupt_while_the_destinations_are_taken_releases_them():
         zt.close()
     finally:
         peer.close()
+
+
+def test_a_call_given_up_mid_frame_then_the_same_channel_serves_the_next_call(monkeypatch):
+    """Held: the first GET-into stalls mid-value past its timeout (ServerUnavailable,
+    the connection closed); the same Channel's next GET-into (a new connection) gets
+    its own value in its own buffer, and the rest of the first reply, sent afterwards on
+    the old connection, lands in neither buffer."""
+    import threading
+
+    import kvshm.zmq_ctrl.channel as chmod
+    from kvshm.errors import ServerUnavailable
+    from kvshm.zmq_ctrl import frames as F
+    from kvshm.zmq_ctrl.protocol import decode_request, encode_reply
+    from test_zmtp import FakeServer, _accept, _channel, _frames, _read_message
+
+    monkeypatch.setattr(chmod, "INTO", True)
+    v1, v2 = b"\x11" * (1 << 20), b"\x22" * 300_000
+    gave_up = threading.Event()
+    fake: Any = None
+
+    def script(s) -> None:
+        _accept(s)
+        rid = decode_request(_read_message(s)[0])[2]
+        d1 = _frames([encode_reply(0, rid, {"sizes": [len(v1)], "counts": [1]}), v1])
+        s.sendall(d1[:400_000])
+        gave_up.wait(30)
+        s2, _ = fake.lst.accept()
+        fake.conns.append(s2)
+        _accept(s2)
+        rid2 = decode_request(_read_message(s2)[0])[2]
+        try:
+            s.sendall(d1[400_000:])          # (the old connection: closed by the client)
+        except OSError:
+            pass
+        s2.sendall(_frames([encode_reply(0, rid2, {"sizes": [len(v2)], "counts": [1]}), v2]))
+        time.sleep(0.3)
+
+    fake = FakeServer(script)
+    ch = _channel(fake, timeout=0.5)
+    try:
+        out1 = bytearray(len(v1))
+        with pytest.raises(ServerUnavailable):
+            ch.request(Op.GET, {"keys": [b"a"]}, into=F.into([out1]))
+        then = bytes(out1)
+        gave_up.set()
+        ch.timeout = 5
+        out2 = bytearray(b"\xa5" * (len(v2) + 3))
+        _, st, body, frames = ch.request(Op.GET, {"keys": [b"b"]}, into=F.into([out2]))
+        assert st == 0 and frames == [len(v2)]
+        assert F.placed(frames, body["counts"], body["sizes"])
+        assert bytes(out2) == v2 + b"\xa5" * 3
+        time.sleep(0.2)
+        assert bytes(out1) == then and then.count(0x11) < len(v1)
+        out1.extend(b"x")
+        out2.extend(b"x")
+    finally:
+        gave_up.set()
+        ch.close()
+        fake.close()
+
+
+def test_a_frame_claiming_a_huge_length_allocates_nothing_near_it(monkeypatch):
+    """Held: an OK reply whose sizes fit the buffer, then a payload frame whose ZMTP
+    length claims 2**40 bytes (more than the room: not placed, received as usual, which
+    allocates at most FIRST_ALLOC until bytes come), then the server closes: the call
+    raises ServerUnavailable, the buffer untouched and released."""
+    import resource
+
+    import kvshm.zmq_ctrl.channel as chmod
+    from kvshm.errors import ServerUnavailable
+    from kvshm.zmq_ctrl import frames as F
+    from kvshm.zmq_ctrl.protocol import decode_request, encode_reply
+    from test_zmtp import FakeServer, _accept, _channel, _read_message
+
+    monkeypatch.setattr(chmod, "INTO", True)
+
+    def script(s) -> None:
+        _accept(s)
+        rid = decode_request(_read_message(s)[0])[2]
+        h = encode_reply(0, rid, {"sizes": [8], "counts": [1]})
+        s.sendall(bytes([1, len(h)]) + h                      # the header, more to come
+                  + bytes([2]) + struct.pack(">Q", 1 << 40) + b"x" * 100)
+        time.sleep(0.2)
+        s.close()
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    fake = FakeServer(script)
+    ch = _channel(fake, timeout=2)
+    try:
+        out = bytearray(8)
+        with pytest.raises(ServerUnavailable):
+            ch.request(Op.GET, {"keys": [b"a"]}, into=F.into([out]))
+        assert out == bytearray(8)
+        out.extend(b"x")
+        assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 << 10  # KiB
+    finally:
+        ch.close()
+        fake.close()
