@@ -361,3 +361,114 @@ def test_a_frame_claiming_a_huge_length_allocates_nothing_near_it(monkeypatch):
     finally:
         ch.close()
         fake.close()
+
+
+def test_a_bad_key_in_a_late_segment_is_seen_whatever_stops_the_lookup(shm_name):
+    """Held: a key the table cannot hold (empty, an int, over max_key) in a late
+    segment, at a piece's edge or not, after all hits or after a miss / a fallback in
+    an earlier segment: every reader gives None / FALLBACK (the general path then
+    raises for it), never an answer that hides it."""
+    import posix_ipc
+
+    t = Tables(shm_name, blocks=32768, initial=4096)
+    try:
+        keys = [b"bk-%08d" % i for i in range(3 * BATCH_SEGMENT)]
+        for i, k in enumerate(keys):
+            assert t.writer.publish(k, 10, [(i, 1)]) >= 0
+        shm = posix_ipc.SharedMemory(t.writer.name)
+        m = mmap.mmap(shm.fd, shm.size)
+        shm.close_fd()
+        try:
+            big = b"k" * (t.readers["one"].max_key + 1)
+            for bad in (b"", 7, big):
+                for at in (2 * BATCH_SEGMENT, 2 * BATCH_SEGMENT + PIECE - 1, len(keys) - 1):
+                    ks = list(keys)
+                    ks[at] = bad
+                    for label, r in t.readers.items():
+                        assert r.exists_batch(ks) is None, (label, at)
+                        assert r.match_prefix(ks) == FALLBACK, (label, at)
+                    ks[PIECE - 1] = b"bk-missing"                 # a miss first
+                    for label, r in t.readers.items():
+                        assert r.match_prefix(ks) == FALLBACK, (label, at)
+                    ks[PIECE - 1] = keys[PIECE - 1]
+                    where, version = _hold(m, t.readers["one"], keys[BATCH_SEGMENT - 1])
+                    try:                                          # a fallback first
+                        for label, r in t.readers.items():
+                            assert r.exists_batch(ks) is None, (label, at)
+                            assert r.match_prefix(ks) == FALLBACK, (label, at)
+                    finally:
+                        struct.pack_into("<Q", m, where, version)
+        finally:
+            m.close()
+    finally:
+        t.close()
+
+
+def test_signals_during_long_batches_leave_the_reader_and_helpers_usable(shm_name):
+    """Held: a timer signal whose handler raises, firing through batches with 4
+    threads: each batch either answers right or the exception comes after it; the
+    helpers are given back (the next batches split again), the reader closes."""
+    import signal
+
+    t = Tables(shm_name, blocks=65536, initial=4096)
+    try:
+        keys = [b"sg-%08d" % i for i in range(40000)]
+        for i, k in enumerate(keys):
+            assert t.writer.publish(k, 10, [(i % 65000, 1)]) >= 0
+        r = IndexReader(t.writer.name, t.writer.reads_name, t.pool, EPOCH)
+        r.batch_threads = 4
+        r.threads_min = 1
+
+        class Tick(Exception):
+            pass
+
+        armed = [False]
+
+        def tick(signum, frame):
+            if armed[0]:             # (raised inside the try below only, once a call)
+                armed[0] = False
+                raise Tick
+
+        old = signal.signal(signal.SIGALRM, tick)
+        ticks = wrong = 0
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.0007, 0.0007)
+            for _ in range(300):
+                try:
+                    armed[0] = True
+                    got = r.exists_batch(keys)
+                    if got != [True] * len(keys):
+                        wrong += 1
+                    if r.match_prefix(keys) != len(keys):
+                        wrong += 1
+                    armed[0] = False
+                except Tick:
+                    ticks += 1
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0, 0)
+            signal.signal(signal.SIGALRM, old)
+        assert wrong == 0 and ticks > 0
+        before = batch_helper_stats()["pieces"]
+        for _ in range(50):
+            assert r.exists_batch(keys) == [True] * len(keys)
+        assert batch_helper_stats()["pieces"] >= before
+        r.close()
+        assert r.closed
+    finally:
+        t.close()
+
+
+def test_batch_fill_returns_a_frame_as_the_value_only_when_it_is_exactly_that_bytes():
+    """Held (_batch.fill's frame-as-value): the frame is returned only when it is a
+    bytes (immutable) holding exactly the one value; a longer frame is refused, a
+    bytearray / memoryview / bytes subclass / packed frame is copied into a new bytes."""
+    from kvshm import _batch
+
+    a = b"x" * 300
+    assert _batch.fill([a], [1], [300], None)[0] is a
+    assert _batch.fill([a], [1], [299], None) is None
+    for f in (bytearray(a), memoryview(a), type("B", (bytes,), {})(a)):
+        v = _batch.fill([f], [1], [300], None)[0]
+        assert type(v) is bytes and v == a and v is not f
+    got = _batch.fill([a + b"yy"], [2], [300, 2], None)
+    assert got == [a, b"yy"] and got[0] is not a
