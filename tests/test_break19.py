@@ -472,3 +472,57 @@ def test_batch_fill_returns_a_frame_as_the_value_only_when_it_is_exactly_that_by
         assert type(v) is bytes and v == a and v is not f
     got = _batch.fill([a + b"yy"], [2], [300, 2], None)
     assert got == [a, b"yy"] and got[0] is not a
+
+
+def test_numpy_views_with_offsets_strides_and_aliases_as_off(monkeypatch):
+    """Held: get_batch_into over TCP into numpy views at odd offsets of one array (the
+    values placed), two keys into one buffer (the last one wins, as with the switch
+    off), a strided view (refused alike), read-only: the same sizes, bytes and errors
+    with KVSHM_ZMTP_INTO on and off."""
+    import numpy as np
+
+    import kvshm.zmq_ctrl.channel as chmod
+    from kvshm.client import Client
+    from servers import ServerProcess
+
+    rng = np.random.default_rng(19)
+    vals = {b"nv%d" % n: rng.integers(0, 255, n, dtype=np.uint8).tobytes()
+            for n in (1, 300, 70_000, 300_000, (1 << 20) + 3)}
+    keys = list(vals)
+    srv = ServerProcess(prealloc_size=1 / 8)
+    try:
+        results = {}
+        for on in (True, False):
+            monkeypatch.setattr(chmod, "ZMTP", True)
+            monkeypatch.setattr(chmod, "INTO", on)
+            with Client(srv.address, transport="tcp", timeout=10) as c:
+                assert c._chan.zmtp
+                c.put_batch(keys, list(vals.values()))
+                big = np.full(sum(len(v) for v in vals.values()) + 64, 0xA5, np.uint8)
+                outs, off = [], 3
+                for k in keys:
+                    outs.append(big[off:off + len(vals[k])])
+                    off += len(vals[k]) + 7
+                sizes = c.get_batch_into(keys, outs)
+                one = np.zeros(1 << 21, np.uint8)
+                alias = c.get_batch_into([keys[3], keys[2]], [one, one])
+                errs = []
+                for bad in (np.zeros(2 << 21, np.uint8)[::2], np.zeros(1 << 21, np.uint8)):
+                    if bad.flags.writeable and bad.flags.c_contiguous:
+                        bad.flags.writeable = False
+                    try:
+                        c.get_batch_into([keys[4]], [bad])
+                        errs.append(None)
+                    except Exception as exc:
+                        errs.append(type(exc).__name__)
+                results[on] = (sizes, big.tobytes(), alias, one.tobytes(), errs)
+        assert results[True] == results[False]
+        sizes, raw = results[True][0], results[True][1]
+        assert sizes == [len(vals[k]) for k in keys]
+        off = 3
+        for k in keys:
+            assert raw[off:off + len(vals[k])] == vals[k]
+            off += len(vals[k]) + 7
+        assert None not in results[True][4]
+    finally:
+        srv.stop()
