@@ -51,8 +51,9 @@ def key_hash(key: bytes | str) -> int:
     """The table's 64-bit hash of ``key``."""
 def default_batch_threads() -> int:
     """1 (ENV_BATCH_THREADS unset): more threads are opt-in."""
-def batch_helper_stats() -> dict[str, int]:
-    """{"threads": helper threads made, "pieces": segment pieces they looked up}."""
+def batch_helper_stats() -> dict[str, Any]:
+    """{"threads": helper threads made, "pieces": segment pieces they looked up,
+    "by_helper": each helper's pieces (list of int, in the order made)}."""
 def default_slots(num_blocks: int) -> int:
     """Capacity in slots: the next power of two >= 2 x ``num_blocks``."""
 

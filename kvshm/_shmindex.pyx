@@ -65,7 +65,9 @@ caller's included; 1, the default (:func:`default_batch_threads`), turns it off)
 caller still copies and hashes every segment under the GIL; each segment is then offered
 in pieces of 512 keys to the process's helper threads (made at the first such batch, one
 batch at a time has them), which look pieces up while the caller copies the next
-segment, and the caller takes the pieces left. Each piece is the same lookup (the same
+segment, and the caller takes the pieces left (a batch uses the first
+``batch_threads - 1`` helpers made: those another reader made beyond stay asleep). Each
+piece is the same lookup (the same
 prefetching, per-hit seqlock check and per-chunk table sequence check); the answer is
 the one-thread answer of the keys. A helper spins ~0.1 ms for more work after a piece,
 then sleeps; a helper that is not running (a busy machine) only leaves its pieces to the
@@ -252,6 +254,11 @@ cdef extern from *:
     #include <sched.h>
     #define KVX_MAXH 7
     #define KVX_SPIN 4000
+    /* a helper looks up pieces of the batch holding the helpers only when its index is
+       below that batch's count (IndexReader.batch_threads - 1): helpers another batch
+       started beyond it stay asleep */
+    #define KVX_MINE(idx) ((idx) < __atomic_load_n(&kvx_work.active, __ATOMIC_ACQUIRE))
+    #define KVX_SET_ACTIVE(n) __atomic_store_n(&kvx_work.active, (n), __ATOMIC_RELEASE)
     typedef void (*kvx_piecefn)(void *self, void *desc, uint32_t piece);
     static struct {
         kvx_piecefn fn;
@@ -261,10 +268,12 @@ cdef extern from *:
         uint64_t gen;
         uint64_t helped;        /* pieces helpers ran (stats) */
         int busy, nstarted, sleepers;
+        int active;             /* helpers (by index) the batch holding them may use */
         pthread_mutex_t mu;
         pthread_cond_t cv;
-    } kvx_work = {NULL, NULL, NULL, 0, 0, 0, 0, 0, 0, 0,
-                  PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+        uint64_t hpieces[KVX_MAXH];     /* pieces each helper ran (stats) */
+    } kvx_work = {NULL, NULL, NULL, 0, 0, 0, 0, 0, 0, 0, 0,
+                  PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, {0}};
     /* claim a piece of the published segment: 1 (its index in *piece), 0 (none left) */
     static inline int kvx_work_claim(uint32_t *piece) {
         uint64_t t = __atomic_load_n(&kvx_work.ticket, __ATOMIC_ACQUIRE);
@@ -280,12 +289,12 @@ cdef extern from *:
     }
     static void *kvx_helper_main(void *arg) {
         uint32_t piece;
-        int spins = 0;
-        (void)arg;
+        int spins = 0, idx = (int)(intptr_t)arg;
         for (;;) {
-            if (kvx_work_claim(&piece)) {
+            if (KVX_MINE(idx) && kvx_work_claim(&piece)) {
                 kvx_work.fn(kvx_work.self, kvx_work.desc, piece);
                 __atomic_add_fetch(&kvx_work.helped, 1, __ATOMIC_RELAXED);
+                __atomic_add_fetch(&kvx_work.hpieces[idx], 1, __ATOMIC_RELAXED);
                 __atomic_add_fetch(&kvx_work.finished, 1, __ATOMIC_RELEASE);
                 spins = 0;
                 continue;
@@ -295,7 +304,7 @@ cdef extern from *:
             __atomic_add_fetch(&kvx_work.sleepers, 1, __ATOMIC_SEQ_CST);
             for (;;) {
                 uint64_t t = __atomic_load_n(&kvx_work.ticket, __ATOMIC_SEQ_CST);
-                if ((t & 0xFFFFF) < ((t >> 20) & 0xFFFFF)) break;
+                if (KVX_MINE(idx) && (t & 0xFFFFF) < ((t >> 20) & 0xFFFFF)) break;
                 pthread_cond_wait(&kvx_work.cv, &kvx_work.mu);
             }
             __atomic_sub_fetch(&kvx_work.sleepers, 1, __ATOMIC_SEQ_CST);
@@ -319,7 +328,8 @@ cdef extern from *:
             pthread_attr_init(&at);
             pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
             pthread_attr_setstacksize(&at, 256 << 10);
-            bad = pthread_create(&th, &at, kvx_helper_main, NULL);
+            bad = pthread_create(&th, &at, kvx_helper_main,
+                                 (void *)(intptr_t)kvx_work.nstarted);
             pthread_attr_destroy(&at);
             if (bad) break;
             kvx_work.nstarted++;
@@ -328,10 +338,15 @@ cdef extern from *:
             __atomic_store_n(&kvx_work.busy, 0, __ATOMIC_RELEASE);
             return 0;
         }
-        return kvx_work.nstarted < n ? kvx_work.nstarted : n;
+        if (kvx_work.nstarted < n) n = kvx_work.nstarted;
+        KVX_SET_ACTIVE(n);
+        return n;
     }
     static uint64_t kvx_helped(void) { return __atomic_load_n(&kvx_work.helped, __ATOMIC_RELAXED); }
     static int kvx_helpers(void) { return kvx_work.nstarted; }
+    static uint64_t kvx_helper_pieces(int i) {
+        return __atomic_load_n(&kvx_work.hpieces[i], __ATOMIC_RELAXED);
+    }
     static void kvx_pool_give(void) { __atomic_store_n(&kvx_work.busy, 0, __ATOMIC_RELEASE); }
     /* publish a segment of np pieces (np < 2 ** 20): fn(self, desc, piece) each */
     static void kvx_work_publish(void *fn, void *self, void *desc, uint32_t np) {
@@ -366,6 +381,7 @@ cdef extern from *:
         kvx_work.nstarted = 0;
         kvx_work.busy = 0;
         kvx_work.sleepers = 0;
+        kvx_work.active = 0;
         kvx_work.ticket = 0;
         pthread_mutex_init(&kvx_work.mu, NULL);
         pthread_cond_init(&kvx_work.cv, NULL);
@@ -441,6 +457,7 @@ cdef extern from *:
     void kvx_pool_give() nogil
     uint64_t kvx_helped() nogil
     int kvx_helpers() nogil
+    uint64_t kvx_helper_pieces(int i) nogil
     int kvx_work_claim(uint32_t* piece) nogil
     void kvx_work_publish(void* fn, void* self, void* desc, uint32_t np) nogil
     void kvx_work_finished() nogil
@@ -507,8 +524,11 @@ def default_batch_threads():
 
 def batch_helper_stats():
     """The batch lookups' helper threads of this process: ``{"threads": made,
-    "pieces": pieces of segments they looked up}`` (:attr:`IndexReader.batch_threads`)."""
-    return {"threads": kvx_helpers(), "pieces": kvx_helped()}
+    "pieces": pieces of segments they looked up, "by_helper": each helper's pieces, in
+    the order made}`` (:attr:`IndexReader.batch_threads`; a batch uses the first
+    ``batch_threads - 1`` helpers only)."""
+    return {"threads": kvx_helpers(), "pieces": kvx_helped(),
+            "by_helper": [kvx_helper_pieces(i) for i in range(kvx_helpers())]}
 
 
 def _env_threads():

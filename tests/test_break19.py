@@ -526,3 +526,48 @@ def test_numpy_views_with_offsets_strides_and_aliases_as_off(monkeypatch):
         assert None not in results[True][4]
     finally:
         srv.stop()
+
+
+def test_a_batch_uses_no_more_helpers_than_its_batch_threads(shm_name):
+    """Finding: every helper the process had made looked up pieces of any batch that
+    took the helpers, so after one reader with batch_threads = 8 (7 helpers made) a
+    reader with batch_threads = 2 ran its batches on 8 threads (its documented count:
+    2, this one included; the CPU of 8). Now a batch's helpers are the first
+    batch_threads - 1 made; the others stay asleep."""
+    code = textwrap.dedent("""
+        import sys
+        from kvshm import Pool
+        from kvshm._shmindex import IndexReader, batch_helper_stats
+        pool = Pool.attach(sys.argv[1])
+        def reader(n):
+            r = IndexReader(sys.argv[1] + "-index", sys.argv[1] + "-reads", pool,
+                            int(sys.argv[2]))
+            r.batch_threads = n
+            r.threads_min = 1
+            return r
+        keys = [b"hl-%08d" % i for i in range(40000)]
+        r8, r2, r3 = reader(8), reader(2), reader(3)
+        for _ in range(3):
+            assert r8.exists_batch(keys) == [True] * len(keys)
+        assert batch_helper_stats()["threads"] == 7
+        out = []
+        for r in (r2, r3):
+            assert r.exists_batch(keys) == [True] * len(keys)   # (from a known state)
+            before = batch_helper_stats()["by_helper"]
+            for _ in range(40):
+                assert r.exists_batch(keys) == [True] * len(keys)
+                assert r.match_prefix(keys) == len(keys)
+            after = batch_helper_stats()["by_helper"]
+            out.append([a - b for a, b in zip(after, before)])
+        print(*[sum(d[r.batch_threads - 1:]) for d, r in zip(out, (r2, r3))], flush=True)
+    """)
+    t = Tables(shm_name, blocks=65536, initial=4096)
+    try:
+        for i in range(40000):
+            assert t.writer.publish(b"hl-%08d" % i, 10, [(i % 65000, 1)]) >= 0
+        out = subprocess.run([sys.executable, "-c", code, shm_name, str(EPOCH)],
+                             capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == "0 0"      # pieces run by helpers beyond the count
+    finally:
+        t.close()
