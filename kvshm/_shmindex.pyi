@@ -46,6 +46,12 @@ MISS: int
 #: Byte offset and closed value of the header's state word.
 STATE_OFFSET: int
 STATE_CLOSED: int
+#: The table layout this build writes and reads (4), and where the header holds it.
+LAYOUT: int
+LAYOUT_OFFSET: int
+#: Byte offsets in a slot of its key (then checksum, runs) and of its value's size.
+SLOT_KEY_OFFSET: int
+SLOT_SIZE_OFFSET: int
 
 def key_hash(key: bytes | str) -> int:
     """The table's 64-bit hash of ``key``."""

@@ -5,7 +5,7 @@ without asking the server (docs/DESIGN.md, "Same-host reads without a round trip
 The server is the only writer (:class:`IndexWriter`); clients map the table read-only
 (:class:`IndexReader`, ``PROT_READ``: a reader cannot corrupt it) and read optimistically.
 
-Index segment layout (layout 3)::
+Index segment layout (layout 4)::
 
     [ header: 4096 bytes | 2 x capacity slots of 128 bytes | wide records of 256 bytes ]
 
@@ -30,16 +30,25 @@ old table first, then the new one, and check the table sequence again before a m
 new table's slots start at versions above every version written before, so a token of an
 older table never matches a later entry. Slot::
 
-    version u64 (seqlock: odd while the server writes the slot; only ever grows)
-    hash u64 | state u32 (empty/live/tombstone) | key length u16 | extent count u8
-    flags u8 (has checksum) | size u64
-    96 bytes: the key, then (flags & 1) its checksum u64, then the extents,
+    @0 version u64 (seqlock: odd while the server writes the slot; only ever grows)
+    @8 hash u64 | @16 state u32 (empty/live/tombstone) | @20 key length u16
+    @22 extent count u8 | @23 flags u8 (has checksum)
+    @24 96 bytes: the key, then (flags & 1) its checksum u64, then the extents,
     (first block u32, block count u32) each; an entry whose key, checksum and extents
     do not fit in 96 bytes (a key over 88 bytes, or a long key in many runs) has them
     in a wide record of 256 bytes instead (flags & 2), whose index (u32) the 96 bytes
     then begin with. A wide record changes only while the version of the slot that
     points at it is odd, and is reused only after that slot's version changed, so the
     slot's seqlock covers it too.
+    @120 size u64 (the value's bytes)
+
+A lookup that only asks whether a key is there (``exists``, ``match_prefix``) reads the
+slot's first 64-byte cache line alone for a key of up to 40 bytes (a 40-byte hex chunk
+hash included); a get also reads the second (the size, and the runs of a key over 40
+bytes). Layout 3 had the size at @24 and the key from @32, so a 40-byte key went on into
+the second line; layout 4 moved the size to the end. A reader refuses a table of
+another layout (ValueError; :func:`kvshm.localread.attach` then leaves the client to ask
+the server).
 
 A reader loads the version (acquire), the fields, copies the value out of the pool,
 fences (acquire) and loads the version again; any change means the entry moved, was
@@ -543,7 +552,7 @@ def _env_threads():
 
 _MAGIC = b"KVSHMIX1"
 _RING_MAGIC = b"KVSHMRR1"
-_LAYOUT = 3
+_LAYOUT = 4     # (3: size @24, key @32; 4: key @24, size @120)
 
 DEF C_MAX_EXT = 8
 DEF C_KEY_MAX = 152
@@ -596,9 +605,9 @@ DEF C_CHUNK = 256
 # slots a batch lookup looks at from a key's home before it puts the key aside (the
 # two it prefetched), and the slots after those it then prefetches for it
 DEF FIRST_SLOTS = 2
-# keys longer than C_LINE_KEY bytes (from the slot's byte 32) go on into its second
+# keys longer than C_LINE_KEY bytes (from the slot's byte 24) go on into its second
 # cache line, up to C_INLINE_KEY (longer: in a wide record)
-DEF C_LINE_KEY = 32
+DEF C_LINE_KEY = 40
 DEF C_INLINE_KEY = 88
 DEF MORE_SLOTS = 4
 #: Keys ahead of the one looked up whose slots a batch lookup prefetches.
@@ -652,16 +661,18 @@ cdef struct Header:
 
 
 cdef struct Slot:
-    # what a probe reads first, in the slot's first cache line with a key of <= 40 bytes
-    uint64_t version
-    uint64_t hash
-    uint32_t state
-    uint16_t keylen
-    uint8_t nextents
-    uint8_t flags
-    uint64_t size
-    # the key, then the checksum (flags & 1), then nextents x (u32, u32): unaligned
+    # what a probe reads first: in the slot's first cache line with a key of <= 40
+    # bytes (C_LINE_KEY: the key starts at byte 24)
+    uint64_t version        # @0
+    uint64_t hash           # @8
+    uint32_t state          # @16
+    uint16_t keylen         # @20
+    uint8_t nextents        # @22
+    uint8_t flags           # @23
+    # @24: the key, then the checksum (flags & 1), then nextents x (u32, u32): unaligned
     char key[C_DATA]
+    # @120: read by gets only (second cache line), not by exists / match_prefix
+    uint64_t size
 
 
 cdef struct SegWork:
@@ -713,6 +724,17 @@ cdef inline const char* _slot_key(const Slot* s, const char* wide, uint64_t wide
 
 #: Byte offset of the header's state word (kvshm.segments marks dead servers' tables).
 STATE_OFFSET = 56
+#: The table layout this build writes and reads (the header's u32 at :data:`LAYOUT_OFFSET`;
+#: a reader refuses a table of another layout with ValueError, and its client asks the
+#: server instead). 4: a slot's key from byte 24 (:data:`SLOT_KEY_OFFSET`), its size at
+#: byte 120 (:data:`SLOT_SIZE_OFFSET`).
+LAYOUT = _LAYOUT
+#: Byte offset of the header's layout word.
+LAYOUT_OFFSET = 8
+#: Byte offset in a slot of its 96 bytes of key, checksum and runs (or wide record index).
+SLOT_KEY_OFFSET = 24
+#: Byte offset in a slot of its value's size (u64).
+SLOT_SIZE_OFFSET = 120
 #: Value of the state word of a closed table.
 STATE_CLOSED = H_CLOSED
 
@@ -3062,5 +3084,12 @@ cdef class IndexReader:
         return done
 
 
-if sizeof(Slot) != C_SLOT or C_KEY_MAX + 8 + 8 * C_MAX_EXT > C_WIDE or sizeof(Rec) != 16 or sizeof(Header) > C_HEADER:
+cdef Slot _layout_slot     # (the offsets of layout 4, which readers of other builds rely on)
+cdef Header _layout_header
+if (sizeof(Slot) != C_SLOT or C_KEY_MAX + 8 + 8 * C_MAX_EXT > C_WIDE or sizeof(Rec) != 16
+        or sizeof(Header) > C_HEADER
+        or <char*>&_layout_slot.key[0] - <char*>&_layout_slot != SLOT_KEY_OFFSET
+        or <char*>&_layout_slot.size - <char*>&_layout_slot != SLOT_SIZE_OFFSET
+        or SLOT_KEY_OFFSET + C_DATA != SLOT_SIZE_OFFSET
+        or <char*>&_layout_header.layout - <char*>&_layout_header != LAYOUT_OFFSET):
     raise ImportError("kvshm._shmindex was built with an unexpected struct layout")

@@ -614,7 +614,9 @@ def main(argv: list[str] | None = None) -> int:
                         c.put_batch(keys, vals)
                         res["local"]["batch_queries"] = bench_batch_queries(c, keys, args.reps)
                         # the same with 40-byte keys (a hex chunk hash, bench_index's keys):
-                        # a hit then reads both cache lines of its 128-byte slot
+                        # in layout 4 (key from byte 24) a hit reads only the slot's first
+                        # cache line, as an 18-byte key's does (layout 3: both lines);
+                        # the table then holds both key sets (2 x --batch keys)
                         keys40 = [b"%040x" % (i * 0x9E3779B97F4A7C15 % (1 << 160))
                                   for i in range(n)]
                         c.put_batch(keys40, vals)

@@ -24,8 +24,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 import kvshm
 from kvshm import Pool, segments
-from kvshm._shmindex import (FALLBACK, KEY_MAX, MISS, IndexReader, IndexWriter,
-                             default_slots)
+from kvshm._shmindex import (FALLBACK, HEADER_SIZE, KEY_MAX, LAYOUT, LAYOUT_OFFSET, MISS,
+                             SLOT_KEY_OFFSET, SLOT_SIZE, SLOT_SIZE_OFFSET, IndexReader,
+                             IndexWriter, default_slots, key_hash)
 from kvshm.client import Client
 from kvshm.server import Server
 from kvshm.store import Store, StoreConfig
@@ -202,6 +203,94 @@ def test_closed_table_sends_every_read_to_the_server(table):
 def test_reader_refuses_another_epoch(table):
     with pytest.raises(ValueError, match="epoch"):
         IndexReader(table.writer.name, table.writer.reads_name, table.pool, EPOCH + 1)
+
+
+def _index_map(name: str) -> mmap.mmap:
+    """The index segment ``name`` mapped writable (the test plays a server of another
+    build)."""
+    shm = posix_ipc.SharedMemory(name)
+    try:
+        return mmap.mmap(shm.fd, HEADER_SIZE)
+    finally:
+        shm.close_fd()
+
+
+def test_a_slot_holds_its_key_from_byte_24_and_its_size_at_byte_120(table):
+    # Layout 4: a key of up to 40 bytes (a 40-byte hex chunk hash) lies in the slot's
+    # first cache line with its version, hash, state and length, so an exists or
+    # match_prefix hit reads one line; the size (read by gets only) is at the end. In
+    # layout 3 the size was at @24 and the key started at @32.
+    assert (LAYOUT, SLOT_KEY_OFFSET, SLOT_SIZE_OFFSET, SLOT_SIZE) == (4, 24, 120, 128)
+    key = b"%040x" % 0x1234567890ABCDEF                  # 40 bytes
+    assert table.writer.publish(key, 4000, [(3, 1)], checksum=0x1122334455667788) >= 0
+    _offs, _sizes, toks = table.reader.locate([key])
+    slot, version = toks[0]
+    shm = posix_ipc.SharedMemory(table.writer.name)
+    m = mmap.mmap(shm.fd, shm.size, prot=mmap.PROT_READ)
+    shm.close_fd()
+    try:
+        s = m[HEADER_SIZE + slot * SLOT_SIZE:HEADER_SIZE + (slot + 1) * SLOT_SIZE]
+    finally:
+        m.close()
+    ver, h, state, keylen, ne, flags = struct.unpack_from("<QQIHBB", s, 0)
+    assert (ver, h, state, keylen, ne, flags) == (version, key_hash(key), 1, 40, 1, 1)
+    assert s[24:64] == key                               # all of it in line 1
+    assert struct.unpack_from("<QII", s, 64) == (0x1122334455667788, 3, 1)
+    assert struct.unpack_from("<Q", s, 120)[0] == 4000
+    assert table.reader.lookup(key)[1:] == (4000, ((3, 1),), 0x1122334455667788)
+
+
+def test_reader_refuses_a_table_of_another_layout(table):
+    table.writer.publish(b"k", 3, [(0, 1)])
+    m = _index_map(table.writer.name)
+    try:
+        assert struct.unpack_from("<I", m, LAYOUT_OFFSET)[0] == LAYOUT
+        for other in (LAYOUT - 1, LAYOUT + 1):
+            struct.pack_into("<I", m, LAYOUT_OFFSET, other)
+            with pytest.raises(ValueError, match="layout"):
+                IndexReader(table.writer.name, table.writer.reads_name, table.pool, EPOCH)
+        struct.pack_into("<I", m, LAYOUT_OFFSET, LAYOUT)
+    finally:
+        m.close()
+    r = IndexReader(table.writer.name, table.writer.reads_name, table.pool, EPOCH)
+    try:
+        assert r.exists_batch([b"k"]) == [True]
+    finally:
+        r.close()
+
+
+def test_a_client_whose_reader_refuses_the_table_asks_the_server(shm_name):
+    """A server of another kvshm build (here: its table's layout word changed) announces
+    a table this client's reader refuses: the client maps the pool and answers every
+    read through the server, correctly, instead of failing."""
+    srv = Server(service_port=0, manage_port=None, prealloc_size=1 / 256, block_size=4,
+                 shm_name=shm_name).start()
+    try:
+        m = _index_map(shm_name + "-index")
+        try:
+            struct.pack_into("<I", m, LAYOUT_OFFSET, LAYOUT - 1)
+            with Client(srv.address) as c:
+                assert c.transport == "shm" and _local(c) is None
+                keys = [b"%040x" % i for i in range(50)]
+                c.put_batch(keys, [b"v%d" % i * 100 for i in range(50)])
+                c.put("a", b"A" * 5000)
+                before = c.stats()["gets"]
+                assert c.get("a") == b"A" * 5000
+                assert c.get_batch(keys[:3] + [b"zz"]) == [b"v0" * 100, b"v1" * 100,
+                                                          b"v2" * 100, None]
+                assert c.exists_batch(keys + [b"zz"]) == [True] * 50 + [False]
+                assert c.match_prefix(keys + [b"zz"] + keys) == 50
+                assert c.exists("a") and not c.exists("zz")
+                with pytest.raises(kvshm.KeyNotFound):
+                    c.get("zz")
+                assert c.stats()["gets"] > before          # the server answered
+        finally:
+            struct.pack_into("<I", m, LAYOUT_OFFSET, LAYOUT)
+            m.close()
+        with Client(srv.address) as c:                      # the layout back: lock-free
+            assert _local(c) is not None and c.get("a") == b"A" * 5000
+    finally:
+        srv.stop()
 
 
 # ----------------------------------------------------------------------------- LRU
