@@ -1,0 +1,119 @@
+"""break20: hostile review of shared index layout 4 (01f392d), break19's batch-probe stop
+fixes (6568d9c / d525e01 / f8afcd4) and the EXISTS found-list check (7c17019)."""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import struct
+
+import posix_ipc
+import pytest
+
+from kvshm import Pool
+from kvshm._shmindex import (HEADER_SIZE, KEY_MAX, MISS, SLOT_KEY_OFFSET, SLOT_SIZE,
+                             SLOT_SIZE_OFFSET, IndexReader, IndexWriter, default_slots)
+
+BS = 4096
+EPOCH = 20
+
+
+class Table:
+    def __init__(self, name: str, blocks: int = 64, slots: int = 0) -> None:
+        self.pool = Pool.create(name, blocks * BS, BS)
+        self.writer = IndexWriter.create(name + "-index", name + "-reads",
+                                         slots or default_slots(blocks), epoch=EPOCH,
+                                         block_size=BS, num_blocks=blocks,
+                                         token=self.pool.token)
+        self.reader = IndexReader(self.writer.name, self.writer.reads_name, self.pool, EPOCH)
+
+    def close(self) -> None:
+        self.reader.close()
+        self.writer.unlink()
+        self.pool.close()
+        self.pool.unlink()
+
+
+@pytest.fixture
+def table(shm_name):
+    t = Table(shm_name)
+    yield t
+    t.close()
+
+
+KEYLENS = (1, 39, 40, 41, 56, 64, 80, 87, 88, 89, 120, 151, KEY_MAX)
+
+
+def _key(n: int, tag: int) -> bytes:
+    return bytes((tag * 7 + i) % 251 + 1 for i in range(n))
+
+
+def _runs(ne: int, first: int) -> list[tuple[int, int]]:
+    # ne runs of one block each, not adjacent (first, first+2, ...)
+    return [(first + 2 * j, 1) for j in range(ne)]
+
+
+def _value(tag: int, size: int) -> bytes:
+    return bytes((tag + i) % 256 for i in range(size))
+
+
+def _slot_bytes(name: str, slot: int) -> bytes:
+    shm = posix_ipc.SharedMemory(name)
+    m = mmap.mmap(shm.fd, shm.size, prot=mmap.PROT_READ)
+    shm.close_fd()
+    try:
+        return m[HEADER_SIZE + slot * SLOT_SIZE:HEADER_SIZE + (slot + 1) * SLOT_SIZE]
+    finally:
+        m.close()
+
+
+def test_held_every_key_length_checksum_and_run_count_round_trips(table):
+    """Keys of 1..152 bytes, with and without a checksum, in 1..8 runs: every read path
+    answers the value and size written, and an overwrite of each with a different size,
+    run count and checksum presence reads the new one (get, get_into, get_many_into,
+    lookup, exists_batch, match_prefix); the size word @120 never holds key/run bytes."""
+    w, r, p = table.writer, table.reader, table.pool
+    tag = 0
+    for n, has_sum, ne in itertools.product(KEYLENS, (False, True), range(1, 9)):
+        tag += 1
+        k = _key(n, tag)
+        size = (ne - 1) * BS + 1 + tag % 97
+        runs = _runs(ne, 0)
+        v = _value(tag, size)
+        for j, (b, _c) in enumerate(runs):
+            p.write(b * BS, v[j * BS:(j + 1) * BS])
+        csum = 0x0102030405060708 + tag if has_sum else None
+        i = w.publish(k, size, runs, csum)
+        assert i >= 0
+        inline = n + 8 * ne + (8 if has_sum else 0) <= 96
+        s = _slot_bytes(w.name, i)
+        assert struct.unpack_from("<Q", s, SLOT_SIZE_OFFSET)[0] == size
+        assert struct.unpack_from("<H", s, 20)[0] == n
+        assert bool(s[23] & 2) == (not inline), (n, has_sum, ne)
+        if inline:
+            assert s[SLOT_KEY_OFFSET:SLOT_KEY_OFFSET + n] == k
+        assert r.lookup(k)[1:] == (size, tuple(runs), csum)
+        assert r.get(k) == v
+        out = bytearray(size + 3)
+        assert r.get_into(k, out) == size and bytes(out[:size]) == v
+        assert r.exists_batch([k, k + b"x" if n < KEY_MAX else k[:-1]]) == [True, False]
+        assert r.match_prefix([k, k]) == 2
+        # overwrite: another size, run count and checksum presence
+        ne2 = 9 - ne
+        size2 = (ne2 - 1) * BS + 5 + tag % 13
+        runs2 = _runs(ne2, 1)
+        v2 = _value(tag + 1, size2)
+        for j, (b, _c) in enumerate(runs2):
+            p.write(b * BS, v2[j * BS:(j + 1) * BS])
+        csum2 = None if has_sum else 0xFEDCBA9876543210
+        assert w.publish(k, size2, runs2, csum2) == i
+        assert struct.unpack_from("<Q", _slot_bytes(w.name, i), SLOT_SIZE_OFFSET)[0] == size2
+        assert r.lookup(k)[1:] == (size2, tuple(runs2), csum2)
+        assert r.get(k) == v2
+        out = bytearray(size2)
+        assert r.get_into(k, out) == size2 and bytes(out) == v2
+        small = bytearray(size2 - 1)
+        with pytest.raises(ValueError):
+            r.get_into(k, small)
+        assert w.unpublish(k)
+        assert r.get(k) is None and r.exists_batch([k]) == [False]
