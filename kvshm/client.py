@@ -2156,7 +2156,7 @@ class Client:
             st, rbody, _ = r
         if st:
             _check(_Reply(0, st, rbody, []), "exists")
-        return rbody["found"][0]  # type: ignore[no-any-return]
+        return found_of(rbody, 1)[0]
 
     def run_op(self, gen: OpGen) -> Any:
         """Drive an operation generator (``kvshm.client._Session.op_*``, or one of

@@ -117,3 +117,55 @@ def test_held_every_key_length_checksum_and_run_count_round_trips(table):
             r.get_into(k, small)
         assert w.unpublish(k)
         assert r.get(k) is None and r.exists_batch([k]) == [False]
+
+
+# --------------------- 7c17019: found_of on every EXISTS path, _exists1 included
+
+@pytest.fixture(scope="module")
+def server():
+    from servers import ServerProcess
+    srv = ServerProcess(prealloc_size=1 / 16)
+    yield srv
+    srv.stop()
+
+
+BAD_FOUND = ([], [True, True], "x", None, {"a": 1}, (True,))
+
+
+@pytest.mark.parametrize("call1", [False, True], ids=["call1-off", "call1-on"])
+@pytest.mark.parametrize("bad", range(len(BAD_FOUND) + 1))
+def test_single_key_exists_refuses_a_bad_found_list(server, monkeypatch, call1, bad):
+    """Client.exists of one key (``_exists1``: the lean one-key path, through
+    Channel.call1 or Channel.request) reads the reply's found list with found_of, as
+    exists_batch does: a reply of no answer, two answers, or a found that is not a list
+    (or no found at all) is ProtocolError, not IndexError/KeyError/TypeError or the
+    first of two answers (failed before: ``rbody["found"][0]``)."""
+    import kvshm.client as client_mod
+    import kvshm.zmq_ctrl.channel as chmod
+    from kvshm.client import Client
+    from kvshm.errors import ProtocolError
+
+    monkeypatch.setenv("KVSHM_NO_LOCAL_READS", "1")
+    monkeypatch.setattr(client_mod, "_CALL1", call1)
+    with Client(server.address, transport="tcp", timeout=10) as c:
+        c.put("b20-one", b"v")
+        assert c.exists("b20-one") and not c.exists("b20-none")
+        body = {} if bad == len(BAD_FOUND) else {"found": BAD_FOUND[bad]}
+        orig_req, orig_call1 = chmod.Channel.request, chmod.Channel.call1
+
+        def request(self, op, *a, **k):
+            r = orig_req(self, op, *a, **k)
+            return (r[0], r[1], dict(body), r[3]) if op == Op.EXISTS else r
+
+        def fake_call1(self, kind, op, *a, **k):
+            r = orig_call1(self, kind, op, *a, **k)
+            return (0, dict(body), []) if op == Op.EXISTS else r
+
+        from kvshm.zmq_ctrl.protocol import Op
+        monkeypatch.setattr(chmod.Channel, "request", request)
+        monkeypatch.setattr(chmod.Channel, "call1", fake_call1)
+        with pytest.raises(ProtocolError):
+            c.exists("b20-one")
+        monkeypatch.setattr(chmod.Channel, "request", orig_req)
+        monkeypatch.setattr(chmod.Channel, "call1", orig_call1)
+        assert c.exists("b20-one") and not c.exists("b20-none")
