@@ -169,3 +169,81 @@ def test_single_key_exists_refuses_a_bad_found_list(server, monkeypatch, call1, 
         monkeypatch.setattr(chmod.Channel, "request", orig_req)
         monkeypatch.setattr(chmod.Channel, "call1", orig_call1)
         assert c.exists("b20-one") and not c.exists("b20-none")
+
+
+@pytest.mark.parametrize("bad", range(len(BAD_FOUND) + 1))
+def test_held_async_exists_refuses_a_bad_found_list(server, monkeypatch, bad):
+    """(held) AsyncClient.exists / exists_batch: found_of on the one request."""
+    import asyncio
+
+    import kvshm.aio as aio
+    from kvshm.aio import AsyncClient
+    from kvshm.errors import ProtocolError
+    from kvshm.zmq_ctrl.protocol import Op
+
+    monkeypatch.setenv("KVSHM_NO_LOCAL_READS", "1")
+    body = {} if bad == len(BAD_FOUND) else {"found": BAD_FOUND[bad]}
+    conn = next(v for v in vars(aio).values() if isinstance(v, type)
+                and "request" in vars(v) and asyncio.iscoroutinefunction(vars(v)["request"]))
+    orig = conn.request
+
+    async def run():
+        async with AsyncClient(server.address, transport="tcp", timeout=10) as c:
+            await c.put("b20-a", b"v")
+            assert await c.exists_batch(["b20-a", "b20-z"]) == [True, False]
+
+            async def request(self, op, *a, **k):
+                r = await orig(self, op, *a, **k)
+                return (r[0], dict(body), r[2]) if op == Op.EXISTS else r
+
+            monkeypatch.setattr(conn, "request", request)
+            for keys in (["b20-a"], ["b20-a", "b20-z", "b20-y"]):
+                with pytest.raises(ProtocolError):
+                    await c.exists_batch(keys)
+            with pytest.raises(ProtocolError):
+                await c.exists("b20-a")
+            monkeypatch.setattr(conn, "request", orig)
+            assert await c.exists_batch(["b20-a", "b20-z"]) == [True, False]
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("bad", range(len(BAD_FOUND) + 1))
+@pytest.mark.parametrize("part", [0, 2, 4], ids=["first", "middle", "last"])
+def test_held_pipelined_exists_refuses_a_bad_found_in_any_part(server, monkeypatch, bad,
+                                                               part):
+    """(held) a pipelined exists_batch (parts of 64 keys, the last of 44) whose part
+    ``part`` has a bad found (too short, too long, not a list, none): ProtocolError, and
+    the client answers right afterwards."""
+    import kvshm.client as client_mod
+    import kvshm.zmq_ctrl.channel as chmod
+    from kvshm.client import Client
+    from kvshm.errors import ProtocolError
+    from kvshm.zmq_ctrl.protocol import Op
+
+    monkeypatch.setenv("KVSHM_NO_LOCAL_READS", "1")
+    monkeypatch.setattr(client_mod, "PIPELINE", True)
+    monkeypatch.setitem(client_mod.PIPE_KEYS, Op.EXISTS, 64)
+    keys = [f"b20p-{i:04d}".encode() for i in range(300)]
+    body = {} if bad == len(BAD_FOUND) else {"found": BAD_FOUND[bad]}
+    with Client(server.address, transport="tcp", timeout=10) as c:
+        c.put_batch(keys[::3], [b"v"] * 100)
+        want = [i % 3 == 0 for i in range(300)]
+        assert c.exists_batch(keys) == want
+        orig_many = chmod.Channel.request_many
+        seen = []
+
+        def many(self, reqs, *a, **k):
+            rs = list(orig_many(self, reqs, *a, **k))
+            if len(rs) == 5:
+                seen.append(1)
+                r = rs[part]
+                rs[part] = (r[0], r[1], dict(body), r[3])
+            return rs
+
+        monkeypatch.setattr(chmod.Channel, "request_many", many)
+        with pytest.raises(ProtocolError):
+            c.exists_batch(keys)
+        assert seen
+        monkeypatch.setattr(chmod.Channel, "request_many", orig_many)
+        assert c.exists_batch(keys) == want
