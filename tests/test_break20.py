@@ -247,3 +247,76 @@ def test_held_pipelined_exists_refuses_a_bad_found_in_any_part(server, monkeypat
         assert seen
         monkeypatch.setattr(chmod.Channel, "request_many", orig_many)
         assert c.exists_batch(keys) == want
+
+
+# ------------- break19's _stopped: holds and misses at every piece/segment edge
+
+def test_held_holds_and_misses_at_every_piece_and_segment_edge(shm_name):
+    """(held) With 1, 2, 3 and 4 threads and one key at a time: a slot held in a write
+    (odd version) and/or an absent key at each piece's/segment's last key, the next
+    piece's first key and the one after, alone and side by side (a miss then a hold,
+    a hold then a miss): exists_batch answers None or exactly the truth; match_prefix
+    FALLBACK or exactly the truth (a miss before a hold may be answered)."""
+    import sys as _sys
+    _sys.path.insert(0, __import__("os").path.dirname(__file__))
+    from kvshm._shmindex import BATCH_SEGMENT, FALLBACK
+    from test_break19 import _hold
+    from test_localx_threads import PIECE, Tables
+
+    from test_localx_threads import EPOCH as TEPOCH
+
+    t = Tables(shm_name, blocks=32768, initial=4096)
+    try:
+        three = IndexReader(t.writer.name, t.writer.reads_name, t.pool, TEPOCH)
+        three.batch_threads = 3
+        three.threads_min = 1
+        t.readers["three"] = three
+        n = 2 * BATCH_SEGMENT + 700
+        keys = [b"edge-%08d" % i for i in range(n)]
+        for i, k in enumerate(keys):
+            assert t.writer.publish(k, 10, [(i, 1)]) >= 0
+        shm = posix_ipc.SharedMemory(t.writer.name)
+        m = mmap.mmap(shm.fd, shm.size)
+        shm.close_fd()
+        edges = sorted({e + d for e in range(PIECE, n, PIECE) for d in (-1, 0, 1)})
+        wrong = []
+        fell = 0
+        try:
+            for at in edges:
+                for kind in ("hold", "miss", "miss+hold", "hold+miss"):
+                    asked = list(keys)
+                    holds = []
+                    if kind == "miss":
+                        asked[at] = b"absent-%d" % at
+                    elif kind == "miss+hold":
+                        asked[at] = b"absent-%d" % at
+                        holds = [at + 1]
+                    elif kind == "hold+miss":
+                        holds = [at]
+                        asked[at + 1] = b"absent-%d" % at
+                    else:
+                        holds = [at]
+                    truth = [not k.startswith(b"absent") for k in asked]
+                    prefix = truth.index(False) if False in truth else n
+                    held = [_hold(m, t.readers["one"], asked[h]) for h in holds]
+                    try:
+                        for label, r in t.readers.items():
+                            got = r.exists_batch(asked)
+                            fell += got is None
+                            if got is not None and got != truth:
+                                wrong.append((label, at, kind, "exists"))
+                            if got is None and not holds:
+                                wrong.append((label, at, kind, "exists None"))
+                            mp = r.match_prefix(asked)
+                            if mp != FALLBACK and mp != prefix:
+                                wrong.append((label, at, kind, "mp", mp, prefix))
+                            if mp == FALLBACK and (not holds or holds[0] > prefix):
+                                wrong.append((label, at, kind, "mp fallback"))
+                    finally:
+                        for where, version in held:
+                            struct.pack_into("<Q", m, where, version)
+        finally:
+            m.close()
+        assert wrong == [] and fell >= len(edges) * 3 * len(t.readers)
+    finally:
+        t.close()
