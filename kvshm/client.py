@@ -224,15 +224,15 @@ class _Buffers:
 OpGen = Generator[_Req, _Reply, Any]
 
 
-def found_of(body: Any, n: int) -> list[bool]:
-    """The ``found`` list of an EXISTS reply for ``n`` keys, as sent.
+def found_of(body: Any, n: int, what: str = "EXISTS") -> list[bool]:
+    """The ``found`` list of an EXISTS (or, ``what``, PIN) reply for ``n`` keys, as sent.
 
     Raises ProtocolError when it is not a list of ``n`` items: a reply that would put
     answers on other keys (pipelined parts, a bad server) is never read as one."""
     found = body.get("found") if isinstance(body, dict) else None
     if type(found) is not list or len(found) != n:
         got = len(found) if isinstance(found, list) else type(found).__name__
-        raise ProtocolError(f"EXISTS reply for {n} keys has found of {got}")
+        raise ProtocolError(f"{what} reply for {n} keys has found of {got}")
     return found  # type: ignore[no-any-return]
 
 

@@ -158,6 +158,7 @@ def op_pin(session: Any, keys: Sequence[Any], ttl: float, address: str) -> Any:
     """PIN ``keys`` for ``ttl`` s; returns a :class:`Handoff` of the keys found.
 
     Raises KeyNotFound (with ``missing``) when a key is not stored."""
+    from kvshm.client import found_of
     from kvshm.errors import KeyNotFound
     from kvshm.zmq_ctrl.protocol import Op
 
@@ -167,7 +168,9 @@ def op_pin(session: Any, keys: Sequence[Any], ttl: float, address: str) -> Any:
         raise ValueError("a handoff needs at least one key")
     body = yield from session.op_simple(Op.PIN, {"keys": bkeys, "ttl": ttl}, "pin")
     session.raise_lost_commits()
-    missing = [k for k, f in zip(bkeys, body["found"]) if not f]
+    # (a found list of another length would leave keys out of missing: ProtocolError;
+    # the pin it made, if any, ends with its ttl)
+    missing = [k for k, f in zip(bkeys, found_of(body, len(bkeys), "PIN")) if not f]
     node_id, addr = _where(session, address)
     h = Handoff(node_id, addr, int(body["epoch"]), tuple(bkeys),
                 time.time() + float(body["ttl"]), pin=int(body["pin"]))

@@ -320,3 +320,39 @@ def test_held_holds_and_misses_at_every_piece_and_segment_edge(shm_name):
         assert wrong == [] and fell >= len(edges) * 3 * len(t.readers)
     finally:
         t.close()
+
+
+@pytest.mark.parametrize("bad", range(len(BAD_FOUND) + 1))
+def test_a_pin_reply_with_a_bad_found_list_makes_no_handoff(server, monkeypatch, bad):
+    """Client.pin (handoff.op_pin) took ``zip(keys, body["found"])``: a PIN reply with
+    fewer answers than keys left the keys past its end out of ``missing``, so a Handoff
+    was made for keys the server never said it holds (and a longer list, a non-list or
+    none: a Handoff or KeyError/TypeError). Now ProtocolError, as for EXISTS (failed
+    before)."""
+    import kvshm.zmq_ctrl.channel as chmod
+    from kvshm.client import Client
+    from kvshm.errors import ProtocolError
+    from kvshm.zmq_ctrl.protocol import Op
+
+    monkeypatch.setenv("KVSHM_NO_LOCAL_READS", "1")
+    keys = [b"b20-pin-%d" % i for i in range(3)]
+    body = {} if bad == len(BAD_FOUND) else {"found": BAD_FOUND[bad]}
+    with Client(server.address, transport="tcp", timeout=10) as c:
+        c.put_batch(keys, [b"v"] * 3)
+        c.unpin(c.pin(keys, 30))
+        orig = chmod.Channel.request
+
+        def request(self, op, *a, **k):
+            r = orig(self, op, *a, **k)
+            if op == Op.PIN:
+                rb = dict(r[2])
+                rb.pop("found", None)
+                rb.update(body)
+                return (r[0], r[1], rb, r[3])
+            return r
+
+        monkeypatch.setattr(chmod.Channel, "request", request)
+        with pytest.raises(ProtocolError):
+            c.pin(keys, 30)
+        monkeypatch.setattr(chmod.Channel, "request", orig)
+        c.unpin(c.pin(keys, 30))
