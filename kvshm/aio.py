@@ -54,6 +54,7 @@ from kvshm.client import (
     _gone_unsent,
     _operator_token,
     found_of,
+    prefix_of,
     _Drive,
     _Reply,
     _Req,
@@ -856,7 +857,7 @@ class AsyncClient:
         if not bkeys:
             return 0
         body = {"keys": bkeys}
-        return (await self._simple(Op.MATCH_PREFIX, body, "match_prefix"))["n"]
+        return prefix_of(await self._simple(Op.MATCH_PREFIX, body, "match_prefix"), len(bkeys))
 
     async def delete(self, keys: Key | Sequence[Key]) -> int:
         """Remove keys. Returns how many were removed."""

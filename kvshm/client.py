@@ -236,6 +236,17 @@ def found_of(body: Any, n: int, what: str = "EXISTS") -> list[bool]:
     return found  # type: ignore[no-any-return]
 
 
+def prefix_of(body: Any, n: int) -> int:
+    """The ``n`` of a MATCH_PREFIX reply for ``n`` keys, as sent: an int in [0, n].
+
+    Raises ProtocolError otherwise (a count past the keys asked would be read as keys
+    held that were never asked about)."""
+    got = body.get("n") if isinstance(body, dict) else None
+    if type(got) is not int or not 0 <= got <= n:
+        raise ProtocolError(f"MATCH_PREFIX reply for {n} keys has n of {got!r:.40}")
+    return got
+
+
 def _check(r: _Reply, what: str) -> None:
     if r.status != Status.OK:
         msg = r.body.get("error", Status(r.status).name if r.status in Status._value2member_map_
@@ -2659,8 +2670,8 @@ class Client:
         bkeys = self._session.keys(keys)
         if not bkeys:
             return 0
-        return self._run(self._session.op_simple(Op.MATCH_PREFIX, {"keys": bkeys},
-                                                 "match_prefix"))["n"]  # type: ignore[no-any-return]
+        return prefix_of(self._run(self._session.op_simple(Op.MATCH_PREFIX, {"keys": bkeys},
+                                                           "match_prefix")), len(bkeys))
 
     def delete(self, keys: Key | Sequence[Key]) -> int:
         """Remove keys (a readers' pin keeps its bytes until released). Returns removed."""

@@ -356,3 +356,59 @@ def test_a_pin_reply_with_a_bad_found_list_makes_no_handoff(server, monkeypatch,
             c.pin(keys, 30)
         monkeypatch.setattr(chmod.Channel, "request", orig)
         c.unpin(c.pin(keys, 30))
+
+
+BAD_N = (4, -1, "2", None, True, 2.0, [1])
+
+
+@pytest.mark.parametrize("bad", range(len(BAD_N) + 1))
+def test_a_match_prefix_reply_past_the_keys_asked_is_refused(server, monkeypatch, bad):
+    """Client/AsyncClient.match_prefix returned the reply's ``n`` as it came: a count
+    past the keys asked (4 of 3: a connector would count tokens never asked about as
+    cached), negative, or not an int (or none: KeyError). Now ProtocolError (prefix_of),
+    as found_of for EXISTS (failed before)."""
+    import asyncio
+
+    import kvshm.aio as aio
+    import kvshm.zmq_ctrl.channel as chmod
+    from kvshm.aio import AsyncClient
+    from kvshm.client import Client
+    from kvshm.errors import ProtocolError
+    from kvshm.zmq_ctrl.protocol import Op
+
+    monkeypatch.setenv("KVSHM_NO_LOCAL_READS", "1")
+    keys = [b"b20-mp-%d" % i for i in range(3)]
+    body = {} if bad == len(BAD_N) else {"n": BAD_N[bad]}
+    with Client(server.address, transport="tcp", timeout=10) as c:
+        c.put_batch(keys[:2], [b"v"] * 2)
+        assert c.match_prefix(keys) == 2
+        orig = chmod.Channel.request
+
+        def request(self, op, *a, **k):
+            r = orig(self, op, *a, **k)
+            return (r[0], r[1], dict(body), r[3]) if op == Op.MATCH_PREFIX else r
+
+        monkeypatch.setattr(chmod.Channel, "request", request)
+        with pytest.raises(ProtocolError):
+            c.match_prefix(keys)
+        monkeypatch.setattr(chmod.Channel, "request", orig)
+        assert c.match_prefix(keys) == 2
+
+    conn = aio._Conn
+    aorig = conn.request
+
+    async def run():
+        async with AsyncClient(server.address, transport="tcp", timeout=10) as a:
+            assert await a.match_prefix(keys) == 2
+
+            async def arequest(self, op, *x, **k):
+                r = await aorig(self, op, *x, **k)
+                return (r[0], dict(body), r[2]) if op == Op.MATCH_PREFIX else r
+
+            monkeypatch.setattr(conn, "request", arequest)
+            with pytest.raises(ProtocolError):
+                await a.match_prefix(keys)
+            monkeypatch.setattr(conn, "request", aorig)
+            assert await a.match_prefix(keys) == 2
+
+    asyncio.run(run())
