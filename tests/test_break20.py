@@ -412,3 +412,96 @@ def test_a_match_prefix_reply_past_the_keys_asked_is_refused(server, monkeypatch
             assert await a.match_prefix(keys) == 2
 
     asyncio.run(run())
+
+
+_READER = r'''
+import sys, struct
+from kvshm import Pool
+from kvshm._shmindex import IndexReader, FALLBACK, MISS
+name, epoch, n_iter = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+keys = [bytes.fromhex(h) for h in sys.argv[4].split(",")]
+pool = Pool.attach(name) if hasattr(Pool, "attach") else Pool.open(name)
+r = IndexReader(name + "-index", name + "-reads", pool, epoch)
+seen = bad = 0
+buf = bytearray(9 * 4096)
+def ok(v):
+    size, tag = struct.unpack_from("<II", v, 0)
+    return len(v) == size and v == struct.pack("<II", size, tag) + bytes([tag % 256]) * (size - 8)
+for it in range(n_iter):
+    for k in keys:
+        v = r.get(k)
+        if v is not None:
+            seen += 1
+            bad += not ok(v)
+        n = r.get_into(k, buf)
+        if n >= 0:
+            seen += 1
+            bad += not ok(bytes(buf[:n]))
+        elif n == MISS:
+            bad += 1                      # always present: never a miss
+        t = r.lookup(k)
+        if t is not None and t is not FALLBACK and not isinstance(t, int):
+            size, runs = t[1], t[2]
+            bad += not (sum(c for _, c in runs) * 4096 >= size > (sum(c for _, c in runs) - 1) * 4096)
+    ex = r.exists_batch(keys)
+    bad += ex is not None and not all(ex)
+    mp = r.match_prefix(keys)
+    bad += mp != FALLBACK and mp != len(keys)
+print(seen, bad)
+'''
+
+
+@pytest.mark.parametrize("churn", [False, True], ids=["still", "growth+rebuild"])
+def test_held_sizes_and_values_read_in_another_process_during_overwrites(shm_name, churn):
+    """(held) One process republishes keys of 40/41/80/88/89/120 bytes over and over
+    between alternatives of other sizes, run counts (1..8) and checksum presence (so an
+    80-byte key moves inline -> wide); a reader process's get / get_into / lookup always
+    answer one whole alternative (its size word @120 read under the seqlock) or none,
+    never a miss, exists_batch/match_prefix never a miss; with ``churn`` other keys are
+    published and unpublished meanwhile (the table grows from 4096 slots and is rebuilt
+    for its tombstones)."""
+    import subprocess
+    import sys as _sys
+
+    t = Table(shm_name, blocks=16384 if churn else 1024)
+    try:
+        lens = (40, 41, 80, 88, 89, 120)
+        keys = [_key(n, n) for n in lens]
+        alts = []             # per key: [(size, runs, csum)]
+        block = 0
+        for ki, k in enumerate(keys):
+            mine = []
+            for ai, (ne, has_sum) in enumerate(((1, False), (3, True), (8, True), (2, False),
+                                                (8, False), (1, True))):
+                tag = ki * 16 + ai + 1
+                size = (ne - 1) * 4096 + 100 + 37 * ai
+                v = struct.pack("<II", size, tag) + bytes([tag % 256]) * (size - 8)
+                runs = [(block + j, 1) for j in range(ne)]
+                block += ne
+                for j, (b, _c) in enumerate(runs):
+                    t.pool.write(b * BS, v[j * BS:(j + 1) * BS])
+                mine.append((size, runs, tag if has_sum else None))
+            alts.append(mine)
+            t.writer.publish(k, *mine[0][:2], mine[0][2])
+        env = dict(__import__("os").environ)
+        p = subprocess.Popen([_sys.executable, "-c", _READER, shm_name, str(EPOCH), "300",
+                              ",".join(k.hex() for k in keys)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=env)
+        i = 0
+        while p.poll() is None:
+            for ki, k in enumerate(keys):
+                size, runs, csum = alts[ki][i % len(alts[ki])]
+                assert t.writer.publish(k, size, runs, csum) >= 0
+            if churn:
+                for j in range(40):
+                    t.writer.publish(b"churn-%09d" % (i * 40 + j), 10, [(0, 1)])
+                    if i >= 120:
+                        t.writer.unpublish(b"churn-%09d" % ((i - 120) * 40 + j))
+            i += 1
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err.decode()[-2000:]
+        seen, bad = map(int, out.split())
+        assert bad == 0 and seen > 0 and i > 10
+        assert not churn or t.writer.nslots > 4096          # it grew
+    finally:
+        t.close()
