@@ -505,3 +505,17 @@ def test_held_sizes_and_values_read_in_another_process_during_overwrites(shm_nam
         assert not churn or t.writer.nslots > 4096          # it grew
     finally:
         t.close()
+
+
+def test_held_an_empty_or_over_long_key_is_refused_and_every_read_falls_back(table):
+    """(held) A key of 0 bytes or past KEY_MAX (153, 1000) is not published (-1, counted
+    unpublished), and every read of it says FALLBACK (exists_batch None): never a miss
+    that would hide a value the server holds."""
+    from kvshm._shmindex import FALLBACK
+    w, r = table.writer, table.reader
+    for k in (b"", b"x" * (KEY_MAX + 1), b"y" * 1000):
+        assert w.publish(k, 10, [(0, 1)]) == -1
+        assert r.get(k) == FALLBACK and r.lookup(k) == FALLBACK
+        assert r.get_into(k, bytearray(100)) == FALLBACK
+        assert r.exists_batch([k, b"a"]) is None and r.match_prefix([k, b"a"]) == FALLBACK
+    assert w.unpublished == 3
