@@ -500,6 +500,10 @@ class Server:
                 "server": {"pid": os.getpid(), "host": socket.gethostname()},
                 "ipc": None,
                 "max_message": max_message,
+                # bytes one principal may hold in ALLOCs not yet committed (0: no
+                # limit): a same-host client sends a small batch inline (one PUT, which
+                # holds none) only when well below it (kvshm.client INLINE_PUT)
+                "pending_limit": store_cfg.max_client_pending_bytes,
             }
             if self._curve is not None:
                 hello["curve_public_key"] = self._curve.public
