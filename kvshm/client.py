@@ -79,7 +79,7 @@ try:    # a pipelined batch's part packed without its slice (kvshm.zmq_ctrl._bat
     from kvshm.zmq_ctrl._batchq import pack_keys_request as _pack_keys
 except ImportError:     # pragma: no cover - the extension is not built
     _pack_keys = None  # type: ignore[assignment]
-from kvshm._pool import Pool
+from kvshm._pool import PackedValues, Pool
 from kvshm.errors import (
     CorruptValue,
     InvalidKey,
@@ -151,6 +151,10 @@ INLINE_PUT_MAX = int(os.environ.get("KVSHM_INLINE_PUT_MAX", "2048"))
 #: ... and the values add up to at most this many bytes (16 MiB: one message's worth
 #: held in memory twice, well under the server's 65 MiB message limit).
 INLINE_PUT_TOTAL = 16 << 20
+#: A shm client's ALLOC + COMMIT put_batch packs the values in C and copies them in one
+#: C loop (:class:`_Packed`): on unless the environment's ``KVSHM_PACKED_PUT`` is ``0``
+#: (read at import; also :data:`PACKED_PUT`, read per call).
+PACKED_PUT = os.environ.get("KVSHM_PACKED_PUT", "1").strip() not in ("", "0")
 #: Keys per request of a pipelined batch, by op. EXISTS: the server's C batch path
 #: serves up to ``SLICE_MULT * slice_keys`` (8,192 at the default 2,048) keys in one
 #: turn, so a part of that size is answered as it comes, in order (a larger one would be
@@ -254,6 +258,39 @@ class _Buffers:
 
     def to_pool(self, mover: OneSidedMover, offsets: list[int], idx: list[int]) -> None:
         mover.write(offsets, [self.views[i] for i in idx], [self.keys[i] for i in idx])
+
+
+class _Packed:
+    """Values packed back to back (``_batch.pack_values``, read in place as a
+    :class:`~kvshm._pool.PackedValues`): a shm client's source for ALLOC + COMMIT
+    without a memoryview per value. The shm mover's ``write`` copies them in one C loop
+    (``Pool.write_values``, -1 offsets for refused keys); any other mover (values of several runs: an ExtentMover)
+    is given views as :class:`_Buffers` gives them. Off: ``KVSHM_PACKED_PUT=0``
+    (:data:`PACKED_PUT`)."""
+
+    __slots__ = ("keys", "packed", "sizes")
+
+    def __init__(self, keys: list[bytes], packed: Any, sizes: list[int]) -> None:
+        self.keys = keys
+        self.packed = packed
+        self.sizes = sizes
+
+    def buffers(self) -> list[memoryview]:
+        p = self.packed
+        return [p[i] for i in range(len(p))]
+
+    def to_pool(self, mover: OneSidedMover, offsets: list[int], idx: list[int]) -> None:
+        if type(mover) is ShmMover:
+            n = len(self.sizes)
+            if len(idx) != n:       # some refused: -1 is not written
+                full = [-1] * n
+                for j, i in enumerate(idx):
+                    full[i] = offsets[j]
+                offsets = full
+            mover.write(offsets, self.packed, self.keys)   # one C loop (ShmMover.write)
+            return
+        p = self.packed
+        mover.write(offsets, [p[i] for i in idx], [self.keys[i] for i in idx])
 
 
 OpGen = Generator[_Req, _Reply, Any]
@@ -1204,6 +1241,18 @@ class _Session:
             _check(r, "put")
             self.raise_failures(bkeys, r.body["st"], "put")
             return None
+        if source is None and PACKED_PUT and _batch is not None and self.wb is None \
+                and not checksum and type(mover) is ShmMover:
+            # the values packed in one C loop (the checks and errors of _views_sizes),
+            # copied by the mover in another: no object per value
+            if len(values) != len(bkeys):
+                raise ValueError(f"{len(bkeys)} keys but {len(values)} values")
+            sizes, frames, counts = _batch.pack_values(
+                bkeys, values, self.capacity, self.limits.max_value_bytes or 0, byte_view,
+                ValueTooLarge)
+            packed = PackedValues.of(frames, counts, sizes) if bkeys else None
+            if packed is not None:      # (else the views below, checked again)
+                source = _Packed(bkeys, packed, sizes)
         if source is None:
             views, vsizes = self._views_sizes(bkeys, values)
             wb = self.wb
@@ -1235,11 +1284,17 @@ class _Session:
                 self.aborts.append(r.req_id)
                 continue
             st, offsets = r.body["st"], r.body["offsets"]
-            ok = [i for i, s in enumerate(st) if s == Status.OK]
+            if type(st) is list and type(offsets) is list and len(st) == len(offsets) \
+                    and st.count(_OK) == len(st):
+                ok = list(range(len(st)))           # the common case, at C speed
+                some = offsets
+            else:
+                ok = [i for i, s in enumerate(st) if s == Status.OK]
+                some = [offsets[i] for i in ok]
             if ok:
                 try:
                     # values of several runs: a mover that cuts at the runs' edges
-                    mv, offs = placed(mover, [offsets[i] for i in ok], Layout())
+                    mv, offs = placed(mover, some, Layout())
                     src.to_pool(mv, offs, ok)
                 except BaseException:
                     self.aborts.append(r.req_id)

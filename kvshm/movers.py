@@ -26,7 +26,7 @@ import threading
 from typing import Any, Iterator, Protocol, Sequence
 
 from kvshm._buffers import byte_view
-from kvshm._pool import Pool
+from kvshm._pool import PackedValues, Pool
 
 __all__ = ["OneSidedMover", "ShmMover", "ExtentMover", "Layout", "placed", "VIRTUAL_BASE"]
 
@@ -106,8 +106,14 @@ class ShmMover:
 
     def write(self, offsets: Sequence[int], values: Sequence[Any],
               keys: Sequence[bytes]) -> None:
+        """Copy ``values[i]`` to pool ``offsets[i]``. ``values`` may also be a
+        :class:`~kvshm._pool.PackedValues` (kvshm.client ``_Packed``), one offset per
+        value, -1 for a value not written (``Pool.write_values``)."""
         self._enter()
         try:
+            if type(values) is PackedValues:
+                self.pool.write_values(offsets, values)
+                return
             self.pool.write_many(offsets, values)
         finally:
             self._exit()
