@@ -291,6 +291,10 @@ class _Packed:
 
     def to_pool(self, mover: OneSidedMover, offsets: list[int], idx: list[int]) -> None:
         if type(mover) is ShmMover:
+            # -1 means "refused, skip" to write_values: a granted (OK) key's offset
+            # must never read so (a hostile reply: COMMIT of blocks never written)
+            if offsets and min(offsets) < 0:
+                raise IndexError(f"ALLOC granted offset {min(offsets)}")
             n = len(self.sizes)
             if len(idx) != n:       # some refused: -1 is not written
                 full = [-1] * n
