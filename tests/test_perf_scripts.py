@@ -93,3 +93,12 @@ def test_peers_env_rejects_unknown_peer(tmp_path):
                           timeout=60, env={**os.environ, "KVSHM_PEERS_CACHE": str(tmp_path)})
     assert proc.returncode == 2
     assert "unknown peer 'no-such-peer'" in proc.stderr
+
+
+def test_bench_shmput_quick(tmp_path):
+    js = tmp_path / "shmput.json"
+    out = run_script("bench_shmput.py", "--quick", "--json", str(js))
+    for row in ("shm-base", "shm-packed", "shm-inline", "tcp", "vs tcp", "load at end"):
+        assert row in out, f"no {row!r} in\n{out}"
+    res = json.loads(js.read_text())
+    assert set(res["rows"]) == {"shm-base", "shm-packed", "shm-inline", "tcp"}
