@@ -105,6 +105,7 @@ from kvshm.errors import (
     WriteRefused,
     WritesLost,
 )
+from kvshm.replies import found_of, prefix_of
 from kvshm.movers import Layout, OneSidedMover, ShmMover, placed
 from kvshm.zmq_ctrl.channel import CALL1 as _CALL1, NOT_SENT as _NOT_SENT, _pid
 from kvshm.zmq_ctrl.channel import DRAIN_MAX, Channel, check_resolvable, endpoint_of
@@ -308,29 +309,6 @@ class _Packed:
 
 
 OpGen = Generator[_Req, _Reply, Any]
-
-
-def found_of(body: Any, n: int, what: str = "EXISTS") -> list[bool]:
-    """The ``found`` list of an EXISTS (or, ``what``, PIN) reply for ``n`` keys, as sent.
-
-    Raises ProtocolError when it is not a list of ``n`` items: a reply that would put
-    answers on other keys (pipelined parts, a bad server) is never read as one."""
-    found = body.get("found") if isinstance(body, dict) else None
-    if type(found) is not list or len(found) != n:
-        got = len(found) if isinstance(found, list) else type(found).__name__
-        raise ProtocolError(f"{what} reply for {n} keys has found of {got}")
-    return found  # type: ignore[no-any-return]
-
-
-def prefix_of(body: Any, n: int) -> int:
-    """The ``n`` of a MATCH_PREFIX reply for ``n`` keys, as sent: an int in [0, n].
-
-    Raises ProtocolError otherwise (a count past the keys asked would be read as keys
-    held that were never asked about)."""
-    got = body.get("n") if isinstance(body, dict) else None
-    if type(got) is not int or not 0 <= got <= n:
-        raise ProtocolError(f"MATCH_PREFIX reply for {n} keys has n of {got!r:.40}")
-    return got
 
 
 def _check(r: _Reply, what: str) -> None:

@@ -158,8 +158,8 @@ def op_pin(session: Any, keys: Sequence[Any], ttl: float, address: str) -> Any:
     """PIN ``keys`` for ``ttl`` s; returns a :class:`Handoff` of the keys found.
 
     Raises KeyNotFound (with ``missing``) when a key is not stored."""
-    from kvshm.client import found_of
     from kvshm.errors import KeyNotFound
+    from kvshm.replies import found_of
     from kvshm.zmq_ctrl.protocol import Op
 
     ttl = check_ttl(ttl)
