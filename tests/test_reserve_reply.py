@@ -122,7 +122,13 @@ def test_garbled_reply_of_a_reserve_sent_ahead(srv, monkeypatch):
                                   only=lambda rid: rid == wb.reserve_rid)
         errors = _puts(c, 0, 2 * wb.want)
         assert len(done) == 1, "a RESERVE was sent ahead and its reply read"
-        assert errors and "ProtocolError: bad reply" in errors[0][1], errors
+        # the call that read it raises ProtocolError; or, when a HELLO's drain read it
+        # (a HELLO came due meanwhile: Client._hello_locked drains replies in flight
+        # first and takes a bad one as the reset it is), the writes it left unanswered
+        # are reported lost instead (seen once in a CI rehearsal at load ~5)
+        assert errors, errors
+        assert "ProtocolError: bad reply" in errors[0][1] or (
+            "WritesLost" in errors[0][1] and len(errors) == 1), errors
         # a write in flight on the reset connection is reported lost, once
         assert all("WritesLost" in e for _, e in errors[1:]) and len(errors) <= 2, errors
         _flush(c)
