@@ -92,3 +92,228 @@ def test_scribbled_wide_record_index_cannot_crash_the_server(then, index):
                 c.put(b"L%d" % i * 40, b"v%d" % i)
             assert all(c.get(b"L%d" % i * 40) == b"v%d" % i for i in range(20))
         assert srv.alive(), srv.stderr_text
+
+
+# ------------------------------------------------ hosts that vanish mid-pipeline (bed)
+
+import json  # noqa: E402
+import select  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import textwrap  # noqa: E402
+
+from bed import Bed, _run, bed_refusal, free_port, wait_for  # noqa: E402
+
+#: The remote client's timeout (s): longer than the whole of a call at the bed's rate
+#: (a reply is waited for whole: the control case, ``how="none"``, checks it is met);
+#: a call that has not ended HANG_S after the host vanished is taken for hung (the
+#: bed's processes are killed and the test fails).
+CLIENT_TIMEOUT = 4.0
+HANG_S = 20.0
+
+REMOTE = """
+    import json, sys, time
+    import kvshm
+    mode, addr, timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    c = kvshm.Client(addr, transport="tcp", timeout=timeout)
+    def out(**kw):
+        print(json.dumps(kw), flush=True)
+    if mode == "into":          # 12 x 1 MiB: get_batch_into over ZMTP, into buffers
+        keys = [f"k{i}" for i in range(12)]
+        vals = [bytes([i + 1]) * (1 << 20) for i in range(12)]
+    else:                       # exists_batch of 300 k keys in pipelined parts
+        keys = [f"key-{i:08d}" for i in range(300_000)]
+        vals = None
+    c.put_batch(keys[:12], vals or [b"x"] * 12)
+    out(ready=1)
+    for line in sys.stdin:
+        if line.strip() != "go":
+            break
+        t0 = time.monotonic()
+        try:
+            if mode == "into":
+                bufs = [bytearray(1 << 20) for _ in keys]
+                r = c.get_batch_into(keys, bufs)
+                out(ok=r == [1 << 20] * 12 and all(b == v for b, v in zip(bufs, vals)))
+            else:
+                r = c.exists_batch(keys)
+                out(ok=r == [True] * 12 + [False] * (len(keys) - 12))
+        except Exception as e:
+            out(exc=type(e).__name__, msg=str(e)[:300], dt=time.monotonic() - t0)
+    c.close()
+"""
+
+
+class TwoHosts:
+    """A bed of two hosts: a server on h0, a client process on h1 (tests/bed.py)."""
+
+    def __init__(self, tmp: str) -> None:
+        self.bed = Bed(2).create()
+        self.tmp = tmp
+        self.token = os.path.join(tmp, "door.token")
+        fd = os.open(self.token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, os.urandom(32).hex().encode() + b"\n")
+        os.close(fd)
+        here = os.path.dirname(os.path.abspath(__file__))
+        self.env = dict(os.environ, PYTHONPATH=os.path.dirname(here),
+                        KVSHM_TOKEN_FILE=self.token, KVSHM_PIPELINE="1",
+                        KVSHM_ZMTP_INTO="1")
+        self.port = free_port()
+        self.srv: subprocess.Popen[bytes] | None = None
+        self.cli: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.bed.addr(0)}:{self.port}"
+
+    def serve(self, *flags: str) -> None:
+        self.srv = self.bed.spawn(0, [
+            sys.executable, "-m", "kvshm", "serve", "--host", self.bed.addr(0),
+            "--insecure", "--door-token-file", self.token, "--service-port",
+            str(self.port), "--no-manage", "--prealloc-size", "0.125", "--log-level",
+            "ERROR", *flags], stdout=subprocess.PIPE, env=self.env)
+        assert self._line(self.srv, 60).startswith("kvshm ready")
+
+    def client(self, mode: str) -> None:
+        script = os.path.join(self.tmp, "remote.py")
+        with open(script, "w") as f:
+            f.write(textwrap.dedent(REMOTE))
+        self.cli = self.bed.spawn(1, [sys.executable, script, mode, self.address,
+                                      str(CLIENT_TIMEOUT)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  env=self.env)
+        assert json.loads(self._line(self.cli, 60)) == {"ready": 1}
+
+    @staticmethod
+    def _line(p: subprocess.Popen[bytes], timeout: float) -> str:
+        assert p.stdout is not None
+        r, _, _ = select.select([p.stdout], [], [], timeout)
+        if not r:
+            raise AssertionError(f"no line from pid {p.pid} in {timeout} s (hung)")
+        return p.stdout.readline().decode()
+
+    def go(self) -> None:
+        assert self.cli is not None and self.cli.stdin is not None
+        self.cli.stdin.write(b"go\n")
+        self.cli.stdin.flush()
+
+    def answer(self) -> dict:
+        assert self.cli is not None
+        line = self._line(self.cli, HANG_S)
+        assert line, "the client process exited"
+        return json.loads(line)
+
+    def server_stats(self) -> dict:
+        code = ("import json, kvshm; c = kvshm.Client(%r, transport='tcp', timeout=5); "
+                "s = c.stats(); print(json.dumps({k: s[k] for k in "
+                "('pins', 'sending', 'pinned', 'pending')})); c.close()" % self.address)
+        r = subprocess.run([*self.bed.prefix(0), sys.executable, "-c", code],
+                           env=self.env, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    def close(self) -> None:
+        if self.srv is not None and self.srv.poll() is None:
+            try:
+                os.kill(self.srv.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        if self.cli is not None and self.cli.poll() is None and self.cli.stdin:
+            try:
+                self.cli.stdin.close()
+            except BrokenPipeError:
+                pass
+        self.bed.destroy()          # SIGKILLs whatever still runs in its namespaces
+
+
+@pytest.fixture
+def two_hosts():
+    why = bed_refusal()
+    if why is not None:
+        pytest.skip(why)
+    tmp = tempfile.mkdtemp(prefix="kvshm-contain-")
+    h = TwoHosts(tmp)
+    try:
+        yield h
+    finally:
+        h.close()
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        # nothing of the bed is left: its namespaces and mounts are gone
+        left = _run(["ip", "netns", "list"], check=False).stdout
+        assert h.bed.tag not in left, left
+        assert not os.path.exists(h.bed.mntdir)
+
+
+def _moving(h: TwoHosts, i: int, tx: bool, base: int, nbytes: int) -> None:
+    """Wait until host i's switch port has moved ``nbytes`` more (a part in flight)."""
+    port = h.bed.port_tx if tx else h.bed.port_rx
+    wait_for(lambda: port(i) - base > nbytes, 15, "bytes on the wire")
+
+
+@pytest.mark.parametrize("mode", ["into", "exists"])
+@pytest.mark.parametrize("how", ["none", "sigstop", "sigkill", "netns"])
+def test_server_host_vanishing_mid_pipeline_ends_the_call_in_an_error(two_hosts, mode,
+                                                                       how):
+    """Held: a client on h1 has a TCP ``get_batch_into`` (12 MiB straight into its
+    buffers) or a pipelined ``exists_batch`` (300 k keys in parts) in flight, rate
+    limited so that it is mid-way, when the server on h0 is SIGSTOPped, SIGKILLed or
+    its host deleted (port down, its processes killed, its netns deleted). The call
+    raises ServerUnavailable (no result, no partial buffers reported as read) and does
+    not hang; a server SIGCONTed is then served right by the same client. ``none``:
+    the same call, nothing done to the server, returns the right answer (so that the
+    error above is the vanishing's, not the rate's)."""
+    h = two_hosts
+    h.serve()
+    # into: the reply (h0 -> h1) is slow; exists: the parts (h1 -> h0) are
+    # (each some 1.7 s at these rates: the vanishing below comes well before the end)
+    h.bed.rate_limit(0 if mode == "into" else 1, "60mbit" if mode == "into" else "20mbit")
+    h.client(mode)
+    base = h.bed.port_tx(1) if mode == "into" else h.bed.port_rx(1)
+    h.go()
+    _moving(h, 1, mode == "into", base, 1_500_000 if mode == "into" else 600_000)
+    assert h.srv is not None
+    if how == "sigstop":
+        os.kill(h.srv.pid, signal.SIGSTOP)
+    elif how == "sigkill":
+        os.kill(h.srv.pid, signal.SIGKILL)
+    elif how == "netns":
+        h.bed.kill_host(0)
+        _run(["ip", "netns", "del", h.bed.ns(0)])
+    r = h.answer()
+    if how == "none":
+        assert r == {"ok": True}, r
+        return
+    assert r.get("exc") == "ServerUnavailable", r
+    if how == "sigstop":
+        os.kill(h.srv.pid, signal.SIGCONT)
+        _run(["ip", "netns", "exec", h.bed.ns(0 if mode == "into" else 1), "tc", "qdisc",
+              "del", "dev", "eth0", "root"])
+        h.go()
+        assert h.answer() == {"ok": True}
+        st = h.server_stats()
+        assert st["pins"] == 0 and st["pending"] == 0, st
+
+
+def test_client_host_vanishing_mid_reply_frees_the_servers_pins(two_hosts):
+    """Held: the client's host (h1) vanishes (port down, processes killed, netns
+    deleted) while the server streams it a 12 MiB GET: no reset ever comes, the reply's
+    pins are dropped at the lease (the peer has not read within it) and the server
+    serves on."""
+    h = two_hosts
+    h.serve("--lease-timeout", "2")
+    h.bed.rate_limit(0, "60mbit")
+    h.client("into")
+    base = h.bed.port_tx(1)
+    h.go()
+    _moving(h, 1, True, base, 1_500_000)
+    assert h.server_stats()["pins"] > 0        # the reply is still being sent
+    h.bed.kill_host(1)
+    _run(["ip", "netns", "del", h.bed.ns(1)])
+    wait_for(lambda: h.server_stats()["pins"] == 0, 15, "the reply's pins dropped")
+    st = h.server_stats()
+    assert st["sending"] == 0 and st["pinned"] == 0 and st["pending"] == 0, st
+    assert h.srv is not None and h.srv.poll() is None
