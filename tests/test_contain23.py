@@ -163,6 +163,7 @@ class TwoHosts:
         self.port = free_port()
         self.srv: subprocess.Popen[bytes] | None = None
         self.cli: subprocess.Popen[bytes] | None = None
+        self.stats_proc: subprocess.Popen[bytes] | None = None
 
     @property
     def address(self) -> str:
@@ -206,13 +207,24 @@ class TwoHosts:
         return json.loads(line)
 
     def server_stats(self) -> dict:
-        code = ("import json, kvshm; c = kvshm.Client(%r, transport='tcp', timeout=5); "
-                "s = c.stats(); print(json.dumps({k: s[k] for k in "
-                "('pins', 'sending', 'pinned', 'pending')})); c.close()" % self.address)
-        r = subprocess.run([*self.bed.prefix(0), sys.executable, "-c", code],
-                           env=self.env, capture_output=True, text=True, timeout=60)
-        assert r.returncode == 0, r.stderr
-        return json.loads(r.stdout)
+        """The server's pins, sending, pinned and pending, asked by a client process on
+        h0 kept for the test (a stats call then takes milliseconds)."""
+        if self.stats_proc is None:
+            code = textwrap.dedent("""
+                import json, sys, kvshm
+                c = kvshm.Client(sys.argv[1], transport="tcp", timeout=5)
+                for _ in sys.stdin:
+                    s = c.stats()
+                    print(json.dumps({k: s[k] for k in
+                                      ("pins", "sending", "pinned", "pending")}), flush=True)
+            """)
+            self.stats_proc = self.bed.spawn(0, [sys.executable, "-c", code, self.address],
+                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                             env=self.env)
+        assert self.stats_proc.stdin is not None
+        self.stats_proc.stdin.write(b"\n")
+        self.stats_proc.stdin.flush()
+        return json.loads(self._line(self.stats_proc, 30))
 
     def close(self) -> None:
         if self.srv is not None and self.srv.poll() is None:
@@ -220,11 +232,12 @@ class TwoHosts:
                 os.kill(self.srv.pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
-        if self.cli is not None and self.cli.poll() is None and self.cli.stdin:
-            try:
-                self.cli.stdin.close()
-            except BrokenPipeError:
-                pass
+        for p in (self.cli, self.stats_proc):
+            if p is not None and p.poll() is None and p.stdin:
+                try:
+                    p.stdin.close()
+                except BrokenPipeError:
+                    pass
         self.bed.destroy()          # SIGKILLs whatever still runs in its namespaces
 
 
@@ -305,8 +318,9 @@ def test_client_host_vanishing_mid_reply_frees_the_servers_pins(two_hosts):
     serves on."""
     h = two_hosts
     h.serve("--lease-timeout", "2")
-    h.bed.rate_limit(0, "60mbit")
+    h.bed.rate_limit(0, "40mbit")          # 12 MiB: some 2.5 s
     h.client("into")
+    assert h.server_stats()["pins"] == 0
     base = h.bed.port_tx(1)
     h.go()
     _moving(h, 1, True, base, 1_500_000)
