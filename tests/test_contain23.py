@@ -94,6 +94,83 @@ def test_scribbled_wide_record_index_cannot_crash_the_server(then, index):
         assert srv.alive(), srv.stderr_text
 
 
+# ------------------------------------------- a peer with no token: the frames of one message
+
+def _rss_mib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) // 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def _zmtp_null_peer(address: str):
+    """A raw TCP connection that has done ZMTP 3.0's NULL handshake as a DEALER, and
+    nothing else: no HELLO, no token."""
+    import socket as pysocket
+
+    host, port = address.rsplit(":", 1)
+    s = pysocket.create_connection((host, int(port)), timeout=10)
+    s.sendall(b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0")
+              + b"\0" * 32)
+    got = b""
+    while len(got) < 64:
+        more = s.recv(64 - len(got))
+        assert more, "the server closed the connection during the greeting"
+        got += more
+    ready = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+    s.sendall(bytes([0x04, len(ready)]) + ready)
+    return s
+
+
+@pytest.mark.xfail(strict=True, reason="open finding: libzmq's MAXMSGSIZE bounds each "
+                   "frame, not a message; nothing bounds the frames of one message a peer "
+                   "never ends (docs/RELIABILITY.md, 'Limits')")
+def test_a_peer_without_token_cannot_make_the_server_buffer_an_unended_message():
+    """Finding (open): a peer that has no token and never says HELLO (any local user at
+    the loopback port; any host at an --insecure one) sends one message whose every
+    frame has MORE set, each frame under the server's per-frame limit. libzmq keeps
+    every frame until the message ends (a message is delivered whole), so the server
+    buffers all of it: 256 MiB here grew its RSS by ~256 MiB, and a peer that goes on
+    takes the host's memory until the server is killed (the cache lost).
+    docs/RELIABILITY.md said "the largest message taken is the largest value plus
+    1 MiB": that is the largest frame. Wanted: the connection is dropped, or the
+    server's memory bounded, well before 256 MiB."""
+    import socket as pysocket
+
+    with ServerProcess() as srv:
+        base = _rss_mib(srv.proc.pid)
+        s = _zmtp_null_peer(srv.address)
+        chunk = b"\0" * (8 << 20)
+        frame = b"\x03" + struct.pack(">Q", len(chunk))       # MORE | LONG
+        dropped = False
+        try:
+            for _ in range(32):
+                s.sendall(frame + chunk)
+        except (BrokenPipeError, ConnectionResetError, pysocket.timeout):
+            dropped = True
+        try:
+            if not dropped:
+                # wait until the server has read what was sent (its receive queue
+                # empty), then look at what it holds
+                wait_for(lambda: _rss_mib(srv.proc.pid) - base > 192
+                         or _unacked(s) == 0, 15, "the server to read the frames")
+                grown = _rss_mib(srv.proc.pid) - base
+                assert grown < 128, f"the server holds {grown} MiB of an unended message"
+        finally:
+            s.close()
+        assert srv.alive(), srv.stderr_text
+
+
+def _unacked(s) -> int:
+    """Bytes sent on ``s`` the peer has not acknowledged (Linux TIOCOUTQ)."""
+    import fcntl
+    import termios
+
+    buf = fcntl.ioctl(s.fileno(), termios.TIOCOUTQ, b"\0" * 4)
+    return struct.unpack("i", buf)[0]
+
+
 # ------------------------------------------------ hosts that vanish mid-pipeline (bed)
 
 import json  # noqa: E402
