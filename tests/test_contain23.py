@@ -18,13 +18,19 @@ Held (attacked, nothing found; kept so that a change that breaks them is seen):
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
+import shutil
 import struct
+import subprocess
+import sys
+import textwrap
 
 import posix_ipc
 import pytest
 
+import kvshm.client as kclient
 from kvshm import Client
 from servers import ServerProcess
 
@@ -92,6 +98,109 @@ def test_scribbled_wide_record_index_cannot_crash_the_server(then, index):
                 c.put(b"L%d" % i * 40, b"v%d" % i)
             assert all(c.get(b"L%d" % i * 40) == b"v%d" % i for i in range(20))
         assert srv.alive(), srv.stderr_text
+
+
+# ------------------------------------------------- a container client on the newest paths
+
+CONTAINER = """
+    import json, os, sys
+    import kvshm
+    from kvshm import _shmindex
+    addr = sys.argv[1]
+    c = kvshm.Client(addr, timeout=30)
+    def out(**kw):
+        print(json.dumps(kw), flush=True)
+    keys = [f"ct-{i}" for i in range(40_000)]   # over BATCH_THREADS_MIN: helper threads
+    small = [b"c%d" % i for i in range(200)]
+    c.put_batch(keys[:200], small)              # inline (KVSHM_INLINE_PUT=1)
+    big = [bytes([i + 1]) * 70_000 for i in range(8)]
+    c.put_batch(keys[200:208], big)              # packed shm put (too large for inline)
+    host = [f"host-{i}" for i in range(40_000)]
+    for line in sys.stdin:
+        if line.strip() != "look":
+            break
+        ex = c.exists_batch(keys)
+        hx = c.exists_batch(host)
+        bufs = [bytearray(70_000) for _ in range(8)]
+        sizes = c.get_batch_into(host[:8], bufs)
+        own = c.get_batch(keys[:208])
+        out(uts=os.uname().nodename, pid=os.getpid(), uid=os.getuid(),
+            own=ex[:208] == [True] * 208 and ex[208:] == [False] * (len(keys) - 208)
+            and own == small + big,
+            host=sum(hx), host_prefix=c.match_prefix(host[:64]), host_sizes=sizes,
+            host_ok=[bytes(b[:s]) == bytes([i + 7]) * s if s >= 0 else None
+                     for i, (b, s) in enumerate(zip(bufs, sizes))],
+            helpers=_shmindex.batch_helper_stats()["threads"],
+            local=c.session.local is not None)
+    c.close()
+"""
+
+
+def _container_cmd() -> list[str] | None:
+    """A container sharing the host's /dev/shm: own user (root mapped to root), mount
+    (a private /tmp), pid and UTS namespaces; None where unshare cannot make it."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return None
+    cmd = ["unshare", "--user", "--map-root-user", "--mount", "--uts", "--pid", "--fork",
+           "--mount-proc", "sh", "-c",
+           'mount -t tmpfs none /tmp && hostname kvshm-tenant && exec "$0" "$@"']
+    r = subprocess.run([*cmd, "true"], capture_output=True, timeout=30)
+    return cmd if r.returncode == 0 else None
+
+
+def test_container_client_on_the_newest_paths_sees_only_what_is_committed(monkeypatch):
+    """Held: a client in another container (its own user, mount, pid and UTS
+    namespaces, the host's /dev/shm; its /tmp private, so the server's ipc socket is
+    out of its sight) with inline puts, batch lookups over helper threads and pipelining
+    on: its own puts (inline and packed) read back; another client's write that is
+    allocated and copied but not committed (lazy_commit) is a miss for it through
+    exists_batch (helpers), match_prefix and get_batch_into; once committed, all three
+    see it, bytes right; the server's accounting is exact after."""
+    cmd = _container_cmd()
+    if cmd is None:
+        pytest.skip("unshare --user --mount --pid --uts is not available here (root)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), KVSHM_INLINE_PUT="1",
+               KVSHM_BATCH_READ_THREADS="2", KVSHM_PIPELINE="1")
+    # the lazy client's COMMIT goes out with its flush() only (not after an idle time)
+    monkeypatch.setattr(kclient, "IDLE_FLUSH_S", 3600.0)
+    with ServerProcess("--block-size", "4", prealloc_size=1 / 16) as srv, \
+            Client(srv.address, lazy_commit=True) as lazy, Client(srv.address) as obs:
+        host = [f"host-{i}" for i in range(40_000)]
+        vals = [bytes([i + 7]) * 70_000 for i in range(8)]
+        # (the code on the command line: the container's /tmp, tmp_path's, is its own)
+        p = subprocess.Popen([*cmd, sys.executable, "-c", textwrap.dedent(CONTAINER),
+                              srv.address],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=env)
+        try:
+            lazy.put_batch(host[:8], vals)          # allocated, copied, COMMIT held
+            assert obs.stats()["pending"] >= 8
+            assert p.stdin is not None and p.stdout is not None
+            p.stdin.write(b"look\n")
+            p.stdin.flush()
+            before = json.loads(TwoHosts._line(p, 60) or "{}")
+            lazy.flush()
+            p.stdin.write(b"look\n")
+            p.stdin.flush()
+            after = json.loads(TwoHosts._line(p, 60) or "{}")
+            p.stdin.close()
+            assert p.wait(30) == 0, p.stderr.read() if p.stderr else ""
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+            for f in (p.stdout, p.stderr):
+                if f is not None:
+                    f.close()
+        assert before["uts"] == "kvshm-tenant" and before["pid"] != p.pid, before
+        assert before["local"] and before["helpers"] >= 1, before
+        assert before["own"] and after["own"], (before, after)
+        assert before["host"] == 0 and before["host_prefix"] == 0, before
+        assert before["host_sizes"] == [-1] * 8, before
+        assert after["host"] == 8 and after["host_prefix"] == 8, after
+        assert after["host_sizes"] == [70_000] * 8 and all(after["host_ok"]), after
+        st = obs.stats(verify=True)
+        assert st["accounting_ok"] and st["pending"] == 0, st
 
 
 # ------------------------------------------- a peer with no token: the frames of one message
@@ -173,13 +282,9 @@ def _unacked(s) -> int:
 
 # ------------------------------------------------ hosts that vanish mid-pipeline (bed)
 
-import json  # noqa: E402
 import select  # noqa: E402
 import signal  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 import tempfile  # noqa: E402
-import textwrap  # noqa: E402
 
 from bed import Bed, _run, bed_refusal, free_port, wait_for  # noqa: E402
 
