@@ -296,7 +296,10 @@ class Bed:
                     pass
             for f in (p.stdin, p.stdout, p.stderr):
                 if f is not None:
-                    f.close()
+                    try:
+                        f.close()
+                    except OSError:     # (stdin with bytes its dead child never read:
+                        pass            # BrokenPipeError; the rest must still go)
         for i in range(self.n):
             r = _run(["ip", "netns", "pids", self.ns(i)], check=False)
             for pid in r.stdout.split():
