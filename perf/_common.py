@@ -75,6 +75,28 @@ def cpu_seconds(pid: int) -> float:
     return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """User + system CPU seconds so far of each thread of a process, summed by thread name
+    (/proc/PID/task/*/stat): e.g. ``{"python": ..., "ZMQbg/IO/0": ...}`` for a server's loop
+    thread and libzmq's I/O thread. A thread that ended is no longer counted."""
+    out: dict[str, float] = {}
+    tck = os.sysconf("SC_CLK_TCK")
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                text = f.read()
+        except OSError:
+            continue        # ended meanwhile
+        name = text[text.index("(") + 1:text.rindex(")")]
+        parts = text.rsplit(")", 1)[1].split()
+        out[name] = out.get(name, 0.0) + (int(parts[11]) + int(parts[12])) / tck
+    return out
+
+
 def proc_status(pid: int) -> dict[str, int]:
     """The kB fields of /proc/PID/status (VmRSS, RssAnon, RssShmem, ...) in bytes."""
     out = {}

@@ -479,6 +479,9 @@ def report(res: dict[str, Any]) -> None:
                   f"{row.get('redis_put_client_us', 0):.0f}, get "
                   f"{row.get('kvshm_get_client_us', 0):.0f} / {row.get('redis_get_client_us', 0):.0f}"
                   for row in rem["rows"]))
+        print("  of the kvshm server's CPU per request, libzmq's I/O thread (us, put / get): "
+              + "; ".join(f"N={row['clients']} {row.get('kvshm_put_io_us', 0):.0f} / "
+                          f"{row.get('kvshm_get_io_us', 0):.0f}" for row in rem["rows"]))
         print("  (target: kvshm >= 1.0x Redis at every N; server CPU per request)")
     bat = res.get("batch")
     if bat:

@@ -19,7 +19,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import cpu_seconds, lat_stats, pattern, stop  # noqa: E402
+from _common import cpu_seconds, lat_stats, pattern, stop, thread_cpu_seconds  # noqa: E402
 
 VALUE_4K = 4096
 
@@ -105,9 +105,12 @@ def worker_main(spec: dict[str, Any]) -> None:
     print(json.dumps({"n": n, "bad": bad, "stamps": stamps, "cpu": cpu}), flush=True)
 
 
-def run_workers(specs: list[dict[str, Any]], server_pid: int | None
+def run_workers(specs: list[dict[str, Any]], server_pid: int | None,
+                threads: dict[str, float] | None = None
                 ) -> tuple[list[dict[str, Any]], float, float]:
-    """Start one process per spec, release them together; (results, wall s, server CPU s)."""
+    """Start one process per spec, release them together; (results, wall s, server CPU s).
+    ``threads``, when given, gets the server's CPU seconds of the run by thread name
+    (:func:`_common.thread_cpu_seconds`)."""
     procs = []
     try:
         for s in specs:
@@ -119,6 +122,7 @@ def run_workers(specs: list[dict[str, Any]], server_pid: int | None
             if p.stdout.readline().strip() != "ready":
                 raise RuntimeError(f"a {specs[0]['kind']} worker did not start")
         cpu0 = cpu_seconds(server_pid) if server_pid else 0.0
+        th0 = thread_cpu_seconds(server_pid) if server_pid and threads is not None else {}
         t0 = time.monotonic()
         for p in procs:
             assert p.stdin is not None
@@ -130,6 +134,9 @@ def run_workers(specs: list[dict[str, Any]], server_pid: int | None
             outs.append(json.loads(p.stdout.readline()))
         wall = time.monotonic() - t0
         cpu = (cpu_seconds(server_pid) - cpu0) if server_pid else 0.0
+        if server_pid and threads is not None:
+            for name, t in thread_cpu_seconds(server_pid).items():
+                threads[name] = t - th0.get(name, 0.0)
         for p in procs:
             p.wait(30)
     finally:
@@ -155,11 +162,17 @@ def bench_remote_single(address: str, server_pid: int, redis_port: int | None,
                 specs = [{"kind": kind, "address": address, "transport": "tcp",
                           "port": redis_port, "key": f"remote-{i}", "seed": 50 + i,
                           "size": VALUE_4K, "seconds": seconds} for i in range(n)]
-                outs, wall, cpu = run_workers(specs, pid)
+                threads: dict[str, float] = {}
+                outs, wall, cpu = run_workers(specs, pid, threads)
                 total = sum(o["n"] for o in outs)
                 op = "put" if kind.endswith(("put", "set")) else "get"
                 row[f"{label}_{op}_rps"] = total / seconds
                 row[f"{label}_{op}_cpu_us"] = cpu / max(total, 1) * 1e6
+                if label == "kvshm":
+                    # the server's CPU split: libzmq's I/O thread(s) (its TCP reads and
+                    # writes, hand-offs to and from the loop) and the rest (the loop thread)
+                    io = sum(t for name, t in threads.items() if name.startswith("ZMQbg/IO"))
+                    row[f"kvshm_{op}_io_us"] = io / max(total, 1) * 1e6
                 row[f"{label}_{op}_client_us"] = (sum(o.get("cpu", 0.0) for o in outs)
                                                   / max(total, 1) * 1e6)
         for op in ("put", "get"):

@@ -49,6 +49,11 @@ def test_bench_small_quick(tmp_path):
     res = json.loads(js.read_text())
     assert {"local", "remote", "batch", "bystander"} <= set(res)
     assert [r["clients"] for r in res["remote"]["rows"]] == [1, 2]
+    # the server's CPU split: its libzmq I/O thread's part is a part of the whole
+    assert "libzmq's I/O thread" in out
+    for r in res["remote"]["rows"]:
+        for op in ("put", "get"):
+            assert 0 < r[f"kvshm_{op}_io_us"] <= r[f"kvshm_{op}_cpu_us"], r
     assert {s["bytes"] for s in res["local"]["single"]} == {64 << 10, 1 << 20}
     if "redis" not in " ".join(res["unavailable"]):
         assert "redis set" in out and "redis pipelined SET" in out
