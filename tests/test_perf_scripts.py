@@ -60,6 +60,19 @@ def test_bench_small_quick(tmp_path):
         assert all("redis_get_rps" in r for r in res["remote"]["rows"])
 
 
+def test_bench_srvio_quick(tmp_path):
+    js = tmp_path / "srvio.json"
+    out = run_script("bench_srvio.py", "--quick", "--json", str(js))
+    assert "SERVER TRANSPORT ALONE" in out and "zmtp/zmq" in out, out
+    res = json.loads(js.read_text())
+    assert [r["clients"] for r in res["rows"]] == [1, 2]
+    for r in res["rows"]:
+        # every phase served requests (a client raises on a wrong reply); only the
+        # libzmq server has an I/O thread
+        assert r["zmq_rps"] > 0 and r["zmtp_rps"] > 0, r
+        assert 0 < r["zmq_io_us"] <= r["zmq_srv_us"] and r["zmtp_io_us"] == 0, r
+
+
 def test_bench_index_quick(tmp_path):
     js = tmp_path / "index.json"
     out = run_script("bench_index.py", "--quick", "--json", str(js))
