@@ -2,8 +2,8 @@
 
 Issue 13 asks for single-key requests through the server at >= 1.0x Redis; the kvshm server
 spends about half its CPU per request in libzmq's I/O thread (``perf/bench_small.py``
-prints the split). This script measures the transport alone, with no store behind it, so
-the two ways a server can carry the same ZMTP traffic are compared like with like:
+prints the split). This script measures the transport, first alone (no store behind it),
+so the two ways a server can carry the same ZMTP traffic are compared like with like:
 
 ``zmq``
     A ROUTER socket served as :class:`kvshm.zmq_ctrl.router.ServiceLoop` serves it:
@@ -14,6 +14,19 @@ the two ways a server can carry the same ZMTP traffic are compared like with lik
     :class:`kvshm.zmq_ctrl._zmtp.Conn` (the client's own ZMTP code used on the server's
     end): a readable connection's whole messages received, each answered at once.
 
+The same two with a Store behind them (``--modes``; by default all four):
+
+``zmq+store``
+    kvshm's own loop, :meth:`ServiceLoop.run` (its lean turns in C, the one-key fast
+    path), over a Store of its own, no door (an implicit session per peer).
+``zmtp+store``
+    A prototype, not kvshm's server: ``zmtp``'s connections, each message served by the
+    same loop's ``FastPath.handle`` (the session, the Store, the reply's bytes) and its
+    reply sent on its connection. It serves only what the fast path takes (a declined
+    request ends the run with an error) and none of the loop's other duties (timers,
+    HELLO, slices, zero-copy sends, cutting stalled peers): it sizes what a ZMTP listener
+    of the server's own would save, nothing more.
+
 Each of N client processes (separate processes, as remote clients) speaks ZMTP itself over
 one TCP connection, as ``kvshm.Client`` does on ``tcp://``, and sends 4 KiB PUT requests
 (the header ``kvshm.zmq_ctrl._zmqc.encode1`` packs) one at a time for ``--seconds``; every
@@ -21,10 +34,10 @@ reply is the same small header. Printed per N: requests/s, server CPU per reques
 threads, and the I/O thread's share for ``zmq``), client CPU per request, and the load
 average; the two servers take turns (``--reps`` pairs, the first server alternating).
 
-Run: ``python perf/bench_srvio.py [--clients 1,2,4,8] [--seconds 2] [--reps 2] [--json F]``
-(``--quick`` for the test's smoke run). Figures are for comparing the two servers with each
-other in one run; they do not include the store, the session checks or the dispatch
-(kvshm's own fast path adds those to either).
+Run: ``python perf/bench_srvio.py [--clients 1,2,4,8] [--seconds 2] [--reps 2]
+[--modes zmq,zmtp,zmq+store,zmtp+store] [--json F]`` (``--quick`` for the test's smoke
+run). Figures are for comparing the two servers of a pair with each other in one run (the
+server's pool is unlinked when it stops).
 """
 
 from __future__ import annotations
@@ -135,6 +148,113 @@ def serve_zmtp(stop_fd: int) -> None:
         ep.close()
 
 
+def _store() -> tuple[Any, Any]:
+    """A pool of its own (16 MiB, 4 KiB blocks; unlinked by the caller) and a Store."""
+    from kvshm._pool import Pool
+    from kvshm.limits import Limits
+    from kvshm.store import Store, StoreConfig
+
+    pool = Pool.create(f"/kvshm-srvio-{os.getpid()}-{os.urandom(4).hex()}", 4096 * 4096, 4096)
+    return pool, Store(pool, StoreConfig(limits=Limits()))
+
+
+def serve_zmq_store(stop_fd: int) -> None:
+    """kvshm's own loop (ServiceLoop.run, its fast path and lean turns, libzmq ROUTER) over
+    a Store, no door (an implicit session per peer, as in-process tests serve); returns
+    when ``stop_fd`` is readable."""
+    import threading
+
+    from kvshm.zmq_ctrl import router
+    from kvshm.zmq_ctrl.protocol import PROTOCOL_VERSION
+
+    pool, store = _store()
+    loop = router.ServiceLoop(store, ["tcp://127.0.0.1:0"], {"version": PROTOCOL_VERSION}, 7)
+    try:
+        print(loop.endpoints[0].rsplit(":", 1)[1], flush=True)
+        t = threading.Thread(target=loop.run, daemon=True)
+        t.start()
+        select.select([stop_fd], [], [])
+        loop.stop()
+        t.join(30)
+    finally:
+        loop.close()
+        pool.close()
+        pool.unlink()
+
+
+def serve_zmtp_store(stop_fd: int) -> None:
+    """A prototype, not kvshm's server: :func:`serve_zmtp`'s connections, each message
+    served by the same loop's C fast path (``FastPath.handle``: the session, the Store,
+    the reply bytes) and its reply sent on the connection it came on. Only what the fast
+    path takes is served (a declined message ends the run with an error)."""
+    from kvshm.zmq_ctrl import _zmtp, router
+    from kvshm.zmq_ctrl.protocol import PROTOCOL_VERSION
+
+    pool, store = _store()
+    loop = router.ServiceLoop(store, [], {"version": PROTOCOL_VERSION}, 7)
+    fast = loop._fast
+    if fast is None:
+        raise RuntimeError("no fast path (kvshm.zmq_ctrl._fastpath, _zmqc not built?)")
+    router._FullGcHold.take()       # as ServiceLoop.run: no automatic full collection
+    ls = socket.socket()
+    ls.bind(("127.0.0.1", 0))
+    ls.listen(64)
+    ls.setblocking(False)
+    print(ls.getsockname()[1], flush=True)
+    ep = select.epoll()
+    ep.register(ls.fileno(), select.EPOLLIN)
+    ep.register(stop_fd, select.EPOLLIN)
+    conns: dict[int, tuple[Any, bytes]] = {}
+    outq: list[Any] = []
+    try:
+        while True:
+            for fd, _ in ep.poll():
+                if fd == stop_fd:
+                    return
+                if fd == ls.fileno():
+                    try:
+                        s, _addr = ls.accept()
+                    except BlockingIOError:
+                        continue
+                    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    c = _zmtp.Conn(s.detach())
+                    c.handshake(b"", TIMEOUT_MS)
+                    props = c.peer or {}
+                    ident = props.get(b"identity", b"")
+                    if not ident:
+                        raise RuntimeError("a client without a routing id")
+                    loop._session_of(ident)     # its implicit session
+                    conns[c.fileno()] = (c, ident)
+                    ep.register(c.fileno(), select.EPOLLIN)
+                    continue
+                c, ident = conns[fd]
+                try:
+                    while True:
+                        m = c.recv(0)
+                        if m is None:
+                            break
+                        if not fast.handle([ident, *m], outq):
+                            raise RuntimeError("the fast path declined a request")
+                        for r in outq:
+                            c.send(r[1], r[2:], TIMEOUT_MS)
+                        outq.clear()
+                except _zmtp.PeerClosed:
+                    del conns[fd]       # (Conn closed its fd: epoll forgot it)
+    finally:
+        router._FullGcHold.give()
+        for c, _ident in conns.values():
+            c.close()
+        ls.close()
+        ep.close()
+        loop.close()
+        pool.close()
+        pool.unlink()
+
+
+SERVERS = {"zmq": serve_zmq, "zmtp": serve_zmtp, "zmq+store": serve_zmq_store,
+           "zmtp+store": serve_zmtp_store}
+
+
 # --------------------------------------------------------------------------- clients
 
 
@@ -221,11 +341,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=2, help="pairs of phases per N")
     ap.add_argument("--quick", action="store_true", help="tiny smoke run (for tests)")
     ap.add_argument("--json", metavar="FILE", help="also write the figures as JSON ('-': stdout)")
-    ap.add_argument("--serve", choices=("zmq", "zmtp"), help=argparse.SUPPRESS)
+    ap.add_argument("--modes", default="zmq,zmtp,zmq+store,zmtp+store",
+                    help="servers to compare (pairs: zmq,zmtp and zmq+store,zmtp+store)")
+    ap.add_argument("--serve", choices=tuple(SERVERS), help=argparse.SUPPRESS)
     ap.add_argument("--client", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.serve:
-        (serve_zmq if args.serve == "zmq" else serve_zmtp)(sys.stdin.fileno())
+        SERVERS[args.serve](sys.stdin.fileno())
         return 0
     if args.client:
         client_main(int(args.client[0]), float(args.client[1]), args.client[2].encode())
@@ -233,32 +355,45 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.clients, args.seconds, args.reps = "1,2", 0.3, 1
     counts = [int(x) for x in args.clients.split(",")]
+    modes = args.modes.split(",")
+    bad = [m for m in modes if m not in SERVERS]
+    if bad:
+        ap.error(f"unknown --modes {bad}; known: {', '.join(SERVERS)}")
+    pairs = [(a, b) for a, b in (("zmq", "zmtp"), ("zmq+store", "zmtp+store"))
+             if a in modes and b in modes]
+    if not pairs:
+        ap.error("--modes names no pair to compare (zmq,zmtp or zmq+store,zmtp+store)")
     res: dict[str, Any] = {"meta": {"seconds": args.seconds, "reps": args.reps,
-                                    "cpus": os.cpu_count(),
+                                    "cpus": os.cpu_count(), "pairs": pairs,
                                     "loadavg_start": os.getloadavg()[0]}, "rows": []}
     for n in counts:
-        runs: dict[str, list[dict[str, Any]]] = {"zmq": [], "zmtp": []}
-        for rep in range(args.reps):
-            for kind in (("zmq", "zmtp") if (rep + n) % 2 == 0 else ("zmtp", "zmq")):
-                runs[kind].append(one_run(kind, n, args.seconds))
-        row: dict[str, Any] = {"clients": n, "loadavg": os.getloadavg()[0]}
-        for kind, rs in runs.items():
-            for fig in ("rps", "srv_us", "io_us", "client_us"):
-                row[f"{kind}_{fig}"] = statistics.median(r[fig] for r in rs)
-        row["zmtp_vs_zmq_rps"] = row["zmtp_rps"] / row["zmq_rps"]
+        row: dict[str, Any] = {"clients": n}
+        for pair in pairs:
+            runs: dict[str, list[dict[str, Any]]] = {k: [] for k in pair}
+            for rep in range(args.reps):
+                for kind in (pair if (rep + n) % 2 == 0 else pair[::-1]):
+                    runs[kind].append(one_run(kind, n, args.seconds))
+            for kind, rs in runs.items():
+                for fig in ("rps", "srv_us", "io_us", "client_us"):
+                    row[f"{kind}_{fig}"] = statistics.median(r[fig] for r in rs)
+            row[f"{pair[1]}_vs_{pair[0]}_rps"] = row[f"{pair[1]}_rps"] / row[f"{pair[0]}_rps"]
+        row["loadavg"] = os.getloadavg()[0]
         res["rows"].append(row)
     res["meta"]["loadavg_end"] = os.getloadavg()[0]
-    print("SERVER TRANSPORT ALONE (no store): 4 KiB PUT requests over TCP, ZMTP clients, "
-          f"{args.seconds} s phases, median of {args.reps}")
-    hdr = ("clients", "zmq req/s", "zmtp req/s", "zmtp/zmq", "zmq srv us", "of it I/O thr",
-           "zmtp srv us", "zmq cli us", "zmtp cli us", "load")
-    print("  " + " ".join(f"{h:>13}" for h in hdr))
-    for r in res["rows"]:
-        vals = (r["clients"], r["zmq_rps"], r["zmtp_rps"], r["zmtp_vs_zmq_rps"], r["zmq_srv_us"],
-                r["zmq_io_us"], r["zmtp_srv_us"], r["zmq_client_us"], r["zmtp_client_us"],
-                r["loadavg"])
-        print("  " + " ".join(f"{v:13.2f}" if isinstance(v, float) and v < 100 else
-                              f"{v:13.0f}" for v in vals))
+    for a, b in pairs:
+        what = ("SERVER TRANSPORT ALONE (no store)" if a == "zmq" else
+                "WITH THE STORE (the loop's C fast path; zmtp+store is a prototype)")
+        print(f"{what}: 4 KiB PUT requests over TCP, ZMTP clients, {args.seconds} s phases, "
+              f"median of {args.reps}")
+        hdr = ("clients", f"{a} req/s", f"{b} req/s", f"{b}/{a}", f"{a} srv us",
+               "of it I/O thr", f"{b} srv us", f"{a} cli us", f"{b} cli us", "load")
+        print("  " + " ".join(f"{h:>16}" for h in hdr))
+        for r in res["rows"]:
+            vals = (r["clients"], r[f"{a}_rps"], r[f"{b}_rps"], r[f"{b}_vs_{a}_rps"],
+                    r[f"{a}_srv_us"], r[f"{a}_io_us"], r[f"{b}_srv_us"], r[f"{a}_client_us"],
+                    r[f"{b}_client_us"], r["loadavg"])
+            print("  " + " ".join(f"{v:16.2f}" if isinstance(v, float) and v < 100 else
+                                  f"{v:16.0f}" for v in vals))
     print(f"  load average {res['meta']['loadavg_start']:.2f} at start, "
           f"{res['meta']['loadavg_end']:.2f} at end, {res['meta']['cpus']} CPUs")
     if args.json:
