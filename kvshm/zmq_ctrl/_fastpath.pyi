@@ -7,7 +7,8 @@ from typing import Any, final
 class FastPath:
     """Serves plain one-key PUT/GET/EXISTS of a ServiceLoop in C (see the module)."""
 
-    counts: dict[int, int]
+    @property
+    def counts(self) -> dict[int, int]: ...
     declined: int
     lean_turns: int
     serve_returns: int

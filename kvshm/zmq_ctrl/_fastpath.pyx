@@ -109,12 +109,22 @@ cdef class FastPath:
     """
 
     cdef object loop, store, index, pool, by_ident, held, latency, latency_sum, d
+    # per request, looked up once here (the store's own objects, for its life; methods
+    # of extension types, which cannot be replaced on an instance): the allocator's
+    # alloc_many, the pool's write, the index's sync, the store's config and counters
+    cdef object alloc_many, pool_write, index_sync, config, store_counters
+    # the limits object last seen (StoreConfig.limits may be replaced: looked at per
+    # request, its two fields read again only when it changed)
+    cdef object limits
+    cdef long long max_key, max_batch
+    # the loop's latency histograms of PUT, GET, EXISTS (lists, updated in place)
+    cdef list hist_put, hist_get, hist_exists
     cdef int version
     cdef long long bs, copy_below
     cdef bint put_on, get_on, exists_on
     cdef double bounds[32]
     cdef int nbounds
-    cdef public dict counts
+    cdef long long n_put, n_get, n_exists
     cdef public long long declined
     #: lean turns run by :meth:`serve` (a turn of the loop done wholly here), and how
     #: often :meth:`serve` handed the loop back to its Python turn
@@ -133,6 +143,20 @@ cdef class FastPath:
         self.held = loop._held
         self.latency = loop.latency
         self.latency_sum = loop.latency_sum
+        self.alloc_many = store.alloc.alloc_many
+        self.pool_write = store.pool.write
+        self.index_sync = store.index.sync
+        self.config = store.config
+        self.store_counters = store.counters
+        self.limits = None
+        self.max_key = 0
+        self.max_batch = 0
+        # (ServiceLoop makes a histogram per Op; one made later would be another list)
+        self.hist_put = self.latency.setdefault(OP_PUT, [0] * len(buckets))
+        self.hist_get = self.latency.setdefault(OP_GET, [0] * len(buckets))
+        self.hist_exists = self.latency.setdefault(OP_EXISTS, [0] * len(buckets))
+        for op in (OP_PUT, OP_GET, OP_EXISTS):
+            self.latency_sum.setdefault(op, 0.0)
         self.version = version
         self.bs = store.block_size
         # GET hits the Python path sends as one copy, not tracked: below PACK_BELOW, and
@@ -148,23 +172,36 @@ cdef class FastPath:
         self.nbounds = len(b)
         for i, x in enumerate(b):
             self.bounds[i] = x
-        self.counts = {OP_PUT: 0, OP_GET: 0, OP_EXISTS: 0}
+        self.n_put = self.n_get = self.n_exists = 0
         self.declined = 0
         self.lean_turns = 0
         self.serve_returns = 0
         self.max_wall = 0.0
 
-    cdef inline void _record(self, int op, double t0):
+    @property
+    def counts(self):
+        """Requests served, by op: ``{PUT: n, GET: n, EXISTS: n}`` (a new dict)."""
+        return {OP_PUT: self.n_put, OP_GET: self.n_get, OP_EXISTS: self.n_exists}
+
+    cdef inline int _record(self, int op, double t0) except -1:
         # ServiceLoop._record_latency: bisect_left over the bucket bounds
         cdef double dt = _now() - t0
         cdef int i = 0
+        cdef list hist
         while i < self.nbounds - 1 and self.bounds[i] < dt:
             i += 1
-        hist = self.latency.get(op)
-        if hist is None:
-            return
+        if op == OP_PUT:
+            hist = self.hist_put
+            self.n_put += 1
+        elif op == OP_GET:
+            hist = self.hist_get
+            self.n_get += 1
+        else:
+            hist = self.hist_exists
+            self.n_exists += 1
         hist[i] += 1
         self.latency_sum[op] += dt
+        return 0
 
     def handle(self, list msg, list outq):
         """Serve ``msg`` (``[ident, header, *frames]`` as the loop drained it) and append
@@ -297,9 +334,13 @@ cdef class FastPath:
         if n < 2 or n > 3 or self.held:
             return self._decline()
         store = self.store
-        limits = store.config.limits
-        max_key = limits.max_key_bytes
-        if limits.max_batch < 1 or store.tier is not None:
+        limits = self.config.limits
+        if limits is not self.limits:
+            self.max_key = limits.max_key_bytes
+            self.max_batch = limits.max_batch
+            self.limits = limits
+        max_key = self.max_key
+        if self.max_batch < 1 or store.tier is not None:
             return self._decline()
         t0 = _now()
         ident = <object>PyList_GET_ITEM(msg, 0)
@@ -427,9 +468,9 @@ cdef class FastPath:
             try:
                 # Store.pin_for_send([bkey]) (its steps: reads recorded first, the pin
                 # loop, the counters), the copy, Store.unpin
-                self.index.sync()
+                self.index_sync()
                 entries, sums, hits, nbytes = _pin_for_send(store, [bkey], None)
-                c = store.counters
+                c = self.store_counters
                 c["hits"] += hits
                 c["misses"] += 1 - hits
                 c["gets"] += hits
@@ -447,7 +488,6 @@ cdef class FastPath:
             except Exception as exc:
                 self._internal(ident, req_id, rbig, op, exc, t0)
                 return True
-        self.counts[op] += 1
         self._record(<int>op, t0)
         return True
 
@@ -462,7 +502,7 @@ cdef class FastPath:
         cdef long long nb = (size + bs - 1) // bs if size > 0 else 1
         keys = [bkey]
         want = [nb]
-        starts = store.alloc.alloc_many(want)
+        starts = self.alloc_many(want)
         store._wait = False
         if starts[0] == -1:
             return store.put(keys, [value], sums)
@@ -470,10 +510,10 @@ cdef class FastPath:
         entries, full, split = _make_entries(keys, [size], sums, want, [0], starts, 1,
                                              _POOL_FULL, statuses)
         e = entries[0]
-        self.pool.write(e.start * bs, value)
-        self.index.sync()       # lock-free reads recorded before this write go first
+        self.pool_write(e.start * bs, value)
+        self.index_sync()       # lock-free reads recorded before this write go first
         _install_entries(store, entries)
-        c = store.counters
+        c = self.store_counters
         c["puts"] += 1
         c["bytes_in"] += size
         return statuses
