@@ -31,3 +31,5 @@ def scan_plain(buf: Any, pos: int, k: int) -> int:
 def pack_fixints(v: list[Any], a: int, b: int) -> bytes | None:
     """msgpack.packb(v[a:b]) without its array header when each item is an int 0..127,
     else None."""
+def all_bools(v: list[Any]) -> bool:
+    """Whether every item of v is True or False (bool objects only)."""

@@ -14,6 +14,7 @@ calls that Python code itself. Results are those of the Python code they replace
 * :func:`pack_request` -- ``msgpack.packb`` of a batch PUT's or ALLOC's header frame,
   byte for byte (:func:`kvshm.zmq_ctrl.protocol.encode_request` uses it; the environment
   variable ``KVSHM_FAST_PACK=0``, read at import, turns that off for A/B figures);
+* :func:`all_bools` -- the item check of :func:`kvshm.replies.found_of`;
 * :func:`pack_fixints` -- msgpack's bytes of a reply's list of small ints (statuses),
   used by :class:`kvshm.zmq_ctrl.protocol.ReplyEncoder` (``KVSHM_FAST_REPLY=0``, read
   at import, turns that off for A/B figures).
@@ -895,3 +896,26 @@ def pack_fixints(list v, Py_ssize_t a, Py_ssize_t b):
             return None
         p[i - a] = <char>x
     return out
+
+
+cdef extern from "Python.h":
+    PyObject* Py_True
+    PyObject* Py_False
+    ctypedef struct PyListObject:
+        PyObject** ob_item
+
+
+def all_bools(list v):
+    """Whether every item of ``v`` is ``True`` or ``False`` (the bool objects; an int,
+    None or a str is not one): an EXISTS / PIN reply's ``found`` list, checked in one C
+    loop of pointer compares, no reference taken (:func:`kvshm.replies.found_of`)."""
+    cdef Py_ssize_t i, n = len(v)
+    cdef PyObject** items = (<PyListObject*>v).ob_item
+    cdef PyObject* t = Py_True
+    cdef PyObject* f = Py_False
+    cdef PyObject* it
+    for i in range(n):
+        it = items[i]
+        if it != t and it != f:
+            return False
+    return True

@@ -11,18 +11,31 @@ from typing import Any
 
 from kvshm.errors import ProtocolError
 
+try:
+    from kvshm._batch import all_bools as _all_bools   # one C loop of pointer compares
+except ImportError:                 # not built: the same check in Python
+    def _all_bools(v: list[Any]) -> bool:
+        return all(x is True or x is False for x in v)
+
 __all__ = ["found_of", "prefix_of"]
 
 
 def found_of(body: Any, n: int, what: str = "EXISTS") -> list[bool]:
-    """The ``found`` list of an EXISTS (or, ``what``, PIN) reply for ``n`` keys, as sent.
+    """The ``found`` list of an EXISTS (or, ``what``, PIN) reply for ``n`` keys, as sent:
+    ``n`` bools.
 
-    Raises ProtocolError when it is not a list of ``n`` items: a reply that would put
-    answers on other keys (pipelined parts, a bad server) is never read as one."""
+    Raises ProtocolError when it is not a list of ``n`` bools: a reply that would put
+    answers on other keys (pipelined parts, a bad server), or an item that is no answer
+    (None, a str, an int: truthy or not, it is not what the server sends), is never read
+    as one."""
     found = body.get("found") if isinstance(body, dict) else None
     if type(found) is not list or len(found) != n:
         got = len(found) if isinstance(found, list) else type(found).__name__
         raise ProtocolError(f"{what} reply for {n} keys has found of {got}")
+    if not _all_bools(found):
+        bad = next(x for x in found if x is not True and x is not False)
+        raise ProtocolError(f"{what} reply for {n} keys has a found item {bad!r:.40} "
+                            "(True or False wanted)")
     return found  # type: ignore[no-any-return]
 
 

@@ -1,0 +1,135 @@
+"""debt23: correctness debts earlier reviews noticed and left (found items unchecked,
+removal counts unchecked, a failed send unanswered, a timed-out HELLO's lazy COMMITs,
+an ALLOC reply short of offsets, a GET reply placed before its layout is checked, a vLLM
+layout key that is not injective, the two frame-layout walks)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from kvshm.errors import ProtocolError
+from kvshm.zmq_ctrl.protocol import Op
+
+
+@pytest.fixture(scope="module")
+def server():
+    from servers import ServerProcess
+    srv = ServerProcess(prealloc_size=1 / 16)
+    yield srv
+    srv.stop()
+
+
+def _patch_sync(monkeypatch: pytest.MonkeyPatch, op: int, body: dict[str, Any]) -> None:
+    """Every reply to ``op`` a Client reads (request, request_many, call1) gets ``body``."""
+    import kvshm.zmq_ctrl.channel as chmod
+
+    req, many, call1 = chmod.Channel.request, chmod.Channel.request_many, chmod.Channel.call1
+
+    def request(self, o, *a, **k):
+        r = req(self, o, *a, **k)
+        return (r[0], r[1], dict(body), r[3]) if o == op else r
+
+    def request_many(self, reqs, *a, **k):
+        got = many(self, reqs, *a, **k)
+        return [(g[0], g[1], dict(body), g[3]) if q[0] == op else g
+                for q, g in zip(reqs, got)]
+
+    def fake_call1(self, kind, o, *a, **k):
+        r = call1(self, kind, o, *a, **k)
+        return (0, dict(body), []) if o == op else r
+
+    monkeypatch.setattr(chmod.Channel, "request", request)
+    monkeypatch.setattr(chmod.Channel, "request_many", request_many)
+    monkeypatch.setattr(chmod.Channel, "call1", fake_call1)
+
+
+def _patch_async(monkeypatch: pytest.MonkeyPatch, op: int, body: dict[str, Any]) -> None:
+    import kvshm.aio as aio
+
+    orig = aio._Conn.request
+
+    async def request(self, o, *a, **k):
+        r = await orig(self, o, *a, **k)
+        return (r[0], dict(body), r[2]) if o == op else r
+
+    monkeypatch.setattr(aio._Conn, "request", request)
+
+
+# ------------------------------------------- 1: the items of a found list are bools
+
+BAD_ITEMS = ([None], ["x"], [1], [0], [1.0], [True, None, False], [False, b""])
+
+
+@pytest.mark.parametrize("bad", BAD_ITEMS, ids=repr)
+def test_found_items_that_are_not_bools_are_refused(server, monkeypatch, bad):
+    """found_of checked the list and its length, not its items: ``[None]`` or ``["x"]``
+    came back from exists_batch / exists as an answer (and from pin as keys held).
+    Now ProtocolError on every remote path (failed before: no error raised)."""
+    import kvshm.client as client_mod
+    from kvshm.aio import AsyncClient
+    from kvshm.client import Client
+
+    monkeypatch.setenv("KVSHM_NO_LOCAL_READS", "1")
+    n = len(bad)
+    keys = [b"d23-f-%d" % i for i in range(n)]
+    body = {"found": list(bad)}
+    with Client(server.address, transport="tcp", timeout=10) as c:
+        c.put_batch(keys, [b"v"] * n)
+        with monkeypatch.context() as m:
+            _patch_sync(m, Op.EXISTS, body)
+            with pytest.raises(ProtocolError, match="found item"):
+                c.exists_batch(keys)
+            if n == 1:
+                for call1 in (False, True):
+                    m.setattr(client_mod, "_CALL1", call1)
+                    with pytest.raises(ProtocolError, match="found item"):
+                        c.exists(keys[0])
+        with monkeypatch.context() as m:
+            _patch_sync(m, Op.PIN, body)
+            with pytest.raises(ProtocolError, match="found item"):
+                c.pin(keys, 30)
+        assert c.exists_batch(keys) == [True] * n
+
+    async def run() -> None:
+        async with AsyncClient(server.address, transport="tcp", timeout=10) as a:
+            with monkeypatch.context() as m:
+                _patch_async(m, Op.EXISTS, body)
+                with pytest.raises(ProtocolError, match="found item"):
+                    await a.exists_batch(keys)
+            assert await a.exists_batch(keys) == [True] * n
+
+    asyncio.run(run())
+
+
+def test_found_items_of_a_pipelined_part_are_checked(server, monkeypatch):
+    """exists_batch of a batch sent as pipelined parts (op_exists_parts) checks each
+    part's items too (failed before: a part of Nones was returned)."""
+    import kvshm.client as client_mod
+    from kvshm.client import Client
+
+    monkeypatch.setenv("KVSHM_NO_LOCAL_READS", "1")
+    monkeypatch.setattr(client_mod, "PIPELINE", True)
+    monkeypatch.setitem(client_mod.PIPE_KEYS, Op.EXISTS, 4)
+    keys = [b"d23-p-%d" % i for i in range(4 * client_mod.PIPE_MIN_PARTS)]
+    with Client(server.address, transport="tcp", timeout=10) as c:
+        assert client_mod._parts(len(keys), Op.EXISTS) == 4
+        with monkeypatch.context() as m:
+            _patch_sync(m, Op.EXISTS, {"found": [False, None, False, False]})
+            with pytest.raises(ProtocolError, match="found item"):
+                c.exists_batch(keys)
+        assert c.exists_batch(keys) == [False] * len(keys)
+
+
+def test_the_servers_found_lists_pass_the_check(server, monkeypatch):
+    """What the server sends (bools) passes: the remote paths answer as before."""
+    from kvshm.client import Client
+
+    monkeypatch.setenv("KVSHM_NO_LOCAL_READS", "1")
+    with Client(server.address, transport="tcp", timeout=10) as c:
+        c.put_batch([b"d23-ok-a", b"d23-ok-b"], [b"1", b"2"])
+        assert c.exists_batch([b"d23-ok-a", b"d23-ok-z", b"d23-ok-b"]) == [True, False, True]
+        assert c.exists(b"d23-ok-a") is True and c.exists(b"d23-ok-z") is False
+        c.unpin(c.pin([b"d23-ok-a", b"d23-ok-b"], 30))
