@@ -53,6 +53,7 @@ from kvshm.client import (
     _door_token,
     _gone_unsent,
     _operator_token,
+    count_of,
     found_of,
     prefix_of,
     _Drive,
@@ -868,13 +869,15 @@ class AsyncClient:
             return 0
         if self._session.wb is not None:
             self._session.wb.placed.drop(bkeys)   # the DELETE follows the PLACE
-        return (await self._simple(Op.DELETE, {"keys": bkeys}, "delete"))["n"]
+        return count_of(await self._simple(Op.DELETE, {"keys": bkeys}, "delete"), "DELETE",
+                        len(bkeys))
 
     async def evict(self, to_ratio: float) -> int:
         """Evict LRU entries until usage <= ``to_ratio``. Returns entries evicted."""
         if not 0.0 <= to_ratio <= 1.0:
             raise ValueError(f"to_ratio must be in [0, 1], got {to_ratio}")
-        return (await self._simple(Op.EVICT, {"ratio": float(to_ratio)}, "evict"))["n"]
+        return count_of(await self._simple(Op.EVICT, {"ratio": float(to_ratio)}, "evict"),
+                        "EVICT")
 
     async def list_keys(self, prefix: Any = b"", limit: int | None = None,
                         page: int = 10_000) -> list[bytes]:
@@ -894,7 +897,7 @@ class AsyncClient:
         """Remove every entry. Returns entries removed."""
         if self._session.wb is not None:
             self._session.wb.placed.clear()
-        return (await self._simple(Op.PURGE, {}, "purge"))["n"]
+        return count_of(await self._simple(Op.PURGE, {}, "purge"), "PURGE")
 
     async def stats(self, *, verify: bool = False, latency: bool = False) -> dict[str, Any]:
         """Server statistics (see :meth:`kvshm.Client.stats`). Carries queued

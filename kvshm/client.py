@@ -105,7 +105,7 @@ from kvshm.errors import (
     WriteRefused,
     WritesLost,
 )
-from kvshm.replies import found_of, prefix_of
+from kvshm.replies import count_of, found_of, prefix_of
 from kvshm.movers import Layout, OneSidedMover, ShmMover, placed
 from kvshm.zmq_ctrl.channel import CALL1 as _CALL1, NOT_SENT as _NOT_SENT, _pid
 from kvshm.zmq_ctrl.channel import DRAIN_MAX, Channel, check_resolvable, endpoint_of
@@ -2803,14 +2803,15 @@ class Client:
             return 0
         if self._session.wb is not None:
             self._session.wb.placed.drop(bkeys)   # the DELETE follows the PLACE
-        return self._run(self._session.op_simple(Op.DELETE, {"keys": bkeys}, "delete"))["n"]  # type: ignore[no-any-return]
+        return count_of(self._run(self._session.op_simple(Op.DELETE, {"keys": bkeys},
+                                                          "delete")), "DELETE", len(bkeys))
 
     def evict(self, to_ratio: float) -> int:
         """Evict LRU entries until usage <= ``to_ratio`` (0..1). Returns entries evicted."""
         if not 0.0 <= to_ratio <= 1.0:
             raise ValueError(f"to_ratio must be in [0, 1], got {to_ratio}")
-        return self._run(self._session.op_simple(Op.EVICT, {"ratio": float(to_ratio)},
-                                                 "evict"))["n"]  # type: ignore[no-any-return]
+        return count_of(self._run(self._session.op_simple(Op.EVICT, {"ratio": float(to_ratio)},
+                                                          "evict")), "EVICT")
 
     def list_keys(self, prefix: Key = b"", limit: int | None = None,
                   page: int = 10_000) -> list[bytes]:
@@ -2836,7 +2837,7 @@ class Client:
         """Remove every entry. Returns entries removed."""
         if self._session.wb is not None:
             self._session.wb.placed.clear()
-        return self._run(self._session.op_simple(Op.PURGE, {}, "purge"))["n"]  # type: ignore[no-any-return]
+        return count_of(self._run(self._session.op_simple(Op.PURGE, {}, "purge")), "PURGE")
 
     def stats(self, *, verify: bool = False, latency: bool = False) -> dict[str, Any]:
         """Server statistics (see :meth:`kvshm.store.Store.stats` for the keys).

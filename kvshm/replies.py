@@ -17,7 +17,11 @@ except ImportError:                 # not built: the same check in Python
     def _all_bools(v: list[Any]) -> bool:
         return all(x is True or x is False for x in v)
 
-__all__ = ["found_of", "prefix_of"]
+__all__ = ["found_of", "prefix_of", "count_of", "MAX_COUNT"]
+
+#: Most entries a DELETE without keys (EVICT, PURGE) may say it removed: more than any
+#: pool holds (one entry takes at least one byte of it, and no pool is 2**48 bytes).
+MAX_COUNT = 1 << 48
 
 
 def found_of(body: Any, n: int, what: str = "EXISTS") -> list[bool]:
@@ -47,4 +51,17 @@ def prefix_of(body: Any, n: int) -> int:
     got = body.get("n") if isinstance(body, dict) else None
     if type(got) is not int or not 0 <= got <= n:
         raise ProtocolError(f"MATCH_PREFIX reply for {n} keys has n of {got!r:.40}")
+    return got
+
+
+def count_of(body: Any, what: str, most: int = MAX_COUNT) -> int:
+    """The ``n`` of a DELETE / EVICT / PURGE reply (``what``): an int in [0, ``most``]
+    (DELETE: the keys asked; EVICT, PURGE: :data:`MAX_COUNT`).
+
+    Raises ProtocolError otherwise (a str, a negative or a huge count is no count of
+    entries removed: never handed to the caller as one)."""
+    got = body.get("n") if isinstance(body, dict) else None
+    if type(got) is not int or not 0 <= got <= most:
+        raise ProtocolError(f"{what} reply has n of {got!r:.40} (an int in [0, {most}] "
+                            "wanted)")
     return got

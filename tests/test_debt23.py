@@ -133,3 +133,68 @@ def test_the_servers_found_lists_pass_the_check(server, monkeypatch):
         assert c.exists_batch([b"d23-ok-a", b"d23-ok-z", b"d23-ok-b"]) == [True, False, True]
         assert c.exists(b"d23-ok-a") is True and c.exists(b"d23-ok-z") is False
         c.unpin(c.pin([b"d23-ok-a", b"d23-ok-b"], 30))
+
+
+# ------------------------------------- 2: DELETE / EVICT / PURGE counts are checked
+
+BAD_COUNTS = (-1, "2", None, True, 2.0, [1], 1 << 60)
+
+
+@pytest.mark.parametrize("bad", [*BAD_COUNTS, "missing"], ids=repr)
+def test_a_bad_removal_count_is_refused(server, monkeypatch, bad):
+    """delete / evict / purge returned the reply's ``n`` as it came (a str, a negative,
+    a huge count; none: KeyError). Now ProtocolError, as prefix_of does for MATCH_PREFIX
+    (failed before: no error, or KeyError)."""
+    from kvshm.aio import AsyncClient
+    from kvshm.client import Client
+
+    monkeypatch.setenv("KVSHM_NO_LOCAL_READS", "1")
+    body = {} if bad == "missing" else {"n": bad}
+    calls = ((Op.DELETE, lambda c: c.delete([b"d23-c-a", b"d23-c-b"])),
+             (Op.EVICT, lambda c: c.evict(1.0)),
+             (Op.PURGE, lambda c: c.purge()))
+    with Client(server.address, transport="tcp", timeout=10) as c:
+        for op, call in calls:
+            with monkeypatch.context() as m:
+                _patch_sync(m, op, body)
+                with pytest.raises(ProtocolError, match=op.name):
+                    call(c)
+        assert c.delete([b"d23-c-a"]) == 0
+
+    async def run() -> None:
+        async with AsyncClient(server.address, transport="tcp", timeout=10) as a:
+            for op, call in calls:
+                with monkeypatch.context() as m:
+                    _patch_async(m, op, body)
+                    with pytest.raises(ProtocolError, match=op.name):
+                        await call(a)
+            assert await a.delete([b"d23-c-a"]) == 0
+
+    asyncio.run(run())
+
+
+def test_a_delete_count_past_the_keys_asked_is_refused(server, monkeypatch):
+    """DELETE of 2 keys answered n=3: more removed than asked is no answer."""
+    from kvshm.client import Client
+
+    monkeypatch.setenv("KVSHM_NO_LOCAL_READS", "1")
+    with Client(server.address, transport="tcp", timeout=10) as c:
+        with monkeypatch.context() as m:
+            _patch_sync(m, Op.DELETE, {"n": 3})
+            with pytest.raises(ProtocolError, match="DELETE"):
+                c.delete([b"d23-c-a", b"d23-c-b"])
+        with monkeypatch.context() as m:
+            _patch_sync(m, Op.DELETE, {"n": 2})
+            assert c.delete([b"d23-c-a", b"d23-c-b"]) == 2   # (the bound itself passes)
+
+
+def test_good_removal_counts_come_back(server, monkeypatch):
+    from kvshm.client import Client
+
+    monkeypatch.setenv("KVSHM_NO_LOCAL_READS", "1")
+    with Client(server.address, transport="tcp", timeout=10) as c:
+        c.put_batch([b"d23-g-a", b"d23-g-b"], [b"1", b"2"])
+        assert c.delete([b"d23-g-a", b"d23-g-a", b"d23-g-z"]) == 1
+        assert c.evict(1.0) == 0
+        assert c.purge() >= 1
+        assert c.purge() == 0
