@@ -198,3 +198,57 @@ def test_good_removal_counts_come_back(server, monkeypatch):
         assert c.evict(1.0) == 0
         assert c.purge() >= 1
         assert c.purge() == 0
+
+
+# ------------------------------ 3: a reply whose send fails (not ZMQ) is answered
+
+
+@pytest.fixture
+def bed(shm_name):
+    from test_srvdisp import Bed
+
+    b = Bed(shm_name)
+    assert b.req(Op.EXISTS, 1, {"keys": [b"warm-up"]})[2] == {"found": [False]}
+    yield b
+    b.close()
+
+
+def test_a_reply_that_cannot_be_sent_is_answered_internal(bed):
+    """A handler's reply with a frame _send cannot send (no buffer protocol: a bug)
+    raised out of _send after ServiceLoop._sends counted it, so _handle took the request
+    as answered and sent nothing: the client waited out its timeout. Now INTERNAL, and
+    the loop serves on (failed before: no reply)."""
+    from kvshm.zmq_ctrl.protocol import Status
+
+    def bad_frames(session, req_id, body, frames, on_sent):
+        return Status.OK, {"n": 1}, [object()]
+
+    bed.loop.add_ops({Op.STATS: bad_frames})
+    st, rid, body, frames = bed.req(Op.STATS, 7, {})
+    assert st == Status.INTERNAL and rid == 7 and "internal error" in body["error"]
+    assert frames == []
+    assert bed.loop.errors["internal"] == 1
+    assert bed.req(Op.EXISTS, 8, {"keys": [b"k"]})[2] == {"found": [False]}
+
+
+def test_a_pinned_reply_that_cannot_be_sent_settles_its_pins(bed):
+    """A GET's reply (its entries pinned until sent) whose send fails: answered INTERNAL
+    and the pins settled, not left held (failed before: no reply, pins held)."""
+    from kvshm.zmq_ctrl.protocol import Status
+
+    bed.store.put([b"pk"], [b"x" * 300_000])
+    real = bed.loop._handlers[Op.GET]
+
+    def get_then_bad(session, req_id, body, frames, on_sent):
+        st, rbody, fr = real(session, req_id, body, frames, on_sent)
+        assert on_sent      # (the entries are pinned until the reply is sent)
+        return st, rbody, [*fr, object()]
+
+    bed.loop.add_ops({Op.GET: get_then_bad})
+    st, rid, body, frames = bed.req(Op.GET, 9, {"keys": [b"pk"]})
+    assert st == Status.INTERNAL and rid == 9
+    s = bed.store.stats()
+    assert s["pins"] == 0 and s["pinned"] == 0 and not bed.loop._sending
+    bed.loop.add_ops({Op.GET: real})
+    st, rid, body, frames = bed.req(Op.GET, 10, {"keys": [b"pk"]})
+    assert st == Status.OK and b"".join(frames) == b"x" * 300_000

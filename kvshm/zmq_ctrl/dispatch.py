@@ -218,7 +218,15 @@ class DispatchMixin(LoopState):
         except Exception as exc:    # a handler's reply msgpack cannot encode (a bug)
             self._reply_bug(ident, session, req_id, op, exc, on_sent, t0)
             return
-        tracker = self._send(ident, header, frames, track=track)
+        try:
+            tracker = self._send(ident, header, frames, track=track)
+        except Exception as exc:    # not sent (a frame it cannot send: a bug; _send drops
+            # a ZMQError itself): what the reply pinned is settled, INTERNAL answers it;
+            # its frames (views of the pool) dropped now, not kept by the logged traceback
+            if type(frames) is list:
+                frames.clear()
+            self._reply_bug(ident, session, req_id, op, exc, on_sent, t0)
+            return
         if track:
             assert session is not None
             entries = [e for e in on_sent if not isinstance(e, int)]

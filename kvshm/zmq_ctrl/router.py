@@ -680,6 +680,12 @@ class ServiceLoop(DispatchMixin, SessionsMixin, ParkedMixin, SlicesMixin, SendsM
         except zmq.ZMQError as exc:  # peer gone, or HWM: drop the reply, keep serving
             log.debug("reply to %s dropped: %s", ident.hex(), exc)
             self._count_error("send_failed")
+        except BaseException:
+            # not sent (a frame without the buffer protocol, MemoryError: a bug): not
+            # counted, so that the caller's _unanswered (or _reply's) answers INTERNAL
+            # instead of the client waiting out its timeout
+            self._sends -= 1
+            raise
         return None
 
     def _send_failed(self, m: tuple[bytes, bytes], exc: zmq.ZMQError) -> None:
