@@ -475,7 +475,11 @@ class AsyncClient:
             st, body, frames = await conn.request(Op.HELLO, body, (), s.epoch, rid)
         except BaseException:
             if body is not hb:
-                s.requeue(body)
+                # its lazy COMMITs go again on the next HELLO (as Client._hello_locked)
+                com = body.get("commit")
+                if com:
+                    s.hello_commits = [r for r in s.hello_commits if r not in com]
+                s.requeue(body, failed=True)
             raise
         # attaching the segment pre-faults it: off the event loop. A cancel waits for it
         # (two HELLOs must never change the session at once).

@@ -611,6 +611,9 @@ class _Session:
         # lazy COMMIT ids sent on a HELLO not applied yet: lost when it finds another
         # server (a restart: the old epoch's settle lists are not applied there)
         self.hello_commits: list[int] = []
+        # lazy COMMIT ids sent again after a request carrying them failed (a timeout: it
+        # may have reached the server): one reported refused may have been applied
+        self.resent_commits: set[int] = set()
         self.rdma_options = rdma   # kvshm.rdma.RdmaOptions or dict, for "rdma"/"auto"
         self.rdma: Any = None      # kvshm.rdma.ClientLink, made by kvshm.rdma on first use
         self.local: Any = None     # kvshm.localread reader of the server's shared index
@@ -690,21 +693,29 @@ class _Session:
             self.hello_commits.extend(body.get("commit", ()))
         return body
 
-    def requeue(self, body: dict[str, Any], unapplied: bool = False) -> None:
+    def requeue(self, body: dict[str, Any], unapplied: bool = False,
+                failed: bool = False) -> None:
         """Put back the RELEASE/ABORT ids a request carried that the server may not have
-        seen (both are idempotent). COMMITs are not resent (one the server applied would
-        be reported refused), except with ``unapplied``: the server answered that it
-        applied none (STALE_EPOCH), and the lazy COMMITs go again, on the HELLO that
+        seen (both are idempotent). COMMITs are not resent unless asked (one the server
+        applied is reported refused when sent again): with ``unapplied``, the server
+        answered that it applied none (STALE_EPOCH), and the lazy COMMITs go again, on
+        the HELLO that
         follows (applied by the same server; reported lost by another,
-        :meth:`apply_hello`)."""
+        :meth:`apply_hello`). With ``failed`` (the request failed: timed out, its send
+        failed, interrupted; the server may or may not have applied them) the lazy
+        COMMITs go again too: a put that returned is committed (the COMMIT was lost) or
+        reported (LeaseExpired, from a reply's ``commit_failed``: the grant was settled
+        by the first or its lease ran out), never silently dropped."""
         for name, q in (("release", self.releases), ("abort", self.aborts)):
             for rid in body.get(name, ()):
                 if rid not in q:
                     q.append(rid)
-        if unapplied:
+        if unapplied or failed:
             for rid in body.get("commit", ()):
                 if rid in self.lazy_rids and rid not in self.commits:
                     self.commits.append(rid)
+                    if failed:
+                        self.resent_commits.add(rid)
 
     def note_reply(self, body: dict[str, Any]) -> None:
         """Keep the lazily committed writes a reply says were refused (their lease ran
@@ -719,11 +730,17 @@ class _Session:
     def raise_lost_commits(self) -> None:
         if self.lost_commits:
             n = len(self.lost_commits)
+            resent = self.resent_commits
+            maybe = sum(1 for rid in self.lost_commits if rid in resent)
+            if resent:
+                resent.difference_update(self.lost_commits)
             self.lost_commits.clear()
+            also = (f" ({maybe} of them sent again after a request carrying their COMMIT "
+                    "failed: those may have been stored by it)") if maybe else ""
             raise LeaseExpired(f"{n} earlier write(s) committed lazily were not committed: "
                                "the server refused them (their lease ran out before the "
                                "COMMIT arrived) or restarted before the COMMIT reached it; "
-                               "those keys were not stored")
+                               f"those keys were not stored{also}")
 
     def piggyback_pending(self) -> bool:
         wb = self.wb
@@ -976,7 +993,7 @@ class _Session:
         else:                 # another instance: none of the grants the lists name exist
             # lazily committed puts (reported done) whose COMMIT no server applied:
             # raised as LeaseExpired by the next call, as refused lazy commits are
-            gone = [rid for rid in (*self.hello_commits, *self.commits)
+            gone = [rid for rid in dict.fromkeys((*self.hello_commits, *self.commits))
                     if rid in self.lazy_rids]
             for rid in gone:
                 del self.lazy_rids[rid]
@@ -1294,7 +1311,7 @@ class _Session:
                     self.commits.append(r.req_id)
                     self.lazy_rids[r.req_id] = None
                     while len(self.lazy_rids) > 65536:   # old ones long settled
-                        self.lazy_rids.popitem(last=False)
+                        self.resent_commits.discard(self.lazy_rids.popitem(last=False)[0])
                 else:
                     # this put's own COMMIT carries it (not the queue of ids that ride on
                     # the next request, which may be another thread's: lost with that
@@ -1723,7 +1740,7 @@ class _Drive:
         """The request prepared last may not have reached the server (or its reply
         was lost): give back what it carried and what it may hold."""
         if self.body is not None:
-            self.s.requeue(self.body)
+            self.s.requeue(self.body, failed=True)
             self.body = None
         self.abandon()
 
@@ -1940,7 +1957,12 @@ class Client:
                                                             epoch=s.epoch)
             except BaseException:
                 if body is not hb:
-                    s.requeue(body)
+                    # its lazy COMMITs go again on the next HELLO (queued: no longer
+                    # this HELLO's), as a failed request's (_Drive.failed)
+                    com = body.get("commit")
+                    if com:
+                        s.hello_commits = [r for r in s.hello_commits if r not in com]
+                    s.requeue(body, failed=True)
                 raise
             s.apply_hello(_Reply(rid, st, rbody, frames), self.address)
             # a same-host client proves its liveness file; transport="auto" with RDMA on
@@ -2118,16 +2140,17 @@ class Client:
                         if not _gone_unsent(exc):
                             # timed out, send failed, interrupted (as _Drive.failed)
                             if sent is not body:
-                                s.requeue(sent)
+                                s.requeue(sent, failed=True)
                             s.need_hello = True
                             raise
                         st, rbody, rframes = Status.STALE_EPOCH, {}, []
                     if st != _STALE:
                         s.note_reply(rbody)
                         return st, rbody, rframes
-                    # nothing was done: HELLO, then the same request again
+                    # nothing was done: HELLO, then the same request again (the lazy
+                    # COMMITs with it, as _Drive.after)
                     if sent is not body:
-                        s.requeue(sent)
+                        s.requeue(sent, unapplied=True)
                     s.need_hello = True
                     self._hello_locked()
             raise ServerUnavailable(f"kvshm server at {self.address} keeps forgetting "
@@ -2506,7 +2529,7 @@ class Client:
                 try:
                     chan.send(Op.PLACE, body, req_id=rid, epoch=s.epoch)
                 except BaseException:
-                    s.requeue(body)
+                    s.requeue(body, failed=True)
                     s.need_hello = True
                     s.unsent(rid)
                     raise
@@ -2541,7 +2564,7 @@ class Client:
         try:
             self._chan.send(Op.PLACE, body, req_id=rid, epoch=s.epoch)
         except BaseException:
-            s.requeue(body)
+            s.requeue(body, failed=True)
             s.need_hello = True
             s.unsent(rid)
             s.wb_lost.extend(keys)

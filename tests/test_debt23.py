@@ -252,3 +252,80 @@ def test_a_pinned_reply_that_cannot_be_sent_settles_its_pins(bed):
     bed.loop.add_ops({Op.GET: real})
     st, rid, body, frames = bed.req(Op.GET, 10, {"keys": [b"pk"]})
     assert st == Status.OK and b"".join(frames) == b"x" * 300_000
+
+
+# -------------------------- 4: lazy COMMITs of a request that failed go again
+
+
+def _other_has(address: str, key: str) -> bool:
+    from kvshm.client import Client
+    with Client(address, transport="tcp", timeout=10) as other:
+        return other.exists(key)
+
+
+@pytest.mark.parametrize("where", ["hello", "request"])
+def test_lazy_commits_of_a_failed_request_are_sent_again(server, monkeypatch, where):
+    """A lazily committed put returned; its COMMIT rode on a HELLO (or another request)
+    that failed before reaching the server (here: raised ServerUnavailable unsent). The
+    COMMIT was neither sent again nor reported: the grant lapsed with its lease, flush()
+    passed and the key was missing. Now it goes again with the next request and is
+    applied (failed before: the key was never stored, no error)."""
+    import kvshm.zmq_ctrl.channel as chmod
+    from kvshm.client import Client
+    from kvshm.errors import ServerUnavailable
+
+    monkeypatch.setenv("KVSHM_NO_LOCAL_READS", "1")
+    key = f"d23-lazy-{where}"
+    with Client(server.address, lazy_commit=True, transport="shm", timeout=10) as c:
+        c.put(key, b"L" * 9000)                     # its COMMIT queued (lazy)
+        assert c._session.commits
+        orig = chmod.Channel.request
+        failed = []
+
+        def request(self, op, body, *a, **k):
+            if not failed and "commit" in body and (op == Op.HELLO) == (where == "hello"):
+                failed.append(op)
+                raise ServerUnavailable("test: not sent")
+            return orig(self, op, body, *a, **k)
+
+        monkeypatch.setattr(chmod.Channel, "request", request)
+        if where == "hello":
+            c._session.need_hello = True            # (as after a timeout)
+        with pytest.raises(ServerUnavailable, match="not sent"):
+            c.exists_batch([b"d23-x", b"d23-y"])
+        assert failed
+        monkeypatch.setattr(chmod.Channel, "request", orig)
+        c.flush()
+        assert _other_has(server.address, key)
+
+
+def test_a_lazy_commit_sent_twice_is_reported_not_lost(server, monkeypatch):
+    """The request carrying a lazy COMMIT reached the server (applied) but failed on
+    the way back: sent again, the server answers it refused (the grant is settled);
+    the client reports it (LeaseExpired, saying it may have been stored) rather than
+    staying silent, and the key is there."""
+    import kvshm.zmq_ctrl.channel as chmod
+    from kvshm.client import Client
+    from kvshm.errors import LeaseExpired, ServerUnavailable
+
+    monkeypatch.setenv("KVSHM_NO_LOCAL_READS", "1")
+    with Client(server.address, lazy_commit=True, transport="shm", timeout=10) as c:
+        c.put("d23-twice", b"T" * 9000)
+        orig = chmod.Channel.request
+        failed = []
+
+        def request(self, op, body, *a, **k):
+            r = orig(self, op, body, *a, **k)
+            if not failed and "commit" in body:
+                failed.append(op)
+                raise ServerUnavailable("test: reply lost")
+            return r
+
+        monkeypatch.setattr(chmod.Channel, "request", request)
+        with pytest.raises(ServerUnavailable, match="reply lost"):
+            c.exists_batch([b"d23-x", b"d23-y"])
+        monkeypatch.setattr(chmod.Channel, "request", orig)
+        with pytest.raises(LeaseExpired, match="may have been stored"):
+            c.flush()
+        c.flush()
+        assert _other_has(server.address, "d23-twice")
