@@ -1291,9 +1291,18 @@ class _Session:
             if self.mover is not mover:     # HELLO again in between: new segment
                 self.aborts.append(r.req_id)
                 continue
-            st, offsets = r.body["st"], r.body["offsets"]
-            if type(st) is list and type(offsets) is list and len(st) == len(offsets) \
-                    and st.count(_OK) == len(st):
+            st, offsets = r.body.get("st"), r.body.get("offsets")
+            if type(st) is not list or type(offsets) is not list \
+                    or len(st) != len(bkeys) or len(offsets) != len(st):
+                # (checked before anything is read from it: the grant the server may
+                # hold is aborted, not left to its lease)
+                self.aborts.append(r.req_id)
+                raise ProtocolError(
+                    f"ALLOC reply for {len(bkeys)} keys has "
+                    f"{len(st) if type(st) is list else type(st).__name__} statuses and "
+                    f"{len(offsets) if type(offsets) is list else type(offsets).__name__}"
+                    " offsets")
+            if st.count(_OK) == len(st):
                 ok = list(range(len(st)))           # the common case, at C speed
                 some = offsets
             else:

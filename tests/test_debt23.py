@@ -329,3 +329,55 @@ def test_a_lazy_commit_sent_twice_is_reported_not_lost(server, monkeypatch):
             c.flush()
         c.flush()
         assert _other_has(server.address, "d23-twice")
+
+
+# -------------------------- 5: an ALLOC reply short of offsets aborts its grant
+
+
+@pytest.mark.parametrize("bad", ["short", "long", "no offsets", "offsets not a list",
+                                 "short st"])
+def test_an_alloc_reply_that_does_not_fit_aborts_the_grant(server, monkeypatch, bad):
+    """put_batch over shm read ``[offsets[i] for i in ok]`` before its abort ``try``: an
+    ALLOC reply with fewer offsets than statuses raised IndexError (KeyError without
+    offsets) and left the reservation to its lease. Now ProtocolError, and the grant is
+    aborted with the next request (failed before: IndexError/KeyError, the blocks stayed
+    pending)."""
+    import kvshm.client as client_mod
+    import kvshm.zmq_ctrl.channel as chmod
+    from kvshm.client import Client
+
+    monkeypatch.setenv("KVSHM_NO_LOCAL_READS", "1")
+    monkeypatch.setattr(client_mod, "INLINE_PUT", False)
+    keys = [b"d23-a-%s-%d" % (bad.encode(), i) for i in range(3)]
+    with Client(server.address, transport="shm", timeout=10) as c:
+        assert c._session.mover is not None
+        base = c.stats()["pending"]
+        orig = chmod.Channel.request
+
+        def request(self, op, *a, **k):
+            r = orig(self, op, *a, **k)
+            if op != Op.ALLOC:
+                return r
+            rb = dict(r[2])
+            if bad == "short":
+                rb["offsets"] = rb["offsets"][:-1]
+            elif bad == "long":
+                rb["offsets"] = rb["offsets"] + rb["offsets"][:1]
+            elif bad == "no offsets":
+                del rb["offsets"]
+            elif bad == "offsets not a list":
+                rb["offsets"] = 5
+            else:
+                rb["st"] = rb["st"][:-1]
+                rb["offsets"] = rb["offsets"][:-1]
+            return (r[0], r[1], rb, r[3])
+
+        with monkeypatch.context() as m:
+            m.setattr(chmod.Channel, "request", request)
+            with pytest.raises(ProtocolError, match="ALLOC reply"):
+                c.put_batch(keys, [b"A" * 9000] * 3)
+        assert c._session.aborts                    # rides on the next request
+        assert c.stats()["pending"] == base         # (that one: the grant is gone)
+        assert c.exists_batch(keys) == [False] * 3
+        c.put_batch(keys, [b"A" * 9000] * 3)
+        assert c.exists_batch(keys) == [True] * 3
