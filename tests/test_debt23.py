@@ -381,3 +381,112 @@ def test_an_alloc_reply_that_does_not_fit_aborts_the_grant(server, monkeypatch, 
         assert c.exists_batch(keys) == [False] * 3
         c.put_batch(keys, [b"A" * 9000] * 3)
         assert c.exists_batch(keys) == [True] * 3
+
+
+# ----------------- 6: a GET reply placed into buffers only where its layout says
+
+
+class _ThreadServer:
+    """A Store and its ServiceLoop on TCP in a thread (its GET handler replaceable)."""
+
+    def __init__(self, name: str) -> None:
+        import threading
+
+        import zmq
+
+        from kvshm import Pool
+        from kvshm.limits import Limits
+        from kvshm.segments import token_digest
+        from kvshm.store import Store, StoreConfig
+        from kvshm.zmq_ctrl.protocol import PROTOCOL_VERSION
+        from kvshm.zmq_ctrl.router import ServiceLoop
+
+        self.ctx = zmq.Context()
+        self.pool = Pool.create(name, 8 << 20, 4096)
+        self.store = Store(self.pool, StoreConfig(limits=Limits()))
+        hello = {"version": PROTOCOL_VERSION,
+                 "pool": {"name": self.pool.name, "size": self.pool.size,
+                          "block_size": self.pool.block_size,
+                          "token_digest": token_digest(self.pool.token)},
+                 "limits": self.store.config.limits.to_wire(), "lease_timeout": 30.0,
+                 "server": {}, "ipc": None}
+        self.loop = ServiceLoop(self.store, ["tcp://127.0.0.1:0"], hello, 23,
+                                context=self.ctx)
+        self.address = self.loop.endpoints[0]
+        self.thread: Any = None
+        self._threading = threading
+
+    def start(self) -> None:
+        self.thread = self._threading.Thread(target=self.loop.run, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        if self.thread is not None:
+            self.loop.stop()
+            self.thread.join(30)
+        self.loop.close()
+        self.ctx.term()
+        self.pool.close()
+        self.pool.unlink()
+
+
+@pytest.fixture
+def tserver(shm_name):
+    s = _ThreadServer(shm_name)
+    yield s
+    s.close()
+
+
+LAYOUTS = {
+    # two small values packed in one frame of 300 bytes; sizes say 100 + 250
+    "packed": ([100, 200], lambda sz: [100, 250], None),
+    # two large values, a frame each; sizes say 200000 + 400000 (frames of 300000)
+    "alone": ([300_000, 300_000], lambda sz: [200_000, 400_000], None),
+    # two large values, a frame each; counts say both are in the first
+    "counts": ([300_000, 300_000], None, lambda c: [2, 0]),
+}
+
+
+@pytest.mark.parametrize("how", list(LAYOUTS))
+def test_a_get_reply_that_does_not_fit_its_sizes_writes_nothing(tserver, monkeypatch, how):
+    """TCP get_batch_into (ZMTP ``Conn.recv(into=)``) placed a reply's payload into
+    ``outs[i][:sizes[i]]`` as it arrived, and only then checked the frames' lengths
+    against counts and sizes (frames.placed): a reply whose layout did not match its
+    sizes wrote into the caller's buffers before raising ProtocolError. Now each frame
+    is placed only when its length is the one the layout gives it (failed before: the
+    buffers were written)."""
+    import kvshm.client as client_mod
+    import kvshm.zmq_ctrl.channel as chmod
+    from kvshm.client import Client
+
+    if not chmod.INTO:
+        pytest.skip("KVSHM_ZMTP_INTO=0")
+    values, bad_sizes, bad_counts = LAYOUTS[how]
+    keys = [b"d23-g-%d" % i for i in range(len(values))]
+    tserver.store.put(keys, [bytes([65 + i]) * n for i, n in enumerate(values)])
+    real = tserver.loop._handlers[Op.GET]
+
+    bad = [True]
+
+    def tampered(session, req_id, body, frames, on_sent):
+        st, rb, fr = real(session, req_id, body, frames, on_sent)
+        if not bad[0]:
+            return st, rb, fr
+        if bad_sizes is not None:
+            rb["sizes"] = bad_sizes(rb["sizes"])
+        if bad_counts is not None:
+            rb["counts"] = bad_counts(rb["counts"])
+        return st, rb, fr
+
+    tserver.loop.add_ops({Op.GET: tampered})
+    tserver.start()
+    monkeypatch.setattr(client_mod, "PIPELINE", False)
+    with Client(tserver.address, transport="tcp", timeout=10) as c:
+        assert c._chan.zmtp
+        outs = [bytearray(b"\xee" * 500_000) for _ in keys]
+        with pytest.raises(ProtocolError, match="GET reply"):
+            c.get_batch_into(keys, outs)
+        assert all(o == b"\xee" * 500_000 for o in outs)
+        bad[0] = False
+        assert c.get_batch_into(keys, outs) == values
+        assert all(o[:n] == bytes([65 + i]) * n for i, (o, n) in enumerate(zip(outs, values)))

@@ -309,16 +309,20 @@ def test_a_reply_that_stalls_past_the_deadline_lands_nothing_later(monkeypatch):
 
 
 def test_layouts_that_do_not_match_the_sizes(monkeypatch):
-    """A hostile reply: frames larger than the sizes (received as bytes, never past a
-    buffer's value), frames that do not add up: placed() says FrameLayoutError, and
-    through the client a ProtocolError; no byte lands past a value's size."""
+    """A hostile reply: frames larger than the sizes, frames that do not add up to them,
+    counts that do not fit: no frame is placed unless its length is the one the layout
+    gives it (checked before its first byte is written: debt23 item 6; before, a frame
+    shorter than the rest of the sizes was placed, and the buffers written, before
+    placed() refused the reply). placed() or unpack() says FrameLayoutError, and
+    through the client a ProtocolError."""
     monkeypatch.setattr(chmod, "INTO", True)
 
     def script(s: socket.socket) -> None:
         _accept(s)
-        _get_reply(s, [10, 10], [1, 1], [b"A" * 30, b"B" * 5])       # too long, then fits
+        _get_reply(s, [10, 10], [1, 1], [b"A" * 30, b"B" * 5])       # too long, then short
         _get_reply(s, [10, 10], [2], [b"C" * 5, b"D" * 15])          # 2 frames, 1 count
         _get_reply(s, [10, 10], [1, 1], [b"E" * 10])                 # one frame short
+        _get_reply(s, [10, 10], [1, 1], [b"F" * 10, b"G" * 7])       # the second short
         time.sleep(0.3)
 
     fake = FakeServer(script)
@@ -326,21 +330,26 @@ def test_layouts_that_do_not_match_the_sizes(monkeypatch):
     try:
         outs = [bytearray(b"\xa5" * 12), bytearray(b"\xa5" * 12)]
         _, _, body, frames = ch.request(Op.GET, {"keys": [b"a", b"b"]}, into=F.into(outs))
-        assert frames == [b"A" * 30, 5]
+        assert frames == [b"A" * 30, b"B" * 5]          # neither placed
+        with pytest.raises(F.FrameLayoutError):
+            F.unpack(frames, body["counts"], body["sizes"])
+        assert outs == [b"\xa5" * 12, b"\xa5" * 12]
+        _, _, body, frames = ch.request(Op.GET, {"keys": [b"a", b"b"]}, into=F.into(outs))
+        assert frames == [b"C" * 5, b"D" * 15]
+        with pytest.raises(F.FrameLayoutError):
+            F.unpack(frames, body["counts"], body["sizes"])
+        assert outs == [b"\xa5" * 12, b"\xa5" * 12]
+        _, _, body, frames = ch.request(Op.GET, {"keys": [b"a", b"b"]}, into=F.into(outs))
+        assert frames == [10]                           # (where its layout has it)
         with pytest.raises(F.FrameLayoutError):
             F.placed(frames, body["counts"], body["sizes"])
-        assert outs[0] == bytearray(b"B" * 5 + b"\xa5" * 7) and outs[1] == b"\xa5" * 12
+        assert outs == [b"E" * 10 + b"\xa5" * 2, b"\xa5" * 12]
         outs = [bytearray(b"\xa5" * 12), bytearray(b"\xa5" * 12)]
         _, _, body, frames = ch.request(Op.GET, {"keys": [b"a", b"b"]}, into=F.into(outs))
-        assert frames == [5, 15]
+        assert frames == [10, b"G" * 7]                 # the first fits, the second not
         with pytest.raises(F.FrameLayoutError):
             F.placed(frames, body["counts"], body["sizes"])
-        assert outs == [bytearray(b"C" * 5 + b"D" * 5 + b"\xa5" * 2),
-                        bytearray(b"D" * 10 + b"\xa5" * 2)]
-        _, _, body, frames = ch.request(Op.GET, {"keys": [b"a", b"b"]}, into=F.into(outs))
-        assert frames == [10]
-        with pytest.raises(F.FrameLayoutError):
-            F.placed(frames, body["counts"], body["sizes"])
+        assert outs == [b"F" * 10 + b"\xa5" * 2, b"\xa5" * 12]
     finally:
         ch.close()
         fake.close()
@@ -436,7 +445,8 @@ def test_conn_into_takes_a_view_of_an_output_without_the_buffer_protocol():
 def test_into_plans_only_a_plain_ok_reply():
     outs = [bytearray(4), bytearray(4)]
     plan = F.into(outs)
-    assert plan(0, {"sizes": [4, -1]}) == (outs, [4, -1], None)
+    assert plan(0, {"sizes": [4, -1], "counts": [1]}) == (outs, [4, -1], None, [1])
+    assert plan(0, {"sizes": [4, -1]}) is None                 # no counts: no layout
     assert plan(1, {"sizes": [4, -1]}) is None                 # not OK
     assert plan(0, {"sizes": [4, -2]}) is None                 # refused: QuotaExceeded
     assert plan(0, {"sizes": [4]}) is None                     # not one per key

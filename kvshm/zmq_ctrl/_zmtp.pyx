@@ -266,11 +266,15 @@ cdef class Conn:
     # destinations (recv's ``into``): the message being received has them (dmsg); its
     # payload bytes go, in order, into dv[0][:dlen[0]], dv[1][:dlen[1]], ...; di/doff:
     # where the next byte goes; dleft: bytes still to place; fr_dir: the frame being
-    # received is placed there (not in a bytes object); dgot: buffers held
+    # received is placed there (not in a bytes object); dgot: buffers held; dtotal: bytes
+    # to place in all; dend_at (dnf payload frames; NULL: not given): where in those bytes
+    # each payload frame must end (>= 0: exactly there; < 0: at most at -x - 1, a part
+    # of a value that continues in the next frame): a frame that does not is not placed
     cdef bint dmsg, fr_dir
     cdef Py_buffer *dv
     cdef Py_ssize_t *dlen
-    cdef Py_ssize_t dgot, di, doff, dleft
+    cdef Py_ssize_t dgot, di, doff, dleft, dtotal, dnf
+    cdef long long *dend_at
     cdef object into                # recv's ``into`` during one call, else None
 
     def __cinit__(self, int fd):
@@ -331,10 +335,14 @@ cdef class Conn:
             PyBuffer_Release(&self.dv[i])
         free(self.dv)
         free(self.dlen)
+        free(self.dend_at)
         self.dv = NULL
         self.dlen = NULL
+        self.dend_at = NULL
+        self.dnf = 0
         self.dgot = 0
         self.dleft = 0
+        self.dtotal = 0
         self.dmsg = False
         self.fr_dir = False
 
@@ -346,16 +354,24 @@ cdef class Conn:
         its length: else nothing is taken (the payload is received as usual). A third
         item, when given: ``view(obj)``, called for an object without the buffer
         protocol (a torch tensor), returns one over its memory (or raises: nothing
-        taken)."""
+        taken). A fourth, when given and not None: the reply's ``counts`` (values per
+        payload frame, :mod:`kvshm.zmq_ctrl.frames`): each frame's bytes are then placed
+        only when its length is the one counts and sizes give it (checked as its header
+        arrives, before a byte of it is written); a frame that does not fit ends the
+        placing (it and the frames after it are received as usual, and the caller's
+        check of the lengths, ``frames.placed``, refuses the reply). Counts that do not
+        add up to the sizes: nothing taken."""
         cdef Py_ssize_t n, i, total = 0
         cdef long long v
         cdef int ovf = 0
-        cdef object bufs, sizes, sz, view = None, o
+        cdef object bufs, sizes, sz, view = None, o, counts = None
         if plan is None:
             return 0
         bufs, sizes = plan[0], plan[1]
         if len(plan) > 2:
             view = plan[2]
+        if len(plan) > 3:
+            counts = plan[3]
         n = len(bufs)
         if len(sizes) != n:
             return 0
@@ -401,11 +417,85 @@ cdef class Conn:
             # the buffers taken so far are not to stay exported)
             self._dend()
             raise
+        if counts is not None and self._dlayout(counts, total) < 0:
+            self._dend()
+            return 0
         self.di = 0
         self.doff = 0
         self.dleft = total
+        self.dtotal = total
         self.dmsg = True
         return 0
+
+    cdef int _dlayout(self, object counts, Py_ssize_t total) except -2:
+        """Where each payload frame ends (``dend_at``) from ``counts`` and the sizes
+        taken (``dlen``): 0, or -1 when counts do not fit them (not a list of ints >= 0,
+        a count of 0 that continues no value of one frame, not adding up)."""
+        cdef Py_ssize_t nf, f, k = 0, j, c, nxt
+        cdef long long cum = 0, gend = 0
+        cdef bint group = False
+        cdef int ovf = 0
+        cdef object it
+        if type(counts) is not list:
+            return -1
+        nf = len(counts)
+        self.dend_at = <long long *>malloc(sizeof(long long) * (nf + 1))
+        if self.dend_at == NULL:
+            raise MemoryError
+        for f in range(nf):
+            it = counts[f]
+            if type(it) is not int:
+                return -1
+            c = <Py_ssize_t>PyLong_AsLongLongAndOverflow(it, &ovf)
+            if ovf or c < 0:
+                return -1
+            nxt = -1
+            if f + 1 < nf:
+                it = counts[f + 1]
+                if type(it) is not int:
+                    return -1
+                nxt = <Py_ssize_t>PyLong_AsLongLongAndOverflow(it, &ovf)
+                if ovf:
+                    return -1
+            if c == 0:
+                if not group:           # continues no value of one frame
+                    return -1
+                self.dend_at[f] = gend if nxt != 0 else -gend - 1
+                if nxt != 0:
+                    group = False
+                continue
+            if nxt == 0:                # a value over this frame and the next ones
+                if c != 1 or k >= self.dgot:
+                    return -1
+                gend = cum + self.dlen[k]
+                k += 1
+                cum = gend
+                group = True
+                self.dend_at[f] = -gend - 1
+                continue
+            if c > self.dgot - k:
+                return -1
+            for j in range(k, k + c):
+                cum += self.dlen[j]
+            k += c
+            self.dend_at[f] = cum
+        if k != self.dgot or cum != total:
+            return -1
+        self.dnf = nf
+        return 0
+
+    cdef bint _dfits(self, unsigned long long size) noexcept:
+        """Whether the payload frame of ``size`` bytes starting now ends where
+        ``dend_at`` says it must."""
+        cdef Py_ssize_t f = len(self.parts) - 1     # (parts: the header, then frames)
+        cdef long long end, x
+        if f < 0 or f >= self.dnf or size > <unsigned long long>self.dleft:
+            return False
+        end = <long long>(self.dtotal - self.dleft) + <long long>size
+        x = self.dend_at[f]
+        if x >= 0:
+            return end == x
+        return end <= -x - 1
 
     cdef void _dput(self, const unsigned char *src, Py_ssize_t n) noexcept:
         """``n`` more bytes of the frame being placed (n <= dleft): copied from ``src``,
@@ -746,6 +836,8 @@ cdef class Conn:
             self.fr_size = size
             self.fr_got = 0
             self.fr_more = fl & 1
+            if self.dmsg and self.dend_at != NULL and not self._dfits(size):
+                self._dend()                # (not where the layout has it: not placed)
             if self.dmsg and self.fr_size <= self.dleft:
                 self.fr_dir = True          # (placed in the destinations: see top)
                 continue
@@ -765,7 +857,10 @@ cdef class Conn:
         go in order straight into ``buffers[0][:sizes[0]]``, ``buffers[1][:sizes[1]]``,
         ... (the kernel copies them there: no bytes object, no second copy). Each frame
         so placed is an ``int`` (its length) in the message; a frame larger than the
-        room left is received as usual (``bytes``). Buffers that are not writable and
+        room left is received as usual (``bytes``). With ``(buffers, sizes, view,
+        counts)`` the frame boundaries are checked too: a frame whose length is not
+        the one counts and sizes give it is not placed, nor any after it (see
+        ``_dstart``). Buffers that are not writable and
         C-contiguous, or smaller than their size: nothing is placed. The buffers are
         held until the message is whole or the connection closes; a caller that gives
         up on the message calls :meth:`end_into`."""

@@ -126,17 +126,23 @@ def into(outs: Sequence[Any], view: Callable[[Any], Any] | None = None
          ) -> Callable[[int, dict[str, Any]], Any]:
     """``into`` for :meth:`kvshm.zmq_ctrl.channel.Channel.request` of a batch GET whose
     values go into ``outs`` (one buffer per key): for an OK reply whose ``sizes`` is a
-    list of one entry per key (none -2, refused), ``(outs, sizes, view)``: the payload
-    (the hits' values, in order) goes into ``outs[i][:sizes[i]]`` for each hit (a
-    negative size, a miss, takes no bytes; ``view(o)``: a buffer over an output without
-    the buffer protocol, a torch tensor); anything else None (the reply is received as
-    usual)."""
+    list of one entry per key (none -2, refused), ``(outs, sizes, view, counts)``: the
+    payload (the hits' values, in order) goes into ``outs[i][:sizes[i]]`` for each hit
+    (a negative size, a miss, takes no bytes; ``view(o)``: a buffer over an output
+    without the buffer protocol, a torch tensor), each payload frame only when its
+    length is the one ``counts`` and ``sizes`` give it (checked before a byte of it is
+    written: a reply whose layout does not match its sizes writes nothing past the last
+    frame that fits; :meth:`kvshm.zmq_ctrl._zmtp.Conn.recv`); anything else None (the
+    reply is received as usual)."""
     def plan(status: int, body: dict[str, Any]) -> Any:
         sizes = body.get("sizes")
         if status != 0 or type(sizes) is not list or len(sizes) != len(outs) \
                 or -2 in sizes:         # (-2: refused, QuotaExceeded; nothing placed)
             return None
-        return outs, sizes, view
+        counts = body.get("counts")
+        if type(counts) is not list:
+            return None                 # (no layout to check the frames by)
+        return outs, sizes, view, counts
     return plan
 
 
