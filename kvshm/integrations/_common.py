@@ -19,9 +19,9 @@ from urllib.parse import quote
 from kvshm._shmindex import KEY_MAX as LOCAL_KEY_MAX
 from kvshm.errors import KvshmError, ServerUnavailable, TransportError, ValueTooLarge
 
-__all__ = ["ResilientClient", "key_field", "ChunkHeader", "pack_header", "parse_header",
-           "header_length", "HEADER_PROBE", "put_pieces", "get_pieces_into", "put_framed",
-           "get_framed", "normalize_address", "as_bool", "raw_view"]
+__all__ = ["ResilientClient", "key_field", "layout_field", "ChunkHeader", "pack_header",
+           "parse_header", "header_length", "HEADER_PROBE", "put_pieces", "get_pieces_into",
+           "put_framed", "get_framed", "normalize_address", "as_bool", "raw_view"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,20 @@ def key_field(s: str, sep: str = "|") -> str:
     if not any(c in s for c in sep) and not s.startswith(ESCAPED):
         return s
     return ESCAPED + quote(s, safe="")
+
+
+def layout_field(name: str, canonical: bool = False, replicated: bool = False) -> str:
+    """The layout field of a key: the engine's layout ``name`` (:func:`key_field`, with
+    ``"+"`` a separator too), then ``"+canonical"`` and ``"+replicated"`` when those
+    are on. A name as it is unless it holds ``"|"`` or ``"+"`` (today's keys byte for
+    byte), so that a layout literally named ``"X+canonical"`` never shares the key of
+    layout ``"X"`` with canonical rows: the field is injective in its three inputs."""
+    out = key_field(name, "|+")
+    if canonical:
+        out += "+canonical"
+    if replicated:
+        out += "+replicated"
+    return out
 
 
 def compact_fields(fields: list[str], name_at: int, raw_len: int,

@@ -90,6 +90,7 @@ from kvshm.integrations._common import (
     compact_fields,
     compact_key,
     key_field,
+    layout_field,
 )
 
 __all__ = ["KvshmTier"]
@@ -174,15 +175,13 @@ class KvshmTier(SecondaryTierManager):
         # nothing here checked.
         par = cfg.parallel
         parallel = f"tp{par.tp_size}pp{par.pp_size}pcp{par.pcp_size}dcp{par.dcp_size}"
-        layout = cfg.kv_cache_layout or "default"
-        if cfg.canonical_layout:
-            layout += "+canonical"
-        if cfg.replicated_layout:
-            layout += "+replicated"
+        # (layout_field: a layout named "X+canonical" is not X with canonical rows)
+        layout = layout_field(cfg.kv_cache_layout or "default", bool(cfg.canonical_layout),
+                              bool(cfg.replicated_layout))
         # every field free of "|" (key_field: as it is unless it holds one): two
         # configurations never share a key, and today's keys stay as they were
         parts = [key_field(prefix), quote(cfg.model.name, safe=""),
-                 key_field(str(cfg.model.dtype)), parallel, key_field(layout),
+                 key_field(str(cfg.model.dtype)), parallel, layout,
                  f"c{cfg.cache.blocks_per_chunk}x{cfg.cache.tokens_per_hash}",
                  f"r{self.block_size_bytes}"]
         ns, self._hex_keys = compact_fields(parts, 1, OFFLOAD_KEY_BYTES)

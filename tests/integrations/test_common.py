@@ -280,3 +280,25 @@ def test_key_field_is_injective_and_keeps_plain_fields() -> None:
     a = "|".join(C.key_field(f) for f in ["v|m", "x"])
     b = "|".join(C.key_field(f) for f in ["v", "m|x"])
     assert a != b and "v|m|x" not in (a, b)
+
+
+def test_layout_field_is_injective_in_name_and_flags() -> None:
+    """vLLM's namespace appended "+canonical" to the layout's name and then escaped the
+    whole: a layout literally named "X+canonical" got the key of layout "X" with
+    canonical rows (two configurations, one key). layout_field escapes the name with
+    "+" a separator too (failed before: the two fields were equal)."""
+    names = ["NHD", "HND", "default", "NHD+canonical", "NHD+replicated",
+             "NHD+canonical+replicated", "+", "a|b", "%~x", "NHD%2Bcanonical"]
+    seen: dict[str, tuple[str, bool, bool]] = {}
+    for name in names:
+        for canonical in (False, True):
+            for replicated in (False, True):
+                f = C.layout_field(name, canonical, replicated)
+                assert "|" not in f
+                assert f not in seen, (f, seen.get(f), (name, canonical, replicated))
+                seen[f] = (name, canonical, replicated)
+    # today's fields byte for byte for a name without "|" or "+"
+    assert C.layout_field("NHD") == "NHD"
+    assert C.layout_field("NHD", True) == "NHD+canonical"
+    assert C.layout_field("NHD", True, True) == "NHD+canonical+replicated"
+    assert C.layout_field("NHD+canonical") != C.layout_field("NHD", True)

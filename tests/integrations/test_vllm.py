@@ -423,3 +423,25 @@ def test_fields_holding_the_separator_never_share_a_key(server: ServerProcess,
     assert a.tier.namespace.startswith("%~v%7Cm%7Cbfloat16%7Ctp1pp1pcp1dcp1|m2|")
     for ns in (a.tier.namespace, b.tier.namespace):
         assert ns.count("|") == d.tier.namespace.count("|")
+
+
+def test_a_layout_named_like_a_flag_is_not_that_flag() -> None:
+    """KvshmTier._namespace appended "+canonical" to the layout's name and escaped the
+    whole: layout "NHD+canonical" without canonical rows and layout "NHD" with them got
+    one namespace (one's rows read as the other's). debt23 item 7: layout_field escapes
+    the name (failed before: the namespaces were equal); flag-less keys are as before."""
+    from types import SimpleNamespace as NS
+
+    def ns(layout: str, canonical: bool = False, replicated: bool = False) -> str:
+        cfg = NS(parallel=NS(tp_size=1, pp_size=1, pcp_size=1, dcp_size=1),
+                 kv_cache_layout=layout, canonical_layout=canonical,
+                 replicated_layout=replicated, model=NS(name="m", dtype="bfloat16"),
+                 cache=NS(blocks_per_chunk=1, tokens_per_hash=16))
+        return KvshmTier._namespace(NS(block_size_bytes=4096), cfg, "vllm")
+
+    assert ns("NHD+canonical") != ns("NHD", canonical=True)
+    assert ns("NHD+replicated") != ns("NHD", replicated=True)
+    assert ns("NHD+canonical", replicated=True) != ns("NHD", True, True)
+    assert ns("NHD") == "vllm|m|bfloat16|tp1pp1pcp1dcp1|NHD|c1x16|r4096|"
+    assert ns("NHD", True, True) == \
+        "vllm|m|bfloat16|tp1pp1pcp1dcp1|NHD+canonical+replicated|c1x16|r4096|"
