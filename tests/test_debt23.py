@@ -490,3 +490,50 @@ def test_a_get_reply_that_does_not_fit_its_sizes_writes_nothing(tserver, monkeyp
         bad[0] = False
         assert c.get_batch_into(keys, outs) == values
         assert all(o[:n] == bytes([65 + i]) * n for i, (o, n) in enumerate(zip(outs, values)))
+
+
+# --------------------- 8: frames.unpack and frames.placed share one walk of the frames
+
+
+def _layouts():
+    import itertools
+    # (frame lengths, counts, sizes): valid and not, values over several frames included
+    yield [30], [3], [10, 10, 10]
+    yield [10, 20], [1, 2], [10, 15, 5]
+    yield [4, 4, 2], [1, 0, 0], [10]
+    yield [4, 6, 5], [1, 0, 1], [10, 5]
+    yield [5, 4, 6], [1, 1, 0], [5, 10]
+    yield [], [], []
+    for lens, counts, sizes in itertools.product(([4, 6], [10], [3, 3, 4]),
+                                                 ([1, 0], [2], [0, 1], [1, 1], [1, 0, 0],
+                                                  [2, 0], [1, 1, 0]),
+                                                 ([10], [4, 6], [5, 5], [3, 3, 4])):
+        yield lens, counts, sizes
+
+
+def test_unpack_and_placed_agree_on_every_layout():
+    """The shared walk (frames._groups) changes no answer: the Python unpack gives the
+    C unpack's values or both refuse, and placed (frames as their lengths) accepts
+    exactly the layouts unpack accepts."""
+    import kvshm.zmq_ctrl.frames as F
+
+    for lens, counts, sizes in _layouts():
+        frames = [bytes(range(sum(lens[:i]), sum(lens[:i + 1]))) for i in range(len(lens))]
+        try:
+            py = [bytes(v) for v in F._py_unpack(frames, counts, sizes)]
+        except F.FrameLayoutError:
+            py = None
+        if F._batch is not None:
+            try:
+                c = [bytes(v) for v in F.unpack(frames, counts, sizes)]
+            except F.FrameLayoutError:
+                c = None
+            assert py == c, (lens, counts, sizes)
+        if lens:
+            try:
+                ok = F.placed(list(lens), counts, sizes)
+            except F.FrameLayoutError:
+                ok = False
+            assert ok == (py is not None), (lens, counts, sizes)
+        if py is not None:
+            assert b"".join(py) == b"".join(frames)

@@ -16,7 +16,7 @@ one with a count of 0 (it continues the value of the frame before).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 __all__ = ["PACK_BELOW", "PACK_FRAME_BYTES", "FrameLayoutError", "pack", "unpack", "plan",
            "into", "placed"]
@@ -86,21 +86,9 @@ def unpack(frames: Sequence[Any], counts: Sequence[Any], sizes: Sequence[Any]
         raise FrameLayoutError("sizes must be ints >= 0")
     out: list[Any] = []
     i = 0
-    nf = len(frames)
-    fi = 0
-    while fi < nf:
-        count = counts[fi]
+    for fi, more, count in _groups(counts, len(frames)):
         buf = _bytes_view(frames[fi])
-        if count == 0:
-            raise FrameLayoutError(f"frame {fi} continues a value, but the frame before "
-                                   "does not hold exactly one")
-        more = fi + 1
-        while more < nf and counts[more] == 0:
-            more += 1
         if more > fi + 1:               # one value in frames fi .. more - 1
-            if count != 1:
-                raise FrameLayoutError(f"frame {fi + 1} continues a value, but frame {fi} "
-                                       f"holds {count}")
             parts = [buf] + [_bytes_view(f) for f in frames[fi + 1:more]]
             whole = b"".join(parts)
             if len(whole) != sizes[i]:
@@ -108,7 +96,6 @@ def unpack(frames: Sequence[Any], counts: Sequence[Any], sizes: Sequence[Any]
                                        f"their value {sizes[i]}")
             out.append(memoryview(whole))
             i += 1
-            fi = more
             continue
         pos = 0
         for n in sizes[i:i + count]:
@@ -118,8 +105,38 @@ def unpack(frames: Sequence[Any], counts: Sequence[Any], sizes: Sequence[Any]
             raise FrameLayoutError(f"frame {fi} holds {buf.nbytes} bytes, its {count} "
                                    f"values {pos}")
         i += count
-        fi += 1
     return out
+
+
+def _groups(counts: Sequence[Any], nf: int) -> Iterator[tuple[int, int, int]]:
+    """The walk of a payload's ``nf`` frames by ``counts`` (ints >= 0, checked by the
+    caller) that :func:`unpack` and :func:`placed` share: ``(first, end, count)`` of
+    each run of frames that holds ``count`` whole values (frames ``first .. end - 1``:
+    one frame, or a value of one frame continued by frames of count 0).
+
+    Raises FrameLayoutError (as the walk reaches it: a reply's errors are found in the
+    order they were) for a count of 0 that continues no value of one frame."""
+    if 0 not in counts:             # (the common case: each frame whole values, no walk)
+        return zip(range(nf), range(1, nf + 1), counts)
+    return _walk(counts, nf)
+
+
+def _walk(counts: Sequence[Any], nf: int) -> Iterator[tuple[int, int, int]]:
+    """:func:`_groups` of counts with a 0 in them (a value continued over frames)."""
+    fi = 0
+    while fi < nf:
+        count = counts[fi]
+        if count == 0:
+            raise FrameLayoutError(f"frame {fi} continues a value, but the frame before "
+                                   "does not hold exactly one")
+        more = fi + 1
+        while more < nf and counts[more] == 0:
+            more += 1
+        if more > fi + 1 and count != 1:
+            raise FrameLayoutError(f"frame {fi + 1} continues a value, but frame {fi} "
+                                   f"holds {count}")
+        yield fi, more, count
+        fi = more
 
 
 def into(outs: Sequence[Any], view: Callable[[Any], Any] | None = None
@@ -176,26 +193,14 @@ def placed(frames: Sequence[Any], counts: Sequence[Any], sizes: Sequence[Any]) -
     if sum(counts) != len(hit):
         raise FrameLayoutError(f"counts add up to {sum(counts)} values, sizes give "
                                f"{len(hit)}")
-    i = fi = 0
-    nf = len(frames)
-    while fi < nf:
-        count = counts[fi]
-        if count == 0:
-            raise FrameLayoutError(f"frame {fi} continues a value, but the frame before "
-                                   "does not hold exactly one")
-        more = fi + 1
-        while more < nf and counts[more] == 0:
-            more += 1
+    i = 0
+    for fi, more, count in _groups(counts, len(frames)):
         got = sum(frames[fi:more])
-        if more > fi + 1 and count != 1:
-            raise FrameLayoutError(f"frame {fi + 1} continues a value, but frame {fi} "
-                                   f"holds {count}")
         want = sum(hit[i:i + count])
         if got != want:
             raise FrameLayoutError(f"frames {fi}-{more - 1} hold {got} bytes, their "
                                    f"{count} values {want}")
         i += count
-        fi = more
     return True
 
 
