@@ -20,8 +20,12 @@ SLOT_SIZE: int
 SLOT_DATA: int
 #: Bytes of a wide record (an entry a slot cannot hold).
 WIDE_SIZE: int
-#: Slots a table starts with (it grows by half at 3/4 full, up to its capacity).
+#: Slots a table starts with (it grows as GROWTH says, up to its capacity).
 INITIAL_SLOTS: int
+#: (at, by) in sixteenths: growth from at/16 full by by/16; refusals at (at + 1)/16.
+GROWTH: tuple[int, int]
+#: Environment variable "AT,BY": the growth of writers made without ``growth=``.
+ENV_GROWTH: str
 MIGRATE_STEP: int
 RESERVE_STEP: int
 #: Bytes of the index segment's header.
@@ -93,7 +97,10 @@ class IndexWriter:
         ring_records: int = ...,
         initial_slots: int = ...,
         migrate_step: int = ...,
+        growth: tuple[int, int] | None = None,
     ) -> IndexWriter: ...
+    @property
+    def growth(self) -> tuple[int, int]: ...
     @property
     def nslots(self) -> int: ...
     @property

@@ -10,8 +10,8 @@ Index segment layout (layout 4)::
     [ header: 4096 bytes | 2 x capacity slots of 128 bytes | wide records of 256 bytes ]
 
 Header: magic ``KVSHMIX1``, layout version, epoch (the server instance, as in HELLO),
-nslots and base (the table: ``nslots`` slots from slot ``base``; it grows by halves up to
-``capacity``), block size, state (OPEN / CLOSED: a stopped server, or one ``kvshm ctl
+nslots and base (the table: ``nslots`` slots from slot ``base``; it grows (:data:`GROWTH`) up
+to ``capacity``), block size, state (OPEN / CLOSED: a stopped server, or one ``kvshm ctl
 cleanup`` found dead), a table sequence (odd only while the header's names of the tables
 change), the count of live keys the table does not hold (too long, table full) and flags
 (misses are final: no tier below the pool), capacity, wide records, and old_nslots /
@@ -22,7 +22,7 @@ but only the slots in use are reserved (``posix_fallocate``) and touched, and th
 table's are given back (punched) once moved: memory follows the keys stored, not the
 pool's blocks.
 
-Growth (from 11/16 full, by half) and rebuilds (tombstones) are incremental, one bounded
+Growth (from 13/16 full, by a quarter: :data:`GROWTH`) and rebuilds (tombstones) are incremental, one bounded
 step per publish or unpublish (:meth:`IndexWriter.create`): while both tables are named,
 new keys go to the new one, a key still in the old one is moved before it is changed, and
 each move writes the new slot before the old one becomes a tombstone; readers look in the
@@ -180,7 +180,7 @@ cdef extern from *:
     #endif
     }
     /* a key's home slot in a table of n slots: the hash's high bits scaled to n (any n,
-       not only powers of two: the table grows by halves) */
+       not only powers of two: the table grows by a fraction) */
     static inline uint64_t kvx_home(uint64_t h, uint64_t n) {
         return (uint64_t)(((unsigned __int128)h * n) >> 64);
     }
@@ -500,8 +500,18 @@ SLOT_SIZE = 128
 SLOT_DATA = 96
 #: Bytes of a wide record (key, checksum and runs of an entry a slot cannot hold).
 WIDE_SIZE = 256
-#: Slots a table starts with (at most its capacity); it grows by half at 3/4 full.
+#: Slots a table starts with (at most its capacity); it grows as :data:`GROWTH` says.
 INITIAL_SLOTS = 4096
+#: The table's growth, ``(at, by)`` in sixteenths: a growth starts when live keys and
+#: tombstones fill ``at``/16 of the slots, and adds ``by``/16 slots (at least 64); a new key
+#: is refused (or the growth under way finished at once) at ``at + 1``/16. (13, 4): from
+#: 13/16 full by a quarter, the table between ~0.65 and ~0.81 full as keys come, ~158 to
+#: ~197 bytes of it per key (layout 4's 128-byte slots); it was (11, 8) before: from
+#: 11/16 by half, 0.46 to 0.69 full, ~186 to ~279 bytes per key.
+GROWTH = (13, 4)
+#: Environment variable: ``AT,BY`` (sixteenths, as :data:`GROWTH`) when an
+#: :class:`IndexWriter` is made without ``growth=`` (A/B figures; "11,8": the old policy).
+ENV_GROWTH = "KVSHM_INDEX_GROWTH"
 #: Old slots one step of a growth or rebuild looks at (its live ones are moved).
 MIGRATE_STEP = 64
 #: Slots one step of a growth reserves, or gives back once moved.
@@ -538,6 +548,29 @@ def batch_helper_stats():
     ``batch_threads - 1`` helpers only)."""
     return {"threads": kvx_helpers(), "pieces": kvx_helped(),
             "by_helper": [kvx_helper_pieces(i) for i in range(kvx_helpers())]}
+
+
+def _growth(growth):
+    """``growth`` (None: :data:`ENV_GROWTH`, else :data:`GROWTH`) checked: ``(at, by)``,
+    4 <= at <= 14, 1 <= by <= 16 (ValueError otherwise)."""
+    src = "growth"
+    if growth is None:
+        v = os.environ.get(ENV_GROWTH, "").strip()
+        if not v:
+            return GROWTH
+        src = ENV_GROWTH
+        try:
+            growth = tuple(int(x) for x in v.split(","))
+        except ValueError:
+            raise ValueError(f"{ENV_GROWTH}={v!r}: not AT,BY (whole sixteenths)") from None
+    try:
+        at, by = growth
+        at, by = int(at), int(by)
+    except (TypeError, ValueError):
+        raise ValueError(f"{src}={growth!r}: not (at, by) in sixteenths") from None
+    if not (4 <= at <= 14 and 1 <= by <= 16):
+        raise ValueError(f"{src}={growth!r}: at must be 4 .. 14 and by 1 .. 16 (sixteenths)")
+    return (at, by)
 
 
 def _env_threads():
@@ -782,7 +815,7 @@ cdef uint64_t _pow2(uint64_t n):
 def default_slots(Py_ssize_t num_blocks):
     """Capacity (most slots) of the table of a pool of ``num_blocks`` blocks: the next power
     of two >= 2 x blocks (every live entry holds a block, so the table is at most half
-    full). The table starts with :data:`INITIAL_SLOTS` and grows by halves as keys come:
+    full). The table starts with :data:`INITIAL_SLOTS` and grows (:data:`GROWTH`) as keys come:
     only the slots in use take memory."""
     return _pow2(2 * max(1, num_blocks))
 
@@ -875,6 +908,8 @@ cdef class IndexWriter:
     cdef uint64_t _vbase      # versions of a new table start above every one before
     cdef uint64_t _work       # slots of table upkeep in the current call
     cdef uint64_t _move_step  # old slots a migration step looks at
+    cdef uint64_t _at16       # growth from _at16/16 full (live + tombs), refusals at +1/16
+    cdef uint64_t _by16       # a growth adds _by16/16 slots
     cdef readonly uint64_t max_step
     cdef readonly double max_step_s
     cdef readonly double max_step_cpu_s
@@ -916,15 +951,18 @@ cdef class IndexWriter:
     def create(str name, str reads_name, uint64_t nslots, *, uint64_t epoch,
                uint64_t block_size, uint64_t num_blocks, bytes token=b"\0" * 16,
                bint misses_final=True, uint64_t ring_records=RING_RECORDS,
-               uint64_t initial_slots=INITIAL_SLOTS, uint64_t migrate_step=MIGRATE_STEP):
+               uint64_t initial_slots=INITIAL_SLOTS, uint64_t migrate_step=MIGRATE_STEP,
+               growth=None):
         """Create the index segment ``name`` and the reads ring ``reads_name``
         (``ring_records`` records), both mode 0600.
 
         ``nslots``: the table's capacity in slots (rounded up to a power of two; the
         segment's size is ``HEADER_SIZE + capacity * SLOT_SIZE`` bytes, and as many again
         for 3/4 * capacity wide records of WIDE_SIZE). It starts with ``initial_slots``
-        (at most the capacity) reserved and grows by half from 11/16 full, so the
-        memory it takes follows the keys stored. A growth (or a rebuild that drops
+        (at most the capacity) reserved and grows as ``growth`` says (``(at, by)`` in
+        sixteenths: from ``at``/16 full by ``by``/16; None: :data:`ENV_GROWTH` if set,
+        else :data:`GROWTH`; ValueError for one out of range), so the memory it takes
+        follows the keys stored. A growth (or a rebuild that drops
         tombstones) is incremental: the new table lies in the other half of the slots
         (the segment has room for two tables of ``capacity`` slots; only the ones in use
         are reserved), and each publish or unpublish does one bounded step of it
@@ -935,8 +973,9 @@ cdef class IndexWriter:
         below the pool); readers then answer misses themselves.
 
         ``migrate_step``: old slots one step of a growth or rebuild looks at (one step
-        per publish or unpublish; at least 6 for a growth to end before the new table is
-        3/4 full, else the rest is done at once and counted in ``sync_finishes``).
+        per publish or unpublish; more than 256 / ((at + 1) * by) for a growth to end
+        before the new table is full, else the rest is done at once and counted in
+        ``sync_finishes``).
 
         Raises FileExistsError, PermissionError, OSError (ENOSPC and other errno).
         """
@@ -948,6 +987,9 @@ cdef class IndexWriter:
         cdef Header* h
         if len(token) != 16:
             raise ValueError("token must be 16 bytes")
+        at, by = _growth(growth)
+        self._at16 = at
+        self._by16 = by
         self.name = _norm(name)
         self.reads_name = _norm(reads_name)
         self._pid = os.getpid()
@@ -1034,7 +1076,7 @@ cdef class IndexWriter:
 
     @property
     def nslots(self):
-        """Slots in use now (the table grows by halves up to :attr:`capacity`)."""
+        """Slots in use now (the table grows up to :attr:`capacity`)."""
         return self._nslots
 
     @property
@@ -1065,9 +1107,14 @@ cdef class IndexWriter:
         return {"name": self.name, "reads": self.reads_name, "epoch": self.epoch,
                 "slots": self._nslots}
 
+    @property
+    def growth(self):
+        """``(at, by)``: the table grows from ``at``/16 full by ``by``/16 (:data:`GROWTH`)."""
+        return (int(self._at16), int(self._by16))
+
     def stats(self):
         return {"live": self._live, "tombstones": self._tombs, "slots": self._nslots,
-                "capacity": self._cap,
+                "capacity": self._cap, "growth": self.growth,
                 "unpublished": len(self._unpub), "rebuilds": self.rebuilds,
                 "max_step_slots": self.max_step, "max_step_s": self.max_step_s,
                 "max_step_cpu_s": self.max_step_cpu_s, "steps": self.steps,
@@ -1085,8 +1132,8 @@ cdef class IndexWriter:
 
     cdef void _set_limits(self) noexcept nogil:
         cdef uint64_t n = self._nslots
-        self._limit = n - n // 4
-        self._trigger = self._limit - n // 16     # 11/16: the growth is done by 3/4
+        self._limit = n - (n * (15 - self._at16)) // 16     # (at + 1)/16
+        self._trigger = self._limit - n // 16     # at/16: the growth is done by (at + 1)/16
 
     # ------------------------------------------------------------ writes
 
@@ -1635,8 +1682,8 @@ cdef class IndexWriter:
     # The table moves between two regions of the segment (slots [0, capacity) and
     # [capacity, 2 x capacity)), a bounded step per publish or unpublish, never in one go:
     #   P_RESERVE: the new table's slots are reserved (posix_fallocate) STEP_RESERVE at a
-    #              time, while the old one still takes the keys (started at 11/16 full, it
-    #              has room until 3/4);
+    #              time, while the old one still takes the keys (started at at/16 full, it
+    #              has room until (at + 1)/16);
     #   P_MIGRATE: the header names both tables (an odd table sequence only while it
     #              changes the names); new keys go to the new table, and migrate_step old slots
     #              a step are looked at, their live entries moved (the copy first, then the
@@ -1646,7 +1693,7 @@ cdef class IndexWriter:
     # A rebuild (tombstones) is the same move into a table of the same size.
 
     cdef int _start(self) except -1:
-        """Start a growth by half (live keys at least half the slots, room to grow) or a
+        """Start a growth (live keys at least half the slots, room to grow) or a
         rebuild (tombstones): one step now, the rest in later calls."""
         cdef uint64_t n = self._nslots, new
         if self._phase != P_IDLE or self._lock_fd < 0:
@@ -1654,7 +1701,7 @@ cdef class IndexWriter:
         if self._room_retry_at != 0 and kvx_now() < self._room_retry_at:
             return 0
         if self._live >= n // 2 and n < self._cap:
-            new = min(self._cap, n + max(<uint64_t>64, n // 2))
+            new = min(self._cap, n + max(<uint64_t>64, (n * self._by16) // 16))
         elif self._tombs > 0 and self._tombs >= n // 16:
             new = n
         else:

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvshm import Pool
-from kvshm._shmindex import (BATCH_CHUNK, BATCH_SEGMENT, BATCH_SEGMENT_BYTES, ENV_NO_FAST_BATCH, FALLBACK, KEY_MAX,
-                             IndexReader, IndexWriter, default_slots)
+from kvshm._shmindex import (BATCH_CHUNK, BATCH_SEGMENT, BATCH_SEGMENT_BYTES, ENV_NO_FAST_BATCH,
+                             FALLBACK, GROWTH, KEY_MAX, IndexReader, IndexWriter, default_slots)
 from servers import unique_shm_name
 
 BS = 4096
@@ -157,23 +157,24 @@ def test_both_agree_at_every_step_of_a_migration(shm_name):
     try:
         keys = [_key(i, 8 + i % 140) for i in range(4200)]
         present: set = set()
-        for i, k in enumerate(keys[:2816]):               # 11/16 of 4096: growth starts
+        start = 4096 * GROWTH[0] // 16                     # a growth starts here
+        for i, k in enumerate(keys[:start]):
             assert w.publish(k, 4, [(i, 1)]) >= 0
             present.add(k)
         seen = 0
         rnd = random.Random(3)
-        for i in range(2816, len(keys)):
+        for i in range(start, len(keys)):
             assert w.publish(keys[i], 4, [(i % 16000, 1)]) >= 0
             present.add(keys[i])
             if not t.fast.header["old_nslots"]:
                 continue
             seen += 1
             if seen % 9 == 0:                              # a deletion, an overwrite
-                gone = rnd.choice(keys[:2816])
+                gone = rnd.choice(keys[:start])
                 if gone in present:
                     assert w.unpublish(gone)
                     present.discard(gone)
-                again = keys[rnd.randrange(2816)]
+                again = keys[rnd.randrange(start)]
                 assert w.publish(again, 4, [(16001, 1)]) >= 0
                 present.add(again)
             if seen % 5 == 0:
