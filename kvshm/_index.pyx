@@ -91,8 +91,88 @@ cdef class Entry
 cdef int _MAX_PINS = 2147483647
 
 
+@cython.no_gc
+@cython.final
+cdef class _More:
+    # what few entries have, off the Entry (see Entry._x): their checksum, a tier's meta,
+    # and runs other than one run of the whole value (None: that one run)
+    cdef object checksum
+    cdef object meta
+    cdef object ext
+
+
+cdef inline object _ext_of(Entry e):
+    # the runs as kept: None (one run: start, nblocks), () once freed, else a tuple
+    if e._freed:
+        return ()
+    x = e._x
+    if x is not None and type(x) is _More:
+        return (<_More>x).ext
+    return None
+
+
+cdef inline _More _more(Entry e):
+    # e's side object, made (holding the checksum kept in _x) if it has none
+    cdef _More m
+    x = e._x
+    if x is not None and type(x) is _More:
+        return <_More>x
+    m = _More.__new__(_More)
+    m.checksum = x
+    e._x = m
+    return m
+
+
+cdef inline void _less(Entry e, _More m) noexcept:
+    # back to the checksum alone in _x once meta and the runs are gone
+    if m.meta is None and m.ext is None and type(m.checksum) is not _More:
+        e._x = m.checksum
+
+
+cdef inline void _set_ext(Entry e, object ext) except *:
+    # ext: None (one run: start, nblocks), () (freed), or a tuple of runs
+    cdef _More m
+    if ext is not None and len(ext) == 0:
+        e._freed = True
+        ext = None
+    else:
+        e._freed = False
+    x = e._x
+    if x is not None and type(x) is _More:
+        m = <_More>x
+        m.ext = ext
+        if ext is None:
+            _less(e, m)
+    elif ext is not None:
+        _more(e).ext = ext
+
+
+cdef inline object _csum(Entry e):
+    x = e._x
+    if x is not None and type(x) is _More:
+        return (<_More>x).checksum
+    return x
+
+
+cdef inline void _set_csum(Entry e, object c) except *:
+    cdef _More m
+    x = e._x
+    if x is not None and type(x) is _More:
+        m = <_More>x
+        m.checksum = c
+        _less(e, m)
+    elif c is not None and type(c) is _More:
+        _more(e).checksum = c
+    else:
+        e._x = c
+
+
 cdef inline int _nruns(Entry e):
-    return 1 if e._ext is None else len(e._ext)
+    x = e._x
+    if x is None or type(x) is not _More:
+        return 0 if e._freed else 1
+    ext = _ext_of(e)
+    return 1 if ext is None else len(ext)
 
 
 # Not tracked by the cyclic collector: a store holds millions of entries, and the young
@@ -126,6 +206,9 @@ cdef class Entry:
         Opaque per-entry data of a tier (e.g. SSD location).
     """
 
+    # 80 bytes with the object's header (a multiple of 16: what the allocator gives):
+    # what every entry needs in C fields, the rest (a checksum, a tier's meta, runs other
+    # than one) in _x; was 96 with checksum, meta and the runs each a field of their own
     cdef public object key
     cdef public long long start
     cdef public long long size
@@ -134,11 +217,12 @@ cdef class Entry:
     cdef public int state
     # in an index's LRU list (there at most once, in one index: a second link would
     # corrupt both lists); in the struct's padding after ``state``
-    cdef bint _linked
-    cdef public object checksum
-    cdef public object meta
-    # None: one run, (start, nblocks); else the runs as given (or () once freed)
-    cdef object _ext
+    cdef char _linked
+    # freed: its runs are () (and start -1); also in the padding
+    cdef char _freed
+    # None: no checksum, no meta, one run (start, nblocks); an object other than a
+    # _More: the checksum, nothing else; a _More: the checksum, meta and the runs
+    cdef object _x
     # the index's LRU list (borrowed: set only while the index's dict holds the entry)
     cdef PyObject* _prev
     cdef PyObject* _next
@@ -153,9 +237,9 @@ cdef class Entry:
         self.size = size
         self.pins = 0
         self.state = C_PENDING
-        self.checksum = checksum
-        self.meta = None
-        self._ext = None
+        self._x = None
+        self._freed = False
+        _set_csum(self, checksum)
         self._prev = NULL
         self._next = NULL
         self._linked = False
@@ -163,13 +247,43 @@ cdef class Entry:
             if len(extents) == 1 and extents[0][0] == start and extents[0][1] == nblocks:
                 pass            # one run: kept as start and nblocks
             else:
-                self._ext = tuple(extents)
+                _set_ext(self, tuple(extents))
+
+    @property
+    def checksum(self):
+        """xxh64 of the value (int) or None."""
+        return _csum(self)
+
+    @checksum.setter
+    def checksum(self, value):
+        _set_csum(self, value)
+
+    @property
+    def meta(self):
+        """A tier's opaque per-entry data, or None."""
+        x = self._x
+        if x is not None and type(x) is _More:
+            return (<_More>x).meta
+        return None
+
+    @meta.setter
+    def meta(self, value):
+        cdef _More m
+        x = self._x
+        if x is not None and type(x) is _More:
+            m = <_More>x
+            m.meta = value
+            if value is None:
+                _less(self, m)
+        elif value is not None:
+            _more(self).meta = value
 
     @property
     def extents(self):
-        if self._ext is None:
+        ext = _ext_of(self)
+        if ext is None:
             return ((self.start, self.nblocks),)
-        return self._ext
+        return ext
 
     @property
     def nruns(self):
@@ -184,9 +298,9 @@ cdef class Entry:
                 # one run of the whole value: kept as start (the callers set start to
                 # the same right after, as they always have)
                 self.start = r[0]
-                self._ext = None
+                _set_ext(self, None)
                 return
-        self._ext = tuple(value)
+        _set_ext(self, tuple(value))
 
     def __repr__(self):
         state = ("pending", "live", "dead")[self.state]
@@ -198,11 +312,12 @@ cdef class Entry:
         """``[[offset, length], ...]`` in the pool, covering exactly ``size`` bytes (the
         last run's tail past the value is left out; a value of 0 bytes: one [offset, 0])."""
         cdef long long left, k, s, n
-        if self._ext is None:
+        ext = _ext_of(self)
+        if ext is None:
             return [[self.start * block_size, self.size]]
         out = []
         left = self.size
-        for s, n in self._ext:
+        for s, n in ext:
             k = n * block_size
             if left < k:
                 k = left
@@ -219,9 +334,10 @@ cdef inline Entry _entry(object x):
 
 cdef inline tuple _runs(Entry e):
     # what the shared table is given (a freed entry: its last start, as before)
-    if e._ext is None or len(e._ext) == 0:
+    ext = _ext_of(e)
+    if ext is None or len(ext) == 0:
         return ((e.start, e.nblocks),)
-    return e._ext
+    return ext
 
 
 cdef inline object _place(Entry e, long long bs):
@@ -304,7 +420,7 @@ cdef class Index:
         cdef Entry e
         self._shared = table
         for e in list(_LruIter(self, False)):
-            table.publish(e.key, e.size, _runs(e), e.checksum)
+            table.publish(e.key, e.size, _runs(e), _csum(e))
 
     def detach_shared(self):
         """Stop publishing (the server is closing the table)."""
@@ -362,7 +478,7 @@ cdef class Index:
         old = self._insert_local(entry)
         if self._shared is not None:
             # in place of the old entry's slot: its readers notice before it is freed
-            self._shared.publish(entry.key, entry.size, _runs(entry), entry.checksum)
+            self._shared.publish(entry.key, entry.size, _runs(entry), _csum(entry))
         return old
 
     cdef object _insert_local(self, Entry entry):  # entry: not None
@@ -406,7 +522,7 @@ cdef class Index:
             self.sync()
             # Re-published in place: the slot's version changes, so a lock-free reader
             # that copied from the old runs retries; the old blocks are freed only after.
-            self._shared.publish(entry.key, entry.size, _runs(entry), entry.checksum)
+            self._shared.publish(entry.key, entry.size, _runs(entry), _csum(entry))
 
     def lru(self):
         """Entries from least to most recently used (do not mutate while iterating:
@@ -492,10 +608,10 @@ cdef inline void _free_entry(object store, Entry e) except *:
     if _nruns(e) == 1:
         store.alloc.free(e.start, e.nblocks)
     else:
-        store.alloc.free_extents(e._ext)
+        store.alloc.free_extents(_ext_of(e))
     e.state = C_DEAD
     e.start = -1
-    e._ext = ()
+    _set_ext(e, ())
 
 
 def free_entry(store, Entry e not None):
@@ -532,7 +648,7 @@ def install_entries(store, entries):
             keys.append(e.key)
             sizes.append(e.size)
             runs.append(_runs(e))
-            sums.append(e.checksum)
+            sums.append(_csum(e))
             if o is not None:
                 olds.append(o)
         shared.publish_many(keys, sizes, runs, sums)
@@ -659,7 +775,7 @@ def pin_for_send(store, keys, hold):
             hits += 1
             nbytes += e.size
             out[i] = e
-            sums[i] = e.checksum
+            sums[i] = _csum(e)
     finally:
         if dp:
             store._pins += dp
@@ -713,7 +829,7 @@ def lookup_pins(store, keys, hold, bint limited, long long budget, qrefused):
             nbytes += e.size
             offsets[i] = _place(e, bs)
             sizes[i] = e.size
-            sums[i] = e.checksum
+            sums[i] = _csum(e)
     finally:
         if dp:
             store._pins += dp
@@ -916,25 +1032,21 @@ def make_entries(keys, sizes, sums, want, want_idx, places, Py_ssize_t n,
         e.size = sizes[i]
         e.pins = 0
         e.state = C_PENDING
-        e.meta = None
+        # (a new entry: no meta, no checksum, one run (start, nblocks) until set here)
         if type(ext) is int:
             e.start = ext
-            e._ext = None
         else:
             e.start = ext[0][0]
-            e._ext = None
             if len(ext) > 1:
                 split += 1
-                e._ext = tuple(ext)
+                _set_ext(e, tuple(ext))
             elif ext[0][1] != e.nblocks:
-                e._ext = tuple(ext)
-        if sums is None:
-            e.checksum = None
-        else:
+                _set_ext(e, tuple(ext))
+        if sums is not None:
             # an xxh64 (0 .. 2**64 - 1), as Reservations.place keeps; anything else
             # (a hostile -1) is no checksum: the shared table holds a uint64
             c = sums[i]
-            e.checksum = c if type(c) is int and 0 <= c <= _U64_MAX else None
+            _set_csum(e, c if type(c) is int and 0 <= c <= _U64_MAX else None)
         entries[i] = e
     return entries, full, split
 
@@ -1065,10 +1177,7 @@ def put_packed(store, keys, values, sizes, ok):
         e.nblocks = <int>pnb[i]
         e.size = psz[i]
         e.pins = 0
-        e.state = C_PENDING
-        e.checksum = None
-        e.meta = None
-        e._ext = None
+        e.state = C_PENDING       # (and, new, no checksum, no meta, one run)
         entries[i] = e
         pof[i] = pst[i] * bs
     store.pool.write_values(offs, values)
@@ -1094,7 +1203,7 @@ def put_packed(store, keys, values, sizes, ok):
             shared.publish_runs(keys, szs, starts, nbs)
         else:
             e = <Entry>entries[0]
-            shared.publish(e.key, e.size, _runs(e), e.checksum)
+            shared.publish(e.key, e.size, _runs(e), _csum(e))
     for i in range(n):
         (<Entry>entries[i]).state = C_LIVE
     nold = len(olds)
@@ -1117,7 +1226,7 @@ def put_packed(store, keys, values, sizes, ok):
                     nb += 1
                     old.state = C_DEAD
                     old.start = -1
-                    old._ext = ()
+                    _set_ext(old, ())
                 else:
                     _free_entry(store, old)
                     freed += 1
