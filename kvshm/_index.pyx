@@ -111,22 +111,37 @@ cdef inline object _ext_of(Entry e):
     return None
 
 
+cdef inline bint _alone(object v) noexcept:
+    # v may be kept in _x alone, as a meta (not None, not an int: those are checksums)
+    return v is not None and type(v) is not int and type(v) is not _More
+
+
 cdef inline _More _more(Entry e):
-    # e's side object, made (holding the checksum kept in _x) if it has none
+    # e's side object, made (holding the checksum or the meta kept in _x) if it has none
     cdef _More m
     x = e._x
     if x is not None and type(x) is _More:
         return <_More>x
     m = _More.__new__(_More)
-    m.checksum = x
+    if type(x) is int:
+        m.checksum = x
+    elif x is not None:
+        m.meta = x
     e._x = m
     return m
 
 
 cdef inline void _less(Entry e, _More m) noexcept:
-    # back to the checksum alone in _x once meta and the runs are gone
-    if m.meta is None and m.ext is None and type(m.checksum) is not _More:
-        e._x = m.checksum
+    # back to the checksum alone, or the meta alone, in _x when that is all there is
+    if m.ext is not None:
+        return
+    c = m.checksum
+    v = m.meta
+    if v is None:
+        if c is None or type(c) is int:
+            e._x = c
+    elif c is None and _alone(v):
+        e._x = v
 
 
 cdef inline void _set_ext(Entry e, object ext) except *:
@@ -149,9 +164,11 @@ cdef inline void _set_ext(Entry e, object ext) except *:
 
 cdef inline object _csum(Entry e):
     x = e._x
-    if x is not None and type(x) is _More:
+    if x is None or type(x) is int:
+        return x
+    if type(x) is _More:
         return (<_More>x).checksum
-    return x
+    return None                 # (a meta alone)
 
 
 cdef inline void _set_csum(Entry e, object c) except *:
@@ -161,10 +178,39 @@ cdef inline void _set_csum(Entry e, object c) except *:
         m = <_More>x
         m.checksum = c
         _less(e, m)
-    elif c is not None and type(c) is _More:
+    elif x is None or type(x) is int:
+        if c is None or type(c) is int:
+            e._x = c
+        else:
+            _more(e).checksum = c
+    elif c is not None:          # beside a meta alone
         _more(e).checksum = c
-    else:
-        e._x = c
+
+
+cdef inline object _meta(Entry e):
+    x = e._x
+    if x is None or type(x) is int:
+        return None
+    if type(x) is _More:
+        return (<_More>x).meta
+    return x
+
+
+cdef inline void _set_meta(Entry e, object v) except *:
+    cdef _More m
+    x = e._x
+    if x is not None and type(x) is _More:
+        m = <_More>x
+        m.meta = v
+        _less(e, m)
+    elif x is None or _alone(x):     # nothing, or a meta alone
+        if v is None or _alone(v):
+            e._x = v
+        else:
+            e._x = None
+            _more(e).meta = v
+    elif v is not None:              # beside a checksum alone
+        _more(e).meta = v
 
 
 cdef inline int _nruns(Entry e):
@@ -220,8 +266,9 @@ cdef class Entry:
     cdef char _linked
     # freed: its runs are () (and start -1); also in the padding
     cdef char _freed
-    # None: no checksum, no meta, one run (start, nblocks); an object other than a
-    # _More: the checksum, nothing else; a _More: the checksum, meta and the runs
+    # None: no checksum, no meta, one run (start, nblocks); an int: the checksum,
+    # nothing else; a _More: the checksum, meta and the runs; any other object: the
+    # meta, nothing else (a tier's record of the entry)
     cdef object _x
     # the index's LRU list (borrowed: set only while the index's dict holds the entry)
     cdef PyObject* _prev
@@ -261,22 +308,11 @@ cdef class Entry:
     @property
     def meta(self):
         """A tier's opaque per-entry data, or None."""
-        x = self._x
-        if x is not None and type(x) is _More:
-            return (<_More>x).meta
-        return None
+        return _meta(self)
 
     @meta.setter
     def meta(self, value):
-        cdef _More m
-        x = self._x
-        if x is not None and type(x) is _More:
-            m = <_More>x
-            m.meta = value
-            if value is None:
-                _less(self, m)
-        elif value is not None:
-            _more(self).meta = value
+        _set_meta(self, value)
 
     @property
     def extents(self):

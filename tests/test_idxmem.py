@@ -556,3 +556,41 @@ def test_an_entry_takes_80_bytes_and_keeps_its_attributes():
     assert f.meta is f and f.checksum == "odd"
     f.meta = None
     assert f.meta is None and f.checksum == "odd"
+
+
+def test_an_entry_keeps_a_checksum_or_a_meta_alone_without_a_side_object():
+    """The common cases make no object beside the entry: a checksum alone (an int), or a
+    tier's meta alone (an SSD tier sets one on every entry with a copy below); both, or
+    runs other than one, take one side object, given back when they go."""
+    import tracemalloc
+
+    from kvshm.index import Entry
+
+    es = [Entry(b"k%d" % i, i, 1, 10) for i in range(2000)]
+    rec, csum = object(), 2**63 + 5
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for e in es:
+            e.meta = rec
+        assert tracemalloc.get_traced_memory()[0] - base < 2000 * 8
+        assert all(e.meta is rec and e.checksum is None for e in es)
+        for e in es:
+            e.checksum = csum                    # both: a side object each
+        assert tracemalloc.get_traced_memory()[0] - base >= 2000 * 32
+        assert all(e.meta is rec and e.checksum == csum for e in es)
+        for e in es:
+            e.meta = None                        # the checksum alone again
+        assert tracemalloc.get_traced_memory()[0] - base < 2000 * 8
+        assert all(e.meta is None and e.checksum == csum for e in es)
+        for e in es:
+            e.checksum = None
+            e.meta = 7                           # an int meta: kept apart from checksums
+        assert all(e.meta == 7 and e.checksum is None for e in es)
+        for e in es:
+            e.meta = None
+        assert tracemalloc.get_traced_memory()[0] - base < 2000 * 8
+        assert all(e.meta is None and e.checksum is None and e.extents == ((e.start, 1),)
+                   for e in es)
+    finally:
+        tracemalloc.stop()
