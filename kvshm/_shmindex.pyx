@@ -552,7 +552,8 @@ def batch_helper_stats():
 
 def _growth(growth):
     """``growth`` (None: :data:`ENV_GROWTH`, else :data:`GROWTH`) checked: ``(at, by)``,
-    4 <= at <= 14, 1 <= by <= 16 (ValueError otherwise)."""
+    8 <= at <= 14 (a growth needs half the slots live: below 8/16 the table would refuse
+    keys it never grows for), 1 <= by <= 16 (ValueError otherwise)."""
     src = "growth"
     if growth is None:
         v = os.environ.get(ENV_GROWTH, "").strip()
@@ -568,8 +569,8 @@ def _growth(growth):
         at, by = int(at), int(by)
     except (TypeError, ValueError):
         raise ValueError(f"{src}={growth!r}: not (at, by) in sixteenths") from None
-    if not (4 <= at <= 14 and 1 <= by <= 16):
-        raise ValueError(f"{src}={growth!r}: at must be 4 .. 14 and by 1 .. 16 (sixteenths)")
+    if not (8 <= at <= 14 and 1 <= by <= 16):
+        raise ValueError(f"{src}={growth!r}: at must be 8 .. 14 and by 1 .. 16 (sixteenths)")
     return (at, by)
 
 

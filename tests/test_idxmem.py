@@ -497,11 +497,19 @@ def test_the_growth_policy_is_an_argument_or_the_environment(shm_name, monkeypat
         assert t.writer.growth == (12, 2)
     finally:
         t.close()
+    # the lowest start (8/16: a growth needs half the slots live) still grows
+    t = Table(shm_name + "-e", blocks=4096, slots=8192, initial=1024, growth=(8, 8))
+    try:
+        for i in range(700):
+            assert t.writer.publish(b"e-%05d" % i, 4, [(i, 1)]) >= 0
+        assert t.writer.nslots == 1536 and t.writer.unpublished == 0
+    finally:
+        t.close()
     def make(name, **kw):
         return IndexWriter.create(name + "-index", name + "-reads", 64, epoch=EPOCH,
                                   block_size=BS, num_blocks=64, **kw)
 
-    for bad in ("13", "13,4,1", "x,4", "3,4", "15,4", "13,0", "13,17"):
+    for bad in ("13", "13,4,1", "x,4", "3,4", "7,4", "15,4", "13,0", "13,17"):
         monkeypatch.setenv(ENV_GROWTH, bad)
         with pytest.raises(ValueError, match=ENV_GROWTH):
             make(shm_name + "-c")
