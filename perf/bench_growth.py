@@ -15,7 +15,7 @@ this thread's CPU time (median of ``--reps``), with the load average. The load a
 lands on depends on where the last growth fell: run several counts. No timed asserts:
 a report.
 
-    python perf/bench_growth.py --keys 1000000 2000000 --policies 11,8 13,4
+    python perf/bench_growth.py --keys 1000000 2000000 --policies 11,8 13,8 13,4
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def one(n: int, growth: tuple[int, int], keys: list[bytes], mixed: list[list[byt
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--keys", type=int, nargs="+", default=[1_000_000])
-    ap.add_argument("--policies", nargs="+", default=["11,8", "13,4"])
+    ap.add_argument("--policies", nargs="+", default=["11,8", "13,8", "13,4"])
     ap.add_argument("--pairs", type=int, default=2)
     ap.add_argument("--batch", type=int, default=100_000)
     ap.add_argument("--reps", type=int, default=3)
