@@ -158,6 +158,12 @@ cdef extern from *:
                                            __ATOMIC_ACQ_REL, __ATOMIC_RELAXED);
     }
     static inline void kvx_prefetch(const void *p) { __builtin_prefetch(p, 0, 1); }
+    /* A slot a publish is about to write: both its cache lines (the probe reads the
+       first, the write ends at the size in the second), for writing. */
+    static inline void kvx_prefetch_slot_w(const void *p) {
+        __builtin_prefetch(p, 1, 3);
+        __builtin_prefetch((const char *)p + 64, 1, 3);
+    }
     /* Prefetch a key's home slot and the one after it in the table of n slots from
        slot base, and in the old one (on slots from obase) when on != 0. A macro: GCC
        takes a function that only prefetches for one without effects and may drop
@@ -459,6 +465,7 @@ cdef extern from *:
     void kvx_fence_rel() nogil
     int kvx_cas(uint64_t* p, uint64_t* expected, uint64_t desired) nogil
     void kvx_prefetch(const void* p) nogil
+    void kvx_prefetch_slot_w(const void* p) nogil
     void KVX_PREFETCH_KEY(const char* slots, uint64_t h, uint64_t base, uint64_t n,
                           uint64_t obase, uint64_t on) nogil
     void kvx_pause() nogil
@@ -649,6 +656,11 @@ DEF C_INLINE_KEY = 88
 DEF MORE_SLOTS = 4
 #: Keys ahead of the one looked up whose slots a batch lookup prefetches.
 PREFETCH_AHEAD = AHEAD
+#: :meth:`IndexWriter.publish_many` and :meth:`~IndexWriter.publish_runs` prefetch both
+#: cache lines of each key's home slot, for writing (a publish writes the size at byte
+#: 120, in the second line); False: the first line only, for reading (as before). Read
+#: at import from ``KVSHM_PUBLISH_PREFETCH_W`` (``0``: off), for A/B figures.
+PUBLISH_PREFETCH_W = os.environ.get("KVSHM_PUBLISH_PREFETCH_W", "1") != "0"
 #: Keys a batch lookup answers under one look at the header's tables.
 BATCH_CHUNK = C_CHUNK
 # a batch lookup's segment: keys copied and hashed into the reader's scratch, then
@@ -1279,6 +1291,15 @@ cdef class IndexWriter:
             self.max_step = self._work
         return r
 
+    cdef inline void _prefetch_home(self, uint64_t h, bint w) noexcept:
+        # the home slot of a key a publish of the batch comes to soon: both lines for
+        # writing (``w``, PUBLISH_PREFETCH_W), else the first for reading
+        cdef Slot* s = self._slot(self._base + kvx_home(h, self._nslots))
+        if w:
+            kvx_prefetch_slot_w(s)
+        else:
+            kvx_prefetch(s)
+
     def publish_many(self, keys, sizes, extents, checksums=None):
         """:meth:`publish` of each ``(keys[i], sizes[i], extents[i], checksums[i])``, in
         order (``checksums`` None: none), with the slots of the keys ahead prefetched
@@ -1286,6 +1307,7 @@ cdef class IndexWriter:
         cdef Py_ssize_t i, n = len(keys), refused = 0, pn
         cdef const char* pk
         cdef uint64_t size
+        cdef bint w = PUBLISH_PREFETCH_W
         self._check()
         if len(sizes) != n or len(extents) != n or (checksums is not None and
                                                      len(checksums) != n):
@@ -1293,11 +1315,11 @@ cdef class IndexWriter:
         for i in range(min(n, 16)):
             if type(keys[i]) is bytes:
                 _key_ptr(keys[i], &pk, &pn)
-                kvx_prefetch(self._slot(self._base + kvx_home(kvx_hash(pk, pn), self._nslots)))
+                self._prefetch_home(kvx_hash(pk, pn), w)
         for i in range(n):
             if i + 16 < n and type(keys[i + 16]) is bytes:
                 _key_ptr(keys[i + 16], &pk, &pn)
-                kvx_prefetch(self._slot(self._base + kvx_home(kvx_hash(pk, pn), self._nslots)))
+                self._prefetch_home(kvx_hash(pk, pn), w)
             size = sizes[i]
             self._work = 0
             if self._publish(keys[i], size, extents[i],
@@ -1324,6 +1346,7 @@ cdef class IndexWriter:
         cdef uint32_t ext[1][2]
         cdef const char* pk
         cdef object k
+        cdef bint w = PUBLISH_PREFETCH_W
         self._check()
         if type(keys) is not list:
             raise TypeError("keys must be a list")
@@ -1345,11 +1368,10 @@ cdef class IndexWriter:
                 pn = PyBytes_GET_SIZE(k)
                 hs[i] = kvx_hash(PyBytes_AS_STRING(k), pn) if 0 < pn <= C_KEY_MAX else 0
             for i in range(min(n, AHEAD)):
-                kvx_prefetch(self._slot(self._base + kvx_home(hs[i], self._nslots)))
+                self._prefetch_home(hs[i], w)
             for i in range(n):
                 if i + AHEAD < n:
-                    kvx_prefetch(self._slot(self._base +
-                                            kvx_home(hs[i + AHEAD], self._nslots)))
+                    self._prefetch_home(hs[i + AHEAD], w)
                 k = keys[i]
                 pk = PyBytes_AS_STRING(k)
                 pn = PyBytes_GET_SIZE(k)
