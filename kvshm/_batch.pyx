@@ -874,10 +874,12 @@ def scan_plain(buf, Py_ssize_t pos, Py_ssize_t k):
 
 
 def pack_fixints(list v, Py_ssize_t a, Py_ssize_t b):
-    """``msgpack.packb(v[a:b])`` without its array header, when every item is an exact
-    int 0 .. 127 (a positive fixint: one byte each, the byte msgpack writes; a bool is
-    not one); else None (the caller packs with msgpack). ``0 <= a <= b <= len(v)``, else
-    None. A reply's per-key statuses (:class:`kvshm.zmq_ctrl.protocol.ReplyEncoder`)."""
+    """``msgpack.packb(v[a:b])`` without its array header, when every item is an int
+    0 .. 127 (a positive fixint: one byte each, the byte msgpack writes; an int subclass
+    such as an IntEnum member, as msgpack packs it, by its value; a bool is not one);
+    else None (the caller packs with msgpack). ``0 <= a <= b <= len(v)``, else None. A
+    reply's per-key statuses (:class:`kvshm.zmq_ctrl.protocol.ReplyEncoder`; the store's
+    :class:`~kvshm.store.Outcome` members are such a subclass)."""
     cdef Py_ssize_t i
     cdef long x
     cdef int ovf = 0
@@ -889,7 +891,7 @@ def pack_fixints(list v, Py_ssize_t a, Py_ssize_t b):
     p = PyBytes_AS_STRING(out)
     for i in range(a, b):
         it = <object>PyList_GET_ITEM(v, i)
-        if type(it) is not int:
+        if type(it) is not int and (type(it) is bool or not isinstance(it, int)):
             return None
         x = PyLong_AsLongAndOverflow(it, &ovf)
         if ovf or x < 0 or x > 127:

@@ -264,6 +264,34 @@ def test_alloc_runs_and_free_runs_as_their_one_run_twins():
     assert a.free_map() == b.free_map()
 
 
+def test_install_entries_runs_write_what_lists_write(shm_name, monkeypatch):
+    # install_entries (the general PUT, COMMIT) hands a plain batch to the shared table as
+    # C arrays (publish_runs, INSTALL_RUNS) and any other (checksums, several runs) as
+    # lists: the same entries, counters, freed blocks and table bytes as the lists always
+    a = Twin(shm_name + "-ra", False)
+    b = Twin(shm_name + "-rb", False)
+    try:
+        rnd = random.Random(11)
+        for step in range(6):
+            keys = [b"k%03d" % rnd.randrange(60) for _ in range(rnd.randrange(2, 40))]
+            vals = [bytes([step]) * rnd.randrange(0, 3 * BS) for _ in keys]
+            sums = None
+            if step == 3:
+                sums = [rnd.randrange(1 << 64) for _ in keys]   # checksums: the lists
+            if step == 2:
+                pin = keys[0]           # an old value pinned across the overwrite
+                for t in (a, b):
+                    t.store.lookup(b"s", 1, [pin])
+            for t, runs in ((a, True), (b, False)):
+                monkeypatch.setattr(_index, "INSTALL_RUNS", runs)
+                st = t.store.put(keys, vals, sums)
+                assert all(x == 0 for x in st)
+            assert a.state() == b.state()
+    finally:
+        a.close()
+        b.close()
+
+
 def test_publish_runs_writes_what_publish_many_writes(shm_name):
     ws = [IndexWriter.create(shm_name + f"-{i}", shm_name + f"-r{i}", 1 << 12, epoch=1,
                              block_size=BS, num_blocks=1 << 12, token=b"t" * 16)
@@ -541,6 +569,25 @@ def test_pack_fixints_bounds_and_declines():
     for a, b in ((-1, 2), (2, 1), (0, 4), (4, 4)):
         assert pack_fixints(v, a, b) is None
     assert pack_fixints([1, False], 0, 2) is None
+
+
+def test_pack_fixints_takes_the_stores_outcomes():
+    # a PUT's reply statuses are Outcome members (an IntEnum): packed in C by value, the
+    # bytes msgpack writes for them (they went the msgpack way before: ~4% of a batch
+    # PUT's server CPU); an int subclass out of range still declines
+    import enum
+
+    from kvshm._batch import pack_fixints
+    from kvshm.store import Outcome
+
+    v = [Outcome.OK] * 3 + [Outcome.POOL_FULL, Outcome.INVALID_KEY, 7]
+    assert pack_fixints(v, 0, len(v)) == msgpack.packb(v)[1:]
+
+    class Big(enum.IntEnum):
+        X = 300
+
+    assert pack_fixints([Outcome.OK, Big.X], 0, 2) is None
+    assert pack_fixints([Outcome.OK, True], 0, 2) is None
 
 
 def test_unpack_hands_odd_sizes_to_the_slow_path():
