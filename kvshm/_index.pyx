@@ -656,11 +656,23 @@ def free_entry(store, Entry e not None):
     store.progress += 1
 
 
+#: :func:`install_entries` (COMMIT of an ALLOC grant, the general PUT) hands the shared
+#: table a batch of values in one run each without checksums as C arrays
+#: (``IndexWriter.publish_runs``); ``KVSHM_INSTALL_RUNS=0`` (read at import), or False:
+#: as lists (``publish_many``), as before. For A/B figures.
+INSTALL_RUNS = _os.environ.get("KVSHM_INSTALL_RUNS", "1") != "0"
+
+
 def install_entries(store, entries):
     """``store._install(e)`` for each entry, in order (PUT and COMMIT)."""
     cdef Entry e, old
     cdef Index index = store.index
-    cdef Py_ssize_t freed = 0
+    cdef Py_ssize_t freed = 0, i, n
+    cdef bint plain
+    cdef array.array szs, sts, nbs
+    cdef long long* psz = NULL
+    cdef long long* pst = NULL
+    cdef long long* pnb = NULL
     tier = store.tier
     if tier is not None:
         inst = store._install
@@ -675,19 +687,44 @@ def install_entries(store, entries):
         # in between, so no block of an old entry is freed before its key's slot changed
         olds = []
         keys = []
-        sizes = []
-        runs = []
-        sums = []
+        n = len(entries)
+        # values in one run without checksums (the common case) go to the table as C
+        # arrays (publish_runs: no tuple or int object per key); any other: publish_many
+        plain = INSTALL_RUNS
+        if plain:
+            szs = array.clone(_Q, n, False)
+            sts = array.clone(_Q, n, False)
+            nbs = array.clone(_Q, n, False)
+            psz = szs.data.as_longlongs
+            pst = sts.data.as_longlongs
+            pnb = nbs.data.as_longlongs
+        i = 0
         for x in entries:
             e = _entry(x)
             o = index._insert_local(e)
             keys.append(e.key)
-            sizes.append(e.size)
-            runs.append(_runs(e))
-            sums.append(_csum(e))
+            if plain:
+                if _ext_of(e) is None and _csum(e) is None and type(e.key) is bytes:
+                    psz[i] = e.size
+                    pst[i] = e.start
+                    pnb[i] = e.nblocks
+                else:
+                    plain = False
+            i += 1
             if o is not None:
                 olds.append(o)
-        shared.publish_many(keys, sizes, runs, sums)
+        if plain:
+            shared.publish_runs(keys, szs, sts, nbs)
+        else:
+            sizes = []
+            runs = []
+            sums = []
+            for x in entries:
+                e = <Entry>x
+                sizes.append(e.size)
+                runs.append(_runs(e))
+                sums.append(_csum(e))
+            shared.publish_many(keys, sizes, runs, sums)
         try:
             for x in entries:
                 (<Entry>x).state = C_LIVE
