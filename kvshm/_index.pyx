@@ -658,8 +658,9 @@ def free_entry(store, Entry e not None):
 
 #: :func:`install_entries` (COMMIT of an ALLOC grant, the general PUT) hands the shared
 #: table a batch of values in one run each without checksums as C arrays
-#: (``IndexWriter.publish_runs``); ``KVSHM_INSTALL_RUNS=0`` (read at import), or False:
-#: as lists (``publish_many``), as before. For A/B figures.
+#: (``IndexWriter.publish_runs``), and the allocator the replaced values of one run each
+#: in one ``free_runs`` call; ``KVSHM_INSTALL_RUNS=0`` (read at import), or False: as
+#: lists (``publish_many``) and one ``alloc.free`` a value, as before. For A/B figures.
 INSTALL_RUNS = _os.environ.get("KVSHM_INSTALL_RUNS", "1") != "0"
 
 
@@ -667,9 +668,11 @@ def install_entries(store, entries):
     """``store._install(e)`` for each entry, in order (PUT and COMMIT)."""
     cdef Entry e, old
     cdef Index index = store.index
-    cdef Py_ssize_t freed = 0, i, n
+    cdef Py_ssize_t freed = 0, i, n, nold, m
     cdef bint plain
     cdef array.array szs, sts, nbs
+    cdef array.array fs = None
+    cdef array.array fc = None
     cdef long long* psz = NULL
     cdef long long* pst = NULL
     cdef long long* pnb = NULL
@@ -725,6 +728,15 @@ def install_entries(store, entries):
                 runs.append(_runs(e))
                 sums.append(_csum(e))
             shared.publish_many(keys, sizes, runs, sums)
+        nold = len(olds)
+        if INSTALL_RUNS and nold > 1:
+            # the old values of one run each go back in one free_runs call (as
+            # put_packed's), not one Python call of alloc.free each
+            fs = array.clone(_Q, nold, False)
+            fc = array.clone(_Q, nold, False)
+            pst = fs.data.as_longlongs
+            pnb = fc.data.as_longlongs
+        m = 0
         try:
             for x in entries:
                 (<Entry>x).state = C_LIVE
@@ -733,9 +745,21 @@ def install_entries(store, entries):
                 if old.pins:
                     old.state = C_DEAD
                     dead.add(old)
+                elif fs is not None and _nruns(old) == 1:
+                    pst[m] = old.start
+                    pnb[m] = old.nblocks
+                    m += 1
+                    old.state = C_DEAD
+                    old.start = -1
+                    old._ext = ()
                 else:
                     _free_entry(store, old)
                     freed += 1
+            if m:
+                array.resize(fs, m)
+                array.resize(fc, m)
+                store.alloc.free_runs(fs, fc)
+                freed += m
         finally:
             if freed:
                 store.progress += freed
