@@ -1186,6 +1186,19 @@ def sum_blocks(entries):
     return n
 
 
+def sum_blocks_bytes(entries):
+    """``(sum(e.nblocks for e in entries), sum(e.size for e in entries))``: the blocks
+    and bytes of a slice of a grant being settled (ints; TypeError for an item that is
+    not an :class:`Entry`)."""
+    cdef long long nb = 0, nbytes = 0
+    cdef Entry e
+    for x in entries:
+        e = _entry(x)
+        nb += e.nblocks
+        nbytes += e.size
+    return nb, nbytes
+
+
 def put_packed(store, keys, values, sizes, ok):
     """:meth:`Store.put` of a plain batch in one C pass, or None (declined: nothing has
     changed; the caller's general path answers it).

@@ -600,3 +600,35 @@ def test_unpack_hands_odd_sizes_to_the_slow_path():
     assert _batch.unpack([b"abc"], [2], [1, 2], slow) == [b"a", b"bc"]
     for bad in (2**64, 2**70, -1, True):
         assert _batch.unpack([b"abc"], [2], [1, bad], slow) == "slow", bad
+
+
+def test_settle_some_in_parts_counts_what_one_commit_counts(shm_name):
+    # a large ALLOC grant committed in parts (settle_some, the router's slices; its
+    # blocks and bytes summed in C) leaves the same counters, quota and pending counts,
+    # entries and table bytes as one COMMIT of it
+    a = Twin(shm_name + "-sa", False)
+    b = Twin(shm_name + "-sb", False)
+    try:
+        rnd = random.Random(3)
+        keys = [b"g%03d" % i for i in range(30)]
+        sizes = [rnd.randrange(0, 3 * BS) for _ in keys]
+        for t in (a, b):
+            sess = t.store.session_for(b"client")
+            offsets, st = t.store.alloc_entries(sess, 9, keys, sizes)
+            assert st == [0] * len(keys)
+        sa = a.store.session_for(b"client")
+        for part in (4, 11, 1, 100):
+            assert a.store.settle_some(sa, 9, "commit", part) == min(part, 30 - sum(
+                (4, 11, 1, 100)[:(4, 11, 1, 100).index(part)]))
+        sb = b.store.session_for(b"client")
+        assert b.store.commit(sb, [9]) == []
+        assert a.state() == b.state()
+        assert sa.quota.pending == sb.quota.pending == 0
+        assert a.store._pending == b.store._pending == 0
+        assert a.store.counters["bytes_in"] == sum(sizes)
+        assert _index.sum_blocks_bytes([]) == (0, 0)
+        with pytest.raises(TypeError):
+            _index.sum_blocks_bytes([object()])
+    finally:
+        a.close()
+        b.close()
