@@ -47,13 +47,63 @@ cdef extern from *:
         size_t mask = ((size_t)1 << ls) - 1;
         __builtin_prefetch(k->dk_indices + (((size_t)h & mask) << ((li - ls) & 7)), 0, 3);
     }
+    /* The next steps of the same lookup, each a few keys after the one before (the
+       line it reads prefetched by then): the entry the key's home index slot names
+       (kvi_dict_prefetch_entry), then that entry's key and value objects
+       (kvi_dict_prefetch_objs: the bytes compared, the old Entry unlinked). Each reads
+       only the dict's current keys object (the index slot masked to its size, the
+       entry index checked against dk_nentries), never one kept from an earlier step (a
+       resize between steps frees it); a general table (kind 0: 24-byte entries of hash,
+       key, value) only. A probe past the home slot only makes the hint point elsewhere. */
+    typedef struct { Py_hash_t me_hash; PyObject *me_key; PyObject *me_value; } kvi_entry;
+    static inline const kvi_entry *kvi_dict_home_entry(PyObject *d, Py_hash_t h) {
+        const kvi_dictkeys_head *k = (const kvi_dictkeys_head *)((PyDictObject *)d)->ma_keys;
+        unsigned ls = k->dk_log2_size & 63, li = k->dk_log2_index_bytes & 63, w;
+        size_t mask = ((size_t)1 << ls) - 1, i = (size_t)h & mask;
+        Py_ssize_t ix;
+        if (k->dk_kind != 0 || li < ls || li - ls > 3)
+            return NULL;
+        w = li - ls;
+        if (w == 0) ix = ((const int8_t *)k->dk_indices)[i];
+        else if (w == 1) ix = ((const int16_t *)k->dk_indices)[i];
+        else if (w == 2) ix = ((const int32_t *)k->dk_indices)[i];
+        else ix = ((const int64_t *)k->dk_indices)[i];
+        if (ix < 0 || ix >= k->dk_nentries)
+            return NULL;
+        return (const kvi_entry *)(k->dk_indices + ((size_t)1 << li)) + ix;
+    }
+    static inline void kvi_dict_prefetch_entry(PyObject *d, Py_hash_t h) {
+        const kvi_entry *e = kvi_dict_home_entry(d, h);
+        if (e != NULL)
+            __builtin_prefetch(e, 0, 3);
+    }
+    static inline void kvi_dict_prefetch_objs(PyObject *d, Py_hash_t h) {
+        const kvi_entry *e = kvi_dict_home_entry(d, h);
+        if (e != NULL && e->me_hash == h && e->me_key != NULL) {
+            __builtin_prefetch(e->me_key, 0, 3);
+            __builtin_prefetch(e->me_value, 1, 3);
+        }
+    }
+    static inline PyObject *kvi_dict_home_value(PyObject *d, Py_hash_t h) {
+        const kvi_entry *e = kvi_dict_home_entry(d, h);
+        return (e != NULL && e->me_hash == h) ? e->me_value : NULL;
+    }
+    static inline void kvi_prefetch_w(const void *p) { if (p) __builtin_prefetch(p, 1, 3); }
     #define KVI_DICT_PREFETCH 1
     #else
+    static inline PyObject *kvi_dict_home_value(PyObject *d, Py_hash_t h) { (void)d; (void)h; return NULL; }
+    static inline void kvi_prefetch_w(const void *p) { (void)p; }
     static inline void kvi_dict_prefetch(PyObject *d, Py_hash_t h) { (void)d; (void)h; }
+    static inline void kvi_dict_prefetch_entry(PyObject *d, Py_hash_t h) { (void)d; (void)h; }
+    static inline void kvi_dict_prefetch_objs(PyObject *d, Py_hash_t h) { (void)d; (void)h; }
     #define KVI_DICT_PREFETCH 0
     #endif
     """
     void kvi_dict_prefetch(object d, Py_hash_t h)
+    void kvi_dict_prefetch_entry(object d, Py_hash_t h)
+    void kvi_dict_prefetch_objs(object d, Py_hash_t h)
+    PyObject* kvi_dict_home_value(object d, Py_hash_t h)
+    void kvi_prefetch_w(const void* p)
     int KVI_DICT_PREFETCH
 
 cdef array.array _Q = _array.array("q")
@@ -63,7 +113,18 @@ cdef array.array _Q = _array.array("q")
 #: environment variable ``KVSHM_PUT_PREFETCH=0`` (read at import) turns that off, for A/B
 #: figures. Only where the dict's layout is known (CPython >= 3.11, not free-threaded).
 PUT_PREFETCH = bool(KVI_DICT_PREFETCH) and _os.environ.get("KVSHM_PUT_PREFETCH", "1") != "0"
+#: With :data:`PUT_PREFETCH`, :func:`put_packed` also prefetches the next steps of each
+#: key's dict lookup: ``_DICT_AHEAD2`` keys ahead the entry its home index slot names,
+#: ``_DICT_AHEAD3`` ahead that entry's key and value (the old key compared, the old
+#: Entry unlinked), ``_DICT_AHEAD4`` ahead the old Entry's neighbours in the LRU list
+#: (written by its unlink). ``KVSHM_PUT_PREFETCH_DEEP=0`` (read at import): the first
+#: step only, as before. Helps an overwrite in an order other than the keys' last one
+#: (each old Entry and its neighbours a random miss).
+PUT_PREFETCH_DEEP = PUT_PREFETCH and _os.environ.get("KVSHM_PUT_PREFETCH_DEEP", "1") != "0"
 DEF _DICT_AHEAD = 16
+DEF _DICT_AHEAD2 = 10
+DEF _DICT_AHEAD3 = 4
+DEF _DICT_AHEAD4 = 2
 cdef object _U64_MAX = 0xFFFFFFFFFFFFFFFF
 
 __all__ = ["Entry", "Index", "PENDING", "LIVE", "DEAD", "MAX_EXTENTS"]
@@ -1221,7 +1282,10 @@ def put_packed(store, keys, values, sizes, ok):
     cdef long long sz, nb, total = 0, nbytes = 0
     cdef int ovf = 0
     cdef bint ahead = PUT_PREFETCH
+    cdef bint deep = ahead and PUT_PREFETCH_DEEP
+    cdef PyObject* p
     cdef Index index = store.index
+    cdef dict d
     cdef Entry e, old
     cdef object k, s, o
     cdef array.array nbs, szs, starts, offs, fs, fc
@@ -1305,6 +1369,19 @@ def put_packed(store, keys, values, sizes, ok):
             # the key's dict slot, for its lookup _DICT_AHEAD keys on (the hash is
             # kept in the bytes object: the lookup does not hash again)
             kvi_dict_prefetch(d, PyObject_Hash(keys[i + _DICT_AHEAD]))
+        if deep:
+            # the next steps of the lookups of keys closer on, each line prefetched by
+            # the step before: the dict entry, its key and value, the old value's
+            # neighbours in the LRU list (which its unlink writes)
+            if i + _DICT_AHEAD2 < n:
+                kvi_dict_prefetch_entry(d, PyObject_Hash(keys[i + _DICT_AHEAD2]))
+            if i + _DICT_AHEAD3 < n:
+                kvi_dict_prefetch_objs(d, PyObject_Hash(keys[i + _DICT_AHEAD3]))
+            if i + _DICT_AHEAD4 < n:
+                p = kvi_dict_home_value(d, PyObject_Hash(keys[i + _DICT_AHEAD4]))
+                if p != NULL and type(<object>p) is Entry:
+                    kvi_prefetch_w((<Entry>p)._prev)
+                    kvi_prefetch_w((<Entry>p)._next)
         o = index._insert_local(<Entry>entries[i])
         if o is not None:
             olds.append(o)
