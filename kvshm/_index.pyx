@@ -812,7 +812,7 @@ def install_entries(store, entries):
                     m += 1
                     old.state = C_DEAD
                     old.start = -1
-                    old._ext = ()
+                    _set_ext(old, ())
                 else:
                     _free_entry(store, old)
                     freed += 1
