@@ -187,7 +187,11 @@ def test_changes_between_slices(bed: Bed, op: Op) -> None:
     bed.sock.send_multipart([_head(op, 21, {"keys": keys})])
     steps = 0
     todo_del = sorted(gone)
-    todo_put = list(new) + [b"b14-fill-%d" % i for i in range(1500)]
+    fill = 1500
+    if bed.writer is not None:          # enough puts to start a growth (GROWTH's start)
+        from kvshm._shmindex import GROWTH
+        fill = max(fill, bed.writer.nslots * GROWTH[0] // 16 - bed.writer.live + 64)
+    todo_put = list(new) + [b"b14-fill-%d" % i for i in range(fill)]
     while not bed.sock.poll(0):
         bed.loop.turn(5)
         steps += 1
@@ -196,8 +200,8 @@ def test_changes_between_slices(bed: Bed, op: Op) -> None:
             bed.store.delete(todo_del[:5])
             del todo_del[:5]
         if todo_put:
-            assert set(bed.store.put(todo_put[:60], [b"n"] * len(todo_put[:60]))) == {0}
-            del todo_put[:60]
+            assert set(bed.store.put(todo_put[:150], [b"n"] * len(todo_put[:150]))) == {0}
+            del todo_put[:150]
     st_, rid, body = protocol.decode_reply(bed.sock.recv_multipart()[0])
     assert (st_, rid) == (0, 21)
     assert bed.loop.fast_counts()[f"{op.name}_batch"] == c0 + 1
