@@ -108,7 +108,7 @@ cdef class FastPath:
         The ops to serve (those whose handler is still the loop's own).
     """
 
-    cdef object loop, store, index, pool, by_ident, held, latency, latency_sum, d
+    cdef object loop, store, index, pool, by_ident, held, latency, latency_sum, d, pending
     # per request, looked up once here (the store's own objects, for its life; methods
     # of extension types, which cannot be replaced on an instance): the allocator's
     # alloc_many, the pool's write, the index's sync, the store's config and counters
@@ -141,6 +141,9 @@ cdef class FastPath:
         self.pool = store.pool
         self.by_ident = loop._by_ident
         self.held = loop._held
+        # connections held without HELLO (kvshm.zmq_ctrl.admission): while there are
+        # any, a request of an open session admits the connection it came on
+        self.pending = loop._unadmitted
         self.latency = loop.latency
         self.latency_sum = loop.latency_sum
         self.alloc_many = store.alloc.alloc_many
@@ -429,6 +432,8 @@ cdef class FastPath:
         sess = <object>p
         if sess.closed:
             return self._decline()
+        if self.pending:
+            self.loop._admit_live(ident, <object>PyList_GET_ITEM(msg, 1))
         if op == OP_PUT:
             value = <object>PyList_GET_ITEM(msg, 2)
             if type(value) is not bytes or PyBytes_GET_SIZE(value) != size \

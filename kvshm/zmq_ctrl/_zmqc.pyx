@@ -530,16 +530,21 @@ def send_parts(sock, parts, int flags=0, Py_ssize_t track_from=-1,
 def wait_in(sock, int fd=-1, mon=None, long timeout_ms=-1):
     """:func:`poll_in` in fewer system calls (one zmq_poll makes ~4): the socket's
     ``ZMQ_EVENTS`` first (a message queued: 1 at once), else one ``poll(2)`` on its
-    ``ZMQ_FD`` and ``fd``, GIL released. Returns the bit mask of :func:`poll_in` (1
-    ``sock``, 2 ``fd``; 0 timeout; -1 EINTR); a 1 may be spurious (a command of libzmq,
-    not a message, woke the socket: its next receive finds nothing). With ``mon``:
+    ``ZMQ_FD``, ``fd`` and ``mon``, GIL released. Returns the bit mask of :func:`poll_in`
+    (1 ``sock``, 2 ``fd``, 4 ``mon``; 0 timeout; -1 EINTR); a 1 may be spurious (a
+    command of libzmq, not a message, woke the socket: its next receive finds nothing).
+    ``mon``: None; an int, the ``ZMQ_FD`` of a monitor socket the caller reads until
+    EAGAIN each time it is told 4 (a 4 may be spurious too); or a socket: then
     :func:`poll_in` itself. Errors raise zmq.ZMQError (libzmq's) or OSError (poll)."""
+    cdef int mfd = -1
     if mon is not None:
-        return poll_in(sock, fd, mon, timeout_ms)
+        if type(mon) is not int:
+            return poll_in(sock, fd, mon, timeout_ms)
+        mfd = mon
     cdef void *h = _handle(sock)
-    cdef int events = 0, zfd = -1, rc, n = 1, out = 0, err
+    cdef int events = 0, zfd = -1, rc, n = 1, out = 0, err, ifd = -1, imon = -1
     cdef size_t sz = sizeof(int)
-    cdef pollfd_t p[2]
+    cdef pollfd_t p[3]
     if z_getsockopt(h, 15, &events, &sz) != 0:            # ZMQ_EVENTS
         raise zmq.ZMQError(z_errno())
     if events & 1:                                          # ZMQ_POLLIN
@@ -551,10 +556,17 @@ def wait_in(sock, int fd=-1, mon=None, long timeout_ms=-1):
     p[0].events = POLLIN_
     p[0].revents = 0
     if fd >= 0:
-        p[1].fd = fd
-        p[1].events = POLLIN_
-        p[1].revents = 0
-        n = 2
+        ifd = n
+        p[n].fd = fd
+        p[n].events = POLLIN_
+        p[n].revents = 0
+        n += 1
+    if mfd >= 0:
+        imon = n
+        p[n].fd = mfd
+        p[n].events = POLLIN_
+        p[n].revents = 0
+        n += 1
     with nogil:
         rc = c_poll(p, n, <int>timeout_ms)
         err = c_errno
@@ -564,8 +576,10 @@ def wait_in(sock, int fd=-1, mon=None, long timeout_ms=-1):
         raise OSError(err, "poll")
     if p[0].revents:
         out |= 1
-    if n > 1 and p[1].revents & POLLIN_:
+    if ifd > 0 and p[ifd].revents & POLLIN_:
         out |= 2
+    if imon > 0 and p[imon].revents:
+        out |= 4
     return out
 
 

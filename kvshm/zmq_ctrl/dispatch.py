@@ -74,6 +74,10 @@ class DispatchMixin(LoopState):
             self._count_error("malformed")
             self._send(ident, encode_reply(Status.MALFORMED, 0, {"error": "no header frame"}))
             return
+        if self._unadmitted:
+            # connections without HELLO are held: this one is admitted if its routing id
+            # has an open session (kvshm.zmq_ctrl.admission)
+            self._admit_live(ident, src)
         try:
             if decoded is not None:
                 version, op, req_id, epoch, body = decoded
@@ -123,6 +127,8 @@ class DispatchMixin(LoopState):
                 if carried:
                     self._piggyback(session, body, reply_extra)
                 status, rbody, frames, session = self._hello(ident, msg[1], body, session)
+                if status == Status.OK and self._admitting:
+                    self._admit(src)        # its connection is not shut down
                 if fresh and not carried and status == Status.OK and session is not None:
                     # a new connection of the same client (a new routing id: reconnect,
                     # the ipc endpoint): the grants its settle lists name moved over

@@ -41,6 +41,16 @@ class LoopState:
     _by_nonce: dict[bytes, Session]
     _order: collections.OrderedDict[int, Session]
     _monitor: zmq.Socket | None
+    # admission (kvshm.zmq_ctrl.admission)
+    _sock: zmq.Socket
+    _unadmitted: collections.OrderedDict[int, tuple[int, int, float]]
+    _admitted: dict[int, tuple[int, int]]
+    _admitting: bool
+    _mon_fd: int
+    hello_timeout: float
+    max_unadmitted: int
+    _admit: Callable[[Any], None]
+    _admit_live: Callable[[bytes, Any], None]
     # parked and sliced requests, the sliced codec (parked, slices)
     _parked: list[Any]
     _parked_by: dict[tuple[int, int], Any]

@@ -57,6 +57,7 @@ from typing import Any, Callable, Sequence
 import zmq
 
 from kvshm.store import Session, Store
+from kvshm.zmq_ctrl.admission import HELLO_TIMEOUT_S, MAX_UNADMITTED, AdmissionMixin
 from kvshm.zmq_ctrl.dispatch import DispatchMixin
 from kvshm.zmq_ctrl.fastpaths import FastPathsMixin
 from kvshm.zmq_ctrl.ops_admin import AdminOpsMixin
@@ -149,8 +150,8 @@ class _FullGcHold:
                 gc.set_threshold(*cls._saved)
 
 
-class ServiceLoop(DispatchMixin, SessionsMixin, ParkedMixin, SlicesMixin, SendsMixin,
-                  FastPathsMixin, WriteOpsMixin, ReadOpsMixin, AdminOpsMixin,
+class ServiceLoop(DispatchMixin, SessionsMixin, AdmissionMixin, ParkedMixin, SlicesMixin,
+                  SendsMixin, FastPathsMixin, WriteOpsMixin, ReadOpsMixin, AdminOpsMixin,
                   RequestChecksMixin):
     """Serve the control protocol for one :class:`Store`.
 
@@ -181,6 +182,22 @@ class ServiceLoop(DispatchMixin, SessionsMixin, ParkedMixin, SlicesMixin, SendsM
     slice_keys : int
         Requests of more keys are served in slices of this many, other requests served
         between two slices (default :data:`SLICE_KEYS`; see :mod:`kvshm.zmq_ctrl.slices`).
+    hello_timeout : float
+        Seconds (>= 0) an accepted connection may go without a HELLO answered OK (or a
+        request of an open session) before it is shut down; 0: never. Only with a
+        ``door_token`` (default :data:`~kvshm.zmq_ctrl.admission.HELLO_TIMEOUT_S`; see
+        :mod:`kvshm.zmq_ctrl.admission`).
+    max_unadmitted : int
+        Connections (>= 1) held at most without HELLO; beyond, the oldest are shut down
+        (also at most a quarter of the soft ``RLIMIT_NOFILE``; default
+        :data:`~kvshm.zmq_ctrl.admission.MAX_UNADMITTED`).
+
+    Raises
+    ------
+    ValueError
+        ``slice_keys`` < 1, ``hello_timeout`` < 0, ``max_unadmitted`` < 1.
+    OSError
+        An endpoint cannot be bound.
     """
 
     #: Sessions kept at most; beyond, the oldest without grants are closed.
@@ -194,7 +211,8 @@ class ServiceLoop(DispatchMixin, SessionsMixin, ParkedMixin, SlicesMixin, SendsM
                  log_handshakes: bool = False, sock: zmq.Socket | None = None,
                  bound: Sequence[str] = (), door_token: bytes | None = None,
                  operator_token: bytes | None = None,
-                 slice_keys: int = SLICE_KEYS) -> None:
+                 slice_keys: int = SLICE_KEYS, hello_timeout: float = HELLO_TIMEOUT_S,
+                 max_unadmitted: int = MAX_UNADMITTED) -> None:
         if slice_keys < 1:
             raise ValueError("slice_keys must be >= 1")
         self.slice_keys = slice_keys
@@ -252,10 +270,11 @@ class ServiceLoop(DispatchMixin, SessionsMixin, ParkedMixin, SlicesMixin, SendsM
             self._sock.close(0)
             raise
         self._monitor: zmq.Socket | None = None
-        if log_handshakes:
-            self._monitor = self._sock.get_monitor_socket(
-                zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        # connections not admitted yet, admitted ones (kvshm.zmq_ctrl.admission); made
+        # here, before the fast path that holds the first
+        self._unadmitted: "collections.OrderedDict[int, tuple[int, int, float]]" = \
+            collections.OrderedDict()
+        self._admitted: dict[int, tuple[int, int]] = {}
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -300,6 +319,14 @@ class ServiceLoop(DispatchMixin, SessionsMixin, ParkedMixin, SlicesMixin, SendsM
         self._make_fast()
         self._batchq: Any = None
         self._make_batchq()
+        try:
+            # the socket monitor (accepted connections; failed handshakes when logged)
+            self._init_admission(hello_timeout, max_unadmitted, log_handshakes)
+        except (ValueError, zmq.ZMQError):
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._sock.close(0)
+            raise
 
     def _gc_timer(self, phase: str, info: dict[str, Any]) -> None:
         # the longest garbage collection (a pause of the loop, as a long turn)
@@ -359,9 +386,7 @@ class ServiceLoop(DispatchMixin, SessionsMixin, ParkedMixin, SlicesMixin, SendsM
         self._decodes.clear()
         self._held.clear()
         self._encodes.clear()
-        if self._monitor is not None:
-            self._sock.disable_monitor()
-            self._monitor.close(0)
+        self._close_admission()
         self._sock.close(0)
         if self._zmqc is not None:
             # zero-copy replies dropped by the close: their buffers (pool views) go
@@ -452,7 +477,9 @@ class ServiceLoop(DispatchMixin, SessionsMixin, ParkedMixin, SlicesMixin, SendsM
             # :meth:`run`'s common turns (a message at a time, each served by the fast
             # path, no timer due) run in C until one needs this turn: it goes on with
             # what the wait saw, or after the drain (8), or polls again (16: a timer due)
-            ev = self._fast.serve(sock, self._wake_r, self._monitor, self._due,
+            # (the monitor as its descriptor: wait_in polls it with poll(2))
+            ev = self._fast.serve(sock, self._wake_r,
+                                  self._mon_fd if self._mon_fd >= 0 else None, self._due,
                                   zc.wait_in, zc.recv_multipart, zc.send_parts,
                                   self._handle, 256)
             # requests served in its C turns make this turn a busy one (run()'s full
@@ -494,7 +521,7 @@ class ServiceLoop(DispatchMixin, SessionsMixin, ParkedMixin, SlicesMixin, SendsM
             except BlockingIOError:
                 pass
         if ev & 4:
-            self._log_handshakes()
+            self._on_monitor()
         if ev & 1 and not drained:
             # Drain what is queued, bounded so timers still run under load.
             if zc is not None:
@@ -530,6 +557,8 @@ class ServiceLoop(DispatchMixin, SessionsMixin, ParkedMixin, SlicesMixin, SendsM
                     self._handle(msg)
         now = time.monotonic()
         self._housekeep(now)
+        if self._unadmitted:
+            self._cut_unadmitted(now)
         self._tier_deadline = self.store.service(now)
         if self._ticks:
             td = None
@@ -600,6 +629,10 @@ class ServiceLoop(DispatchMixin, SessionsMixin, ParkedMixin, SlicesMixin, SendsM
         if self._parked:
             d = min(p.deadline for p in self._parked)
             if first is None or d < first:
+                first = d
+        if self._unadmitted:
+            d = self._admission_deadline()
+            if d is not None and (first is None or d < first):
                 first = d
         # the turns FastPath.serve may run alone: until the earliest timer (the liveness
         # check and run()'s latest full collection among them), while nothing is parked,

@@ -12,7 +12,8 @@ a session whose liveness proof is gone is closed and its grants reclaimed at onc
 
 Handshakes that failed (a CURVE key not allowed, no key) are counted as ``auth_refused``
 and logged when the loop was made with ``log_handshakes``
-(:meth:`SessionsMixin._log_handshakes`).
+(:meth:`~kvshm.zmq_ctrl.admission.AdmissionMixin._on_monitor`, which also holds the
+connections not admitted yet: :mod:`kvshm.zmq_ctrl.admission`).
 """
 
 from __future__ import annotations
@@ -165,22 +166,3 @@ class SessionsMixin(LoopState):
         tok = body.get("operator_token")
         return (self.operator_token is not None and type(tok) is bytes
                 and hmac.compare_digest(tok, self.operator_token))
-
-    def _log_handshakes(self) -> None:
-        from zmq.utils.monitor import recv_monitor_message
-
-        assert self._monitor is not None
-        while True:
-            try:
-                ev = recv_monitor_message(self._monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self._count_error("auth_refused")
-            reasons: dict[int, str] = {
-                zmq.EVENT_HANDSHAKE_FAILED_AUTH: "its key is not allowed",
-                zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "CURVE handshake failed (no key, "
-                                                     "or not this server's public key)"}
-            why = reasons.get(int(ev["event"]), "handshake failed")
-            log.warning("refused a client connection on %s: %s",
-                        ev.get("endpoint", b"?").decode(errors="replace")
-                        if isinstance(ev.get("endpoint"), bytes) else ev.get("endpoint"), why)

@@ -1,0 +1,267 @@
+"""Admission: connections that say no valid HELLO are closed, within a bound of time and
+of number.
+
+A peer can complete ZMTP's handshake with the ROUTER socket (libzmq drops only those
+that never finish it, ``ZMQ_HANDSHAKE_IVL``) and then say nothing: such a connection has
+no session, so no idle expiry ends it, and the loop never sees it (it sent no message).
+Enough of them (the soft descriptor limit, usually 1024) leave the server no descriptor
+to accept with, and every client is locked out. So the loop watches its socket's
+connections (a ZeroMQ socket monitor: ``ZMQ_EVENT_ACCEPTED`` gives each accepted
+connection's descriptor, ``ZMQ_EVENT_DISCONNECTED`` its end) and holds every accepted
+connection as *unadmitted* until it is admitted:
+
+- by a HELLO answered OK on it (the request frame's ``zmq.SRCFD``), or
+- by a request on it of a routing id whose session is open (a client's connection made
+  again under the same routing id, as libzmq and the ZMTP client do after a drop, goes on
+  with its session without a new HELLO).
+
+An unadmitted connection is shut down ``hello_timeout`` seconds after it was accepted
+(default :data:`HELLO_TIMEOUT_S`), and when more than ``max_unadmitted`` are held
+(default :data:`MAX_UNADMITTED`, and at most a quarter of the process's soft
+``RLIMIT_NOFILE``, read at each accept) the oldest are shut down at once, so a burst
+cannot use up the descriptors before the timer fires. A connection is named by
+``(fd, st_dev, st_ino)``, as :func:`~kvshm.zmq_ctrl.sends.conn_of` names it: the fd
+number alone is not a connection (the kernel gives it to the next socket once libzmq
+closed it), so a connection is shut down only while its fd still names the same socket
+(:func:`shut_conn`). Counted in ``errors``: ``unadmitted_cut`` (timer),
+``unadmitted_bound`` (over the bound).
+
+Cost: nothing per request while no connection is unadmitted (one truthiness test of a
+dict in :meth:`~kvshm.zmq_ctrl.dispatch.DispatchMixin._dispatch` and in the C fast path);
+the monitor's descriptor is one more entry of the loop's ``poll(2)``; events and the
+HELLO's fstat are per connection. Only loops with a door (``door_token``) admit: a
+door-less loop gives every peer a session.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import socket as _socket
+import struct
+import time
+from typing import Any
+
+import zmq
+
+from kvshm.zmq_ctrl.loopstate import LoopState
+from kvshm.zmq_ctrl.sends import conn_of
+
+log = logging.getLogger("kvshm.zmq_ctrl.router")
+
+#: Seconds a connection may stay without a valid HELLO (or a request of an open session)
+#: before the server shuts it down (``--hello-timeout``; 0: never).
+HELLO_TIMEOUT_S = 5.0
+#: Unadmitted connections held at most (``--max-unadmitted``); beyond, the oldest are
+#: shut down. Also at most a quarter of the soft descriptor limit.
+MAX_UNADMITTED = 256
+
+#: KVSHM_HELLO_CUT=0 in the environment (read at import) turns admission off: no
+#: monitor of connections, nothing shut down (A/B figures; the behaviour before)
+HELLO_CUT_ON = os.environ.get("KVSHM_HELLO_CUT", "1") != "0"
+
+_HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+_EV = struct.Struct("=HI")
+
+
+def shut_conn(conn: tuple[int, int, int] | None) -> bool:
+    """Shut down (``SHUT_RDWR``) the socket ``conn`` names, ``(fd, st_dev, st_ino)``, if
+    its fd still names that socket (a socket's inode is not reused while it is open);
+    libzmq then sees the end and closes it. Returns True when shut down; False when the
+    fd is closed, names another socket or file now, or ``conn`` is None. Never raises."""
+    if conn is None:
+        return False
+    fd, dev, ino = conn
+    try:
+        d = os.dup(fd)
+    except OSError:
+        return False                        # closed by now
+    try:
+        s = _socket.socket(fileno=d)
+    except OSError:                         # not a socket now (a file, a pipe, an
+        os.close(d)                         # eventfd got the number): the dup goes
+        return False
+    try:
+        st = os.fstat(s.fileno())
+        if (st.st_dev, st.st_ino) != (dev, ino):
+            return False
+        if s.family not in (_socket.AF_INET, _socket.AF_INET6, _socket.AF_UNIX):
+            return False
+        s.shutdown(_socket.SHUT_RDWR)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+class AdmissionMixin(LoopState):
+    """Admission of ServiceLoop's connections (a mixin of it)."""
+
+    def _init_admission(self, hello_timeout: float, max_unadmitted: int,
+                        log_handshakes: bool) -> None:
+        if isinstance(hello_timeout, bool) or not isinstance(hello_timeout, (int, float)) \
+                or not hello_timeout >= 0:
+            raise ValueError(f"hello_timeout must be >= 0 s, got {hello_timeout!r}")
+        if isinstance(max_unadmitted, bool) or not isinstance(max_unadmitted, int) \
+                or max_unadmitted < 1:
+            raise ValueError(f"max_unadmitted must be an int >= 1, got {max_unadmitted!r}")
+        # self._unadmitted: unadmitted connections, oldest first: fd -> (st_dev, st_ino,
+        # deadline), the same dict for the life of the loop (the C fast path holds it);
+        # self._admitted: admitted connections whose end was not seen yet: fd ->
+        # (st_dev, st_ino). Both made by the loop before its fast path.
+        self.hello_timeout = float(hello_timeout)
+        self.max_unadmitted = max_unadmitted
+        self._admitting = (HELLO_CUT_ON and self.door_token is not None
+                           and hello_timeout > 0)
+        self._log_hs = log_handshakes
+        events = 0
+        if log_handshakes:
+            events |= _HANDSHAKE_EVENTS
+        if self._admitting:
+            events |= zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+        self._monitor = self._sock.get_monitor_socket(events) if events else None
+        #: the monitor socket's ZMQ_FD, polled with poll(2) by the lean turns, or -1
+        self._mon_fd = -1
+        if self._monitor is not None:
+            self._mon_fd = self._monitor.getsockopt(zmq.FD)
+            # read until EAGAIN once, so that its descriptor signals the next event
+            self._on_monitor()
+
+    def _unadmitted_bound(self) -> int:
+        try:
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        except (OSError, ValueError):
+            soft = resource.RLIM_INFINITY
+        if soft == resource.RLIM_INFINITY or soft <= 0:
+            return self.max_unadmitted
+        return max(1, min(self.max_unadmitted, soft // 4))
+
+    def _on_monitor(self) -> None:
+        """Read every queued event of the monitor: accepted connections held as
+        unadmitted (the oldest shut down beyond the bound), ended ones forgotten,
+        failed handshakes counted and logged."""
+        mon = self._monitor
+        if mon is None:
+            return
+        pending = self._unadmitted
+        accepted = False
+        while True:
+            try:
+                parts = mon.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if len(parts) < 2 or len(parts[0]) < 6:
+                continue
+            event, value = _EV.unpack_from(parts[0])
+            if event == zmq.EVENT_ACCEPTED:
+                if not self._admitting:
+                    continue
+                try:
+                    st = os.fstat(value)
+                except OSError:
+                    continue                # gone already
+                pending.pop(value, None)    # a stale entry of that number: not this one
+                a = self._admitted.pop(value, None)
+                if a is not None and a == (st.st_dev, st.st_ino):
+                    self._admitted[value] = a   # its HELLO was read before this event
+                    continue
+                pending[value] = (st.st_dev, st.st_ino,
+                                  time.monotonic() + self.hello_timeout)
+                accepted = True
+            elif event == zmq.EVENT_DISCONNECTED:
+                # forgotten unless the fd names that socket still: a new connection
+                # on the same number (accepted, maybe admitted, before this event was
+                # read) keeps its entry (libzmq closes the old socket just after
+                # telling; if it had not yet, its entry goes by the inode later)
+                try:
+                    st = os.fstat(value)
+                    now_is = (st.st_dev, st.st_ino)
+                except OSError:
+                    now_is = None
+                p = pending.get(value)
+                if p is not None and p[:2] != now_is:
+                    del pending[value]
+                a = self._admitted.get(value)
+                if a is not None and a != now_is:
+                    del self._admitted[value]
+            elif event & _HANDSHAKE_EVENTS:
+                self._count_error("auth_refused")
+                if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                    why = "its key is not allowed"
+                elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                    why = "CURVE handshake failed (no key, or not this server's public key)"
+                else:
+                    why = "handshake failed"
+                log.warning("refused a client connection on %s: %s",
+                            parts[1].decode(errors="replace"), why)
+        if accepted:
+            bound = self._unadmitted_bound()
+            while len(pending) > bound:
+                fd, (dev, ino, _) = pending.popitem(last=False)
+                self._count_error("unadmitted_bound")
+                if shut_conn((fd, dev, ino)):
+                    log.info("connection on fd %d shut down: more than %d connections "
+                             "without HELLO", fd, bound)
+
+    def _admit(self, src: Any) -> None:
+        """The connection ``src`` (a request's header frame, or a connection
+        :func:`conn_of` took) is admitted: no longer held as unadmitted, and not held
+        when its ACCEPTED event is read later."""
+        conn = conn_of(src)
+        if conn is None:
+            return
+        fd, dev, ino = conn
+        got = self._unadmitted.get(fd)
+        if got is not None and got[0] == dev and got[1] == ino:
+            del self._unadmitted[fd]
+        if self._admitting:
+            self._admitted[fd] = (dev, ino)
+
+    def _admit_live(self, ident: bytes, src: Any) -> None:
+        """A request of ``ident`` on ``src`` (its header frame) while connections are
+        unadmitted: its connection is admitted when ``ident`` names an open session
+        (the client's connection made again under its routing id)."""
+        sess = self._by_ident.get(ident)
+        if sess is None or sess.closed:
+            return
+        if type(src) is not tuple:
+            try:
+                fd = src.get(zmq.SRCFD)
+            except (zmq.ZMQError, AttributeError, TypeError):
+                return
+            if fd in self._admitted and fd not in self._unadmitted:
+                return                      # admitted already (no fstat)
+        self._admit(src)
+
+    def _cut_unadmitted(self, now: float) -> None:
+        """Shut down the unadmitted connections whose time is up."""
+        pending = self._unadmitted
+        while pending:
+            fd, (dev, ino, deadline) = next(iter(pending.items()))
+            if deadline > now:
+                return
+            del pending[fd]
+            self._count_error("unadmitted_cut")
+            if shut_conn((fd, dev, ino)):
+                log.info("connection on fd %d shut down: no HELLO within %g s", fd,
+                         self.hello_timeout)
+
+    def _admission_deadline(self) -> float | None:
+        pending = self._unadmitted
+        if not pending:
+            return None
+        return next(iter(pending.values()))[2]
+
+    def _close_admission(self) -> None:
+        if self._monitor is not None:
+            try:
+                self._sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self._monitor.close(0)
+            self._monitor = None
+        self._unadmitted.clear()
+        self._admitted.clear()
