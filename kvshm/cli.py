@@ -14,7 +14,8 @@ import sys
 from typing import Any, Sequence
 
 from kvshm.cliargs import (block_size_t, bytes_t, gib_size_t, ib_port_t, mib_size_t,
-                           nonneg_int, pool_size_t, port_t, pos_float, pos_int, ratio_t)
+                           nonneg_float, nonneg_int, pool_size_t, port_t, pos_float, pos_int,
+                           ratio_t)
 
 __all__ = ["main"]
 
@@ -77,6 +78,12 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slice-keys", type=pos_int, default=2048,
                    help="a request of more keys is served in slices of this many, other "
                         "clients' requests served between them (default 2048)")
+    p.add_argument("--hello-timeout", type=nonneg_float, default=5.0, metavar="S",
+                   help="seconds a connection may go without a valid HELLO before the "
+                        "server closes it (default 5; 0: never)")
+    p.add_argument("--max-unadmitted", type=pos_int, default=256, metavar="N",
+                   help="connections without HELLO held at most; beyond, the oldest are "
+                        "closed (default 256, at most a quarter of the descriptor limit)")
     p.add_argument("--max-client-pending", type=bytes_t, default=None, metavar="SIZE",
                    help="what one client may hold in uncommitted writes: 256MiB; a plain "
                         "number is bytes (default 3/4 of the pool; 0: no limit)")
@@ -164,6 +171,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
         max_key_bytes=args.max_key_bytes,
         max_batch=args.max_batch,
         slice_keys=args.slice_keys,
+        hello_timeout=args.hello_timeout,
+        max_unadmitted=args.max_unadmitted,
         max_client_pending_bytes=args.max_client_pending,
         max_client_pinned_bytes=args.max_client_pinned,
         curve_secret_key=args.curve_secret_key,

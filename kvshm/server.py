@@ -92,6 +92,14 @@ class ServerConfig:
         A request of more keys is served in slices of this many, other clients'
         requests served between two slices (default 2048,
         :data:`kvshm.zmq_ctrl.router.SLICE_KEYS`).
+    hello_timeout : float
+        Seconds (>= 0, finite) a connection may go without a HELLO answered OK (or a
+        request of an open session) before the server shuts it down; 0: never. Default
+        5 (:data:`kvshm.zmq_ctrl.admission.HELLO_TIMEOUT_S`; docs/RELIABILITY.md,
+        "Limits").
+    max_unadmitted : int
+        Connections without HELLO held at most (>= 1); beyond, the oldest are shut down
+        (and never more than a quarter of the soft descriptor limit). Default 256.
     max_client_pending_bytes, max_client_pinned_bytes : int, optional
         Per-client limits in bytes: uncommitted writes, and pinned reads. None (the
         default): 3/4 of the pool each; 0: no limit.
@@ -180,6 +188,8 @@ class ServerConfig:
     max_key_bytes: int = 4096
     max_batch: int = 1_000_000
     slice_keys: int = 2048
+    hello_timeout: float = 5.0
+    max_unadmitted: int = 256
     max_client_pending_bytes: int | None = None
     max_client_pinned_bytes: int | None = None
     curve_secret_key: str | None = None
@@ -303,6 +313,11 @@ class ServerConfig:
             raise ConfigError("max_batch", "must be >= 1")
         if type(self.slice_keys) is not int or self.slice_keys < 1:
             raise ConfigError("slice_keys", "must be an int >= 1")
+        v = self.hello_timeout
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1e9:
+            raise ConfigError("hello_timeout", f"must be a number of s >= 0, got {v!r}")
+        if type(self.max_unadmitted) is not int or self.max_unadmitted < 1:
+            raise ConfigError("max_unadmitted", "must be an int >= 1")
         if self.dev_name is not None and (not isinstance(self.dev_name, str)
                                           or not self.dev_name.strip()):
             raise ConfigError("dev_name", f"must be a device name, got {self.dev_name!r}")
@@ -530,7 +545,9 @@ class Server:
                                     sock=self._router, bound=bound,
                                     door_token=self.door.token,
                                     operator_token=self.door.operator,
-                                    slice_keys=cfg.slice_keys)
+                                    slice_keys=cfg.slice_keys,
+                                    hello_timeout=cfg.hello_timeout,
+                                    max_unadmitted=cfg.max_unadmitted)
             self._router = None           # the loop owns it now
             from kvshm.zmq_ctrl.ops_session import SessionOps
 
