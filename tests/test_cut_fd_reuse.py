@@ -46,6 +46,8 @@ class _Loop(DispatchMixin, SendsMixin):
         self.latency_sum: dict[int, float] = {}
         self._handlers: dict[int, Any] = {}
         self._sends = 0                     # ServiceLoop's count of replies taken
+        self._unadmitted: dict[int, Any] = {}   # no connection held (admission)
+        self._admitting = False
 
     def _send(self, ident: bytes, header: bytes, frames: Any = (), track: bool = False):
         return _Tracker()
