@@ -14,6 +14,7 @@ import asyncio
 import os
 import socket
 import struct
+import tempfile
 import time
 from typing import Any
 
@@ -158,11 +159,15 @@ def test_a_slow_client_that_says_hello_late_is_served_and_never_cut_then():
                 while True:
                     s = peer(srv.address, identity=rid_again)
                     socks.append(s)
-                    st, rbody = request(s, op, 2, epoch, body)
+                    try:
+                        st, rbody = request(s, op, 2, epoch, body)
+                    except (EOFError, OSError) as exc:
+                        st, rbody = -1, {"error": repr(exc)}
                     if st == Status.OK:
                         break
-                    # the old connection still held the routing id, so the server gave
-                    # this one another (no session): made again
+                    # the old connection still held the routing id (its end not seen
+                    # yet by libzmq), so libzmq refused this one (closed it, or gave it
+                    # another id: no session): made again
                     socks.remove(s)
                     s.close()
                     assert time.monotonic() < deadline, rbody
@@ -296,7 +301,7 @@ class _Mon:
         self.q: list[list[bytes]] = []
 
     def put(self, event: int, fd: int) -> None:
-        self.q.append([struct.pack("=HI", event, fd), b"tcp://127.0.0.1:1"])
+        self.q.append([struct.pack("=HI", event, fd), b"ipc://" + _listener()[1].encode()])
 
     def recv_multipart(self, flags: int = 0) -> list[bytes]:
         if not self.q:
@@ -328,8 +333,39 @@ class _Frame:
         return self.fd
 
 
+_LISTENER: list[Any] = []
+
+
+def _listener() -> tuple[socket.socket, str]:
+    """One listening AF_UNIX socket for the white-box tests (closed, its file and
+    directory removed, at the end of the module: the fixture below)."""
+    if not _LISTENER:
+        d = tempfile.mkdtemp(prefix="kvshm-test-idlecut-")
+        path = os.path.join(d, "s")
+        ls = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        ls.bind(path)
+        ls.listen(8)
+        _LISTENER.extend([ls, path, d])
+    return _LISTENER[0], _LISTENER[1]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _close_listener():
+    yield
+    if _LISTENER:
+        ls, path, d = _LISTENER
+        ls.close()
+        os.unlink(path)
+        os.rmdir(d)
+        _LISTENER.clear()
+
+
 def _pair() -> tuple[socket.socket, socket.socket]:
-    a, b = socket.socketpair()
+    """(a connection accepted on the listener, its peer)."""
+    ls, path = _listener()
+    b = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    b.connect(path)
+    a, _ = ls.accept()
     a.settimeout(5)
     b.settimeout(5)
     return a, b
@@ -498,3 +534,28 @@ def test_bad_hello_timeout_or_bound_is_a_clear_error():
         with pytest.raises(SystemExit) as ei:
             main(["serve", *flag])
         assert ei.value.code == 2
+
+
+def test_an_accepted_event_read_after_its_number_went_to_another_socket_holds_nothing():
+    """ACCEPTED read late, its fd number given meanwhile to a socket that was not
+    accepted on that endpoint (another thread's: a socketpair here, a TCP socket):
+    nothing is held, so nothing of it is ever shut down."""
+    loop = _Loop()
+    a, b = socket.socketpair()
+    t = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        for s in (a, t):
+            loop._monitor.put(zmq.EVENT_ACCEPTED, s.fileno())
+        loop._on_monitor()
+        assert not loop._unadmitted
+        x, y = _pair()
+        try:
+            loop._monitor.put(zmq.EVENT_ACCEPTED, x.fileno())    # one of ours: held
+            loop._on_monitor()
+            assert list(loop._unadmitted) == [x.fileno()]
+        finally:
+            x.close()
+            y.close()
+    finally:
+        for s in (a, b, t):
+            s.close()

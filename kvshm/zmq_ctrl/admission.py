@@ -23,7 +23,9 @@ cannot use up the descriptors before the timer fires. A connection is named by
 ``(fd, st_dev, st_ino)``, as :func:`~kvshm.zmq_ctrl.sends.conn_of` names it: the fd
 number alone is not a connection (the kernel gives it to the next socket once libzmq
 closed it), so a connection is shut down only while its fd still names the same socket
-(:func:`shut_conn`). Counted in ``errors``: ``unadmitted_cut`` (timer),
+(:func:`shut_conn`), and an ACCEPTED event read after its connection ended is not held
+when the number names a socket not accepted on that event's endpoint by then
+(:func:`_accepted_on`: another thread's socket, the management port's). Counted in ``errors``: ``unadmitted_cut`` (timer),
 ``unadmitted_bound`` (over the bound).
 
 Cost: nothing per request while no connection is unadmitted (one truthiness test of a
@@ -97,6 +99,34 @@ def shut_conn(conn: tuple[int, int, int] | None) -> bool:
         s.close()
 
 
+def _accepted_on(fd: int, endpoint: bytes) -> bool:
+    """Whether ``fd`` is a socket accepted on ``endpoint`` (the monitor event's: tcp by
+    its local port, ipc by its path), not something else that got the number since
+    (another thread's socket: the management port's, a file, a pipe)."""
+    try:
+        d = os.dup(fd)
+    except OSError:
+        return False
+    try:
+        s = _socket.socket(fileno=d)
+    except OSError:
+        os.close(d)
+        return False
+    try:
+        fam, name = s.family, s.getsockname()
+    except OSError:
+        return False
+    finally:
+        s.close()
+    ep = endpoint.decode(errors="replace")
+    if ep.startswith("tcp://"):
+        return (fam in (_socket.AF_INET, _socket.AF_INET6) and isinstance(name, tuple)
+                and str(name[1]) == ep.rsplit(":", 1)[1])
+    if ep.startswith("ipc://"):
+        return fam == _socket.AF_UNIX and name == ep[len("ipc://"):]
+    return False
+
+
 class AdmissionMixin(LoopState):
     """Admission of ServiceLoop's connections (a mixin of it)."""
 
@@ -163,6 +193,8 @@ class AdmissionMixin(LoopState):
                     st = os.fstat(value)
                 except OSError:
                     continue                # gone already
+                if not _accepted_on(value, parts[1]):
+                    continue                # closed, the number given to another's
                 pending.pop(value, None)    # a stale entry of that number: not this one
                 a = self._admitted.pop(value, None)
                 if a is not None and a == (st.st_dev, st.st_ino):
