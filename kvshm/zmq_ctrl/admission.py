@@ -152,7 +152,18 @@ class AdmissionMixin(LoopState):
             events |= _HANDSHAKE_EVENTS
         if self._admitting:
             events |= zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
-        self._monitor = self._sock.get_monitor_socket(events) if events else None
+        self._monitor = None
+        if events:
+            # (as Socket.get_monitor_socket, with no high-water mark on the receiving
+            # side: libzmq drops the events past it, and an ACCEPTED dropped would be
+            # a connection never held; each is read at the loop's next turn)
+            addr = f"inproc://kvshm-monitor-{os.getpid()}-{os.urandom(8).hex()}"
+            self._sock.monitor(addr, events)
+            mon = self._sock.context.socket(zmq.PAIR)
+            mon.setsockopt(zmq.LINGER, 0)
+            mon.setsockopt(zmq.RCVHWM, 0)
+            mon.connect(addr)
+            self._monitor = mon
         #: the monitor socket's ZMQ_FD, polled with poll(2) by the lean turns, or -1
         self._mon_fd = -1
         if self._monitor is not None:
