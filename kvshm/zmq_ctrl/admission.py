@@ -167,7 +167,7 @@ class AdmissionMixin(LoopState):
         #: the monitor socket's ZMQ_FD, polled with poll(2) by the lean turns, or -1
         self._mon_fd = -1
         if self._monitor is not None:
-            self._mon_fd = self._monitor.getsockopt(zmq.FD)
+            self._mon_fd = int(self._monitor.getsockopt(zmq.FD))
             # read until EAGAIN once, so that its descriptor signals the next event
             self._on_monitor()
 
