@@ -669,12 +669,17 @@ class AsyncClient:
             self._close_now()      # from another loop: no flush, just let go
             return
         s = self._session
-        if s.piggyback_pending() and not s.need_hello and self._conn is not None:
+        # lazy COMMITs queued again by a request that failed (a HELLO due, or the
+        # connection gone): the flush says that HELLO and sends them (else the BYE,
+        # skipped then, would not carry them and those writes, reported done, were lost)
+        owed = (sum(1 for rid in s.commits if rid in s.lazy_rids)
+                if s.need_hello or self._conn is None else 0)
+        if s.piggyback_pending() and (owed or (not s.need_hello and self._conn is not None)):
             try:
                 await self._run(s.op_commit_flush(), check=False)
                 s.raise_wb_errors()
             except KvshmError as exc:
-                log.log(logging.WARNING if s.wb is not None else logging.DEBUG,
+                log.log(logging.WARNING if s.wb is not None or owed else logging.DEBUG,
                         "flush at close failed: %s", exc)
         self._closed = True
         conn, self._conn = self._conn, None

@@ -2925,14 +2925,24 @@ class Client:
         if self._session.pid != os.getpid():
             self._forget_in_child()
             return
+        s = self._session
+        # lazy COMMITs queued again by a request that failed (a HELLO is due then): the
+        # flush says that HELLO and sends them; else the BYE, skipped while a HELLO is
+        # due, would not carry them either and those writes, reported done, were lost
+        owed = sum(1 for rid in s.commits if rid in s.lazy_rids) if s.need_hello else 0
         try:
-            if self._session.piggyback_pending() and not self._session.need_hello:
-                self._run(self._session.op_commit_flush(), check=False)
-            self._session.raise_wb_errors()
+            if s.piggyback_pending() and (owed or not s.need_hello):
+                self._run(s.op_commit_flush(), check=False)
+            s.raise_wb_errors()
         except (LeaseExpired, WriteRefused, WritesLost) as exc:
             log.warning("kvshm client %s closed: %s", self.address, exc)
         except KvshmError as exc:
-            log.debug("flush at close failed: %s", exc)
+            if owed:
+                log.warning("kvshm client %s closed: %d write(s) committed lazily may not "
+                            "be stored: their COMMIT could not be sent (%s)",
+                            self.address, owed, exc)
+            else:
+                log.debug("flush at close failed: %s", exc)
         self._closed = True
         with self._timer_lock:
             t, self._timer = self._timer, None

@@ -1,0 +1,295 @@
+"""Hostile review of what landed on 2 Dec (helper break23): the 80-byte Entry (checksum,
+meta and runs in one field), the shared table's growth policy, the debt fixes and the
+fast path's trim."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from kvshm.index import Entry
+
+BS = 4096
+
+
+class _Obj:
+    pass
+
+
+_REC = _Obj()
+# what a tier (or a hostile caller) may keep as meta or checksum: ints (a meta that is an
+# int must not read as a checksum), bools, tuples and lists that look like runs, strings
+_VALUES = st.sampled_from([
+    None, 0, 7, -1, 2**64 - 1, 2**70, True, False, ((1, 2),), [(1, 2)], ((1, 2), (3, 4)),
+    (), "odd", b"x", 1.5, _REC])
+
+
+class EntryModel(RuleBasedStateMachine):
+    """Entry's attributes against a plain Python record of what was set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.e = Entry(b"k" * 20, 5, 3, 3 * BS - 10)
+        self.start, self.nblocks = 5, 3
+        self.checksum = None
+        self.meta = None
+        self.ext = None           # None: one run (start, nblocks); else a tuple
+
+    @rule(v=_VALUES)
+    def set_checksum(self, v):
+        self.e.checksum = v
+        self.checksum = v
+
+    @rule(v=_VALUES)
+    def set_meta(self, v):
+        self.e.meta = v
+        self.meta = v
+
+    @rule(kind=st.sampled_from(["whole", "part", "two", "many", "freed", "list"]))
+    def set_extents(self, kind):
+        s, n = self.start, self.nblocks
+        runs = {"whole": ((s + 1, n),), "part": ((s, n + 1),),
+                "two": ((s, 1), (s + 9, n - 1)),
+                "many": tuple((s + 3 * i, 1) for i in range(n)),
+                "freed": (), "list": [[s + 2, 1], [s + 7, n - 1]]}[kind]
+        self.e.extents = runs
+        if kind == "whole":
+            self.start = s + 1
+            self.ext = None
+        else:
+            self.ext = tuple(runs)
+
+    @rule()
+    def free(self):
+        self.e.start = -1
+        self.start = -1
+        self.e.extents = ()
+        self.ext = ()
+
+    @rule(s=st.integers(0, 50))
+    def reuse(self, s):
+        # an entry placed again (as a tier's promotion does): start, then one run
+        self.e.start = s
+        self.e.extents = ((s, self.nblocks),)
+        self.start = s
+        self.ext = None
+
+    @invariant()
+    def agrees(self):
+        e = self.e
+        assert e.checksum is self.checksum or (
+            type(self.checksum) is int and e.checksum == self.checksum
+            and type(e.checksum) is int), (e.checksum, self.checksum)
+        assert e.meta is self.meta or (type(self.meta) is int and e.meta == self.meta
+                                       and type(e.meta) is int), (e.meta, self.meta)
+        want = ((self.start, self.nblocks),) if self.ext is None else self.ext
+        assert e.extents == want, (e.extents, want)
+        assert e.nruns == len(want)
+        assert e.start == self.start and e.nblocks == self.nblocks
+
+
+EntryModel.TestCase.settings = settings(max_examples=300, stateful_step_count=30,
+                                        deadline=None)
+test_entry_attributes_agree_with_a_plain_record = EntryModel.TestCase
+
+
+# ---------------------------------------------------------------- 2. the table's growth
+
+@pytest.mark.parametrize("growth", [(8, 1), (14, 1), (8, 16), (14, 16), (13, 8)])
+def test_growth_extremes_keep_every_key_through_churn_and_tombstones(shm_name, growth):
+    """Each policy's extremes, a pool of 512 blocks (a table of at most 1,024 slots,
+    starting at 64): fill to one key a block, then delete and add keys at that load
+    (tombstones at the table's highest load), with overwrites; a reader made first sees
+    exactly the live keys with their runs and sizes; nothing is refused (the pool has room
+    for every live key)."""
+    from kvshm import Pool
+    from kvshm._shmindex import IndexReader, IndexWriter, default_slots
+
+    blocks = 512
+    pool = Pool.create(shm_name, blocks * BS, BS)
+    w = IndexWriter.create(shm_name + "-index", shm_name + "-reads", default_slots(blocks),
+                           epoch=5, block_size=BS, num_blocks=blocks, token=pool.token,
+                           initial_slots=64, growth=growth)
+    r = IndexReader(w.name, w.reads_name, pool, 5)
+    try:
+        live: dict[bytes, tuple[int, int]] = {}
+        free = list(range(blocks))
+        n = 0
+        def add(k):
+            b = free.pop()
+            sz = 1 + (n * 7) % BS
+            assert w.publish(k, sz, [(b, 1)]) >= 0, (k, len(live), w.stats())
+            live[k] = (b, sz)
+        for i in range(blocks):
+            n += 1
+            add(b"k-%06d" % i)
+        assert w.unpublished == 0
+        for step in range(3000):
+            n += 1
+            old = b"k-%06d" % (step * 37 % (blocks + step))
+            if old in live:
+                b, _ = live.pop(old)
+                assert w.unpublish(old)
+                free.append(b)
+            if free:
+                add(b"k-%06d" % (blocks + step))
+            if step % 5 == 0 and live:          # an overwrite in place
+                k = next(iter(live))
+                b, _ = live[k]
+                assert w.publish(k, 9, [(b, 1)]) >= 0
+                live[k] = (b, 9)
+            if step % 500 == 0:
+                got = [r.lookup(k) for k in live]
+                assert [(g[1], g[2]) for g in got] == [(sz, ((b, 1),))
+                                                       for b, sz in live.values()]
+        assert w.unpublished == 0, w.stats()
+        keys = list(live)
+        assert r.exists_batch(keys) == [True] * len(keys)
+        gone = [b"k-%06d" % i for i in range(blocks + 3000) if b"k-%06d" % i not in live]
+        assert r.exists_batch(gone) == [False] * len(gone)
+        for k, (b, sz) in live.items():
+            g = r.lookup(k)
+            assert (g[1], g[2]) == (sz, ((b, 1),)), (k, g)
+    finally:
+        r.close()
+        w.unlink()
+        pool.close()
+        pool.unlink()
+
+
+# ------------------------------------- 3: lazy COMMITs of a failed request, at close
+
+@pytest.fixture(scope="module")
+def server():
+    from servers import ServerProcess
+    srv = ServerProcess(prealloc_size=1 / 16)
+    yield srv
+    srv.stop()
+
+
+def _other_has(address: str, key: str) -> bool:
+    from kvshm.client import Client
+    with Client(address, transport="tcp", timeout=10) as other:
+        return other.exists(key)
+
+
+@pytest.mark.parametrize("where", ["hello", "request"])
+def test_a_lazy_commit_requeued_by_a_failed_request_is_sent_at_close(server, monkeypatch,
+                                                                     where, caplog):
+    """A lazily committed put returned; the request carrying its COMMIT failed before
+    reaching the server (980c47c queues the COMMIT again), and the client is closed next,
+    with the server alive. close() skipped its flush and its BYE (a HELLO was due), so
+    the COMMIT was never sent: the grant lapsed and a write reported done was lost with
+    nothing said. It must be committed at close (or, when it cannot be, reported)."""
+    import kvshm.zmq_ctrl.channel as chmod
+    from kvshm.client import Client
+    from kvshm.errors import ServerUnavailable
+    from kvshm.zmq_ctrl.protocol import Op
+
+    monkeypatch.setenv("KVSHM_NO_LOCAL_READS", "1")
+    key = f"b23-close-{where}"
+    c = Client(server.address, lazy_commit=True, transport="shm", timeout=10)
+    try:
+        c.put(key, b"C" * 9000)                     # its COMMIT queued (lazy)
+        assert c._session.commits
+        orig = chmod.Channel.request
+        failed = []
+
+        def request(self, op, body, *a, **k):
+            if not failed and "commit" in body and (op == Op.HELLO) == (where == "hello"):
+                failed.append(op)
+                raise ServerUnavailable("test: not sent")
+            return orig(self, op, body, *a, **k)
+
+        monkeypatch.setattr(chmod.Channel, "request", request)
+        if where == "hello":
+            c._session.need_hello = True            # (as after a timeout)
+        with pytest.raises(ServerUnavailable, match="not sent"):
+            c.exists_batch([b"b23-x", b"b23-y"])
+        assert failed
+        monkeypatch.setattr(chmod.Channel, "request", orig)
+    finally:
+        c.close()
+    assert _other_has(server.address, key)
+
+
+@pytest.mark.parametrize("where", ["hello", "request"])
+def test_an_async_lazy_commit_requeued_by_a_failed_request_is_sent_at_close(server,
+                                                                           monkeypatch,
+                                                                           where):
+    """AsyncClient.close as Client.close: it skipped its flush while a HELLO was due (or
+    the connection was gone), so a lazy COMMIT put back by a failed request was never
+    sent and the write, reported done, was lost with nothing said."""
+    import asyncio
+
+    import kvshm.aio as aio
+    from kvshm.errors import ServerUnavailable
+
+    monkeypatch.setenv("KVSHM_NO_LOCAL_READS", "1")
+    key = f"b23-aclose-{where}"
+
+    async def main():
+        c = aio.AsyncClient(server.address, lazy_commit=True, transport="shm", timeout=10)
+        await c.connect()
+        try:
+            await c.put(key, b"A" * 9000)
+            assert c._session.commits
+            orig = aio._Conn.request
+            failed = []
+
+            async def request(self, op, body, *a, **k):
+                if not failed and isinstance(body, dict) and "commit" in body:
+                    failed.append(op)
+                    raise ServerUnavailable("test: not sent")
+                return await orig(self, op, body, *a, **k)
+
+            monkeypatch.setattr(aio._Conn, "request", request)
+            if where == "hello":
+                c._session.need_hello = True        # (as after a timeout)
+            with pytest.raises(ServerUnavailable, match="not sent"):
+                await c.exists_batch([b"b23-x", b"b23-y"])
+            assert failed
+            monkeypatch.setattr(aio._Conn, "request", orig)
+        finally:
+            await c.close()
+
+    asyncio.run(main())
+    assert _other_has(server.address, key)
+
+
+def test_a_lazy_commit_owed_at_close_to_a_dead_server_is_reported(monkeypatch, caplog):
+    """The same close when the server is gone: the flush's HELLO fails, close() returns
+    and says (a warning) how many lazily committed writes may not be stored."""
+    import logging
+
+    import kvshm.zmq_ctrl.channel as chmod
+    from kvshm.client import Client
+    from kvshm.errors import ServerUnavailable
+    from servers import ServerProcess
+
+    monkeypatch.setenv("KVSHM_NO_LOCAL_READS", "1")
+    srv = ServerProcess(prealloc_size=1 / 16)
+    try:
+        c = Client(srv.address, lazy_commit=True, transport="shm", timeout=2)
+        try:
+            c.put("b23-dead", b"D" * 9000)
+            orig = chmod.Channel.request
+
+            def request(self, op, body, *a, **k):
+                if "commit" in body:
+                    raise ServerUnavailable("test: not sent")
+                return orig(self, op, body, *a, **k)
+
+            monkeypatch.setattr(chmod.Channel, "request", request)
+            with pytest.raises(ServerUnavailable, match="not sent"):
+                c.exists_batch([b"b23-x"])
+            monkeypatch.setattr(chmod.Channel, "request", orig)
+            srv.stop()
+        finally:
+            with caplog.at_level(logging.WARNING, logger="kvshm"):
+                c.close()
+        assert "1 write(s) committed lazily may not be stored" in caplog.text
+    finally:
+        srv.stop()
