@@ -64,6 +64,8 @@ def default_batch_threads() -> int:
 def batch_helper_stats() -> dict[str, Any]:
     """{"threads": helper threads made, "pieces": segment pieces they looked up,
     "by_helper": each helper's pieces (list of int, in the order made)}."""
+def growth_policy(growth: tuple[int, int] | None = ...) -> tuple[int, int]:
+    """The (at, by) an IndexWriter would take (None: ENV_GROWTH, else GROWTH); ValueError."""
 def default_slots(num_blocks: int) -> int:
     """Capacity in slots: the next power of two >= 2 x ``num_blocks``."""
 

@@ -94,6 +94,7 @@ decision, so the LRU stays exact. A full ring makes readers ask the server inste
 """
 
 import fcntl
+import operator
 import os
 import time
 import warnings
@@ -562,26 +563,37 @@ def batch_helper_stats():
 
 def _growth(growth):
     """``growth`` (None: :data:`ENV_GROWTH`, else :data:`GROWTH`) checked: ``(at, by)``,
-    8 <= at <= 14 (a growth needs half the slots live: below 8/16 the table would refuse
-    keys it never grows for), 1 <= by <= 16 (ValueError otherwise)."""
+    whole numbers (an int, not a float or a str), 8 <= at <= 14 (a growth needs half the
+    slots live: below 8/16 the table would refuse keys it never grows for),
+    1 <= by <= 16 (ValueError otherwise, naming the argument or the variable as given)."""
     src = "growth"
+    shown = growth
     if growth is None:
         v = os.environ.get(ENV_GROWTH, "").strip()
         if not v:
             return GROWTH
         src = ENV_GROWTH
+        shown = v
         try:
             growth = tuple(int(x) for x in v.split(","))
         except ValueError:
             raise ValueError(f"{ENV_GROWTH}={v!r}: not AT,BY (whole sixteenths)") from None
     try:
         at, by = growth
-        at, by = int(at), int(by)
+        at, by = operator.index(at), operator.index(by)
     except (TypeError, ValueError):
-        raise ValueError(f"{src}={growth!r}: not (at, by) in sixteenths") from None
+        raise ValueError(f"{src}={shown!r}: not (at, by) in whole sixteenths") from None
     if not (8 <= at <= 14 and 1 <= by <= 16):
-        raise ValueError(f"{src}={growth!r}: at must be 8 .. 14 and by 1 .. 16 (sixteenths)")
-    return (at, by)
+        raise ValueError(f"{src}={shown!r}: at must be 8 .. 14 and by 1 .. 16 (sixteenths)")
+    return (int(at), int(by))
+
+
+def growth_policy(growth=None):
+    """The table growth ``(at, by)`` an :class:`IndexWriter` made with ``growth=`` would
+    take (None: :data:`ENV_GROWTH` if set, else :data:`GROWTH`), checked as
+    :meth:`IndexWriter.create` checks it. Raises ValueError (naming the argument or the
+    variable) for a bad one; a server checks it before making its pool."""
+    return _growth(growth)
 
 
 def _env_threads():

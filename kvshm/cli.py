@@ -206,6 +206,9 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         server = Server(config_from_args(args))
     except ConfigError as exc:
         parser.error(f"argument --{exc.option.replace('_', '-')}: {exc.message}")
+    except ValueError as exc:       # an environment variable's value (ServerConfig.validate)
+        print(f"kvshm serve: {exc}", file=sys.stderr)
+        return 2
 
     def on_signal(signum: int, frame: Any) -> None:
         log.info("signal %d: stopping", signum)

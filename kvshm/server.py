@@ -235,7 +235,12 @@ class ServerConfig:
         return int(self.prealloc_size * GiB) // bs * bs
 
     def validate(self) -> None:
-        """Raise :class:`ConfigError` naming the first bad option."""
+        """Raise :class:`ConfigError` naming the first bad option (ValueError naming
+        ``KVSHM_INDEX_GROWTH`` for a bad value of it, with the shared index on)."""
+        if self.shared_index:
+            from kvshm._shmindex import growth_policy
+
+            growth_policy()     # before any segment is made, not a traceback after
         try:
             ipaddress.ip_address(self.host)
         except ValueError:

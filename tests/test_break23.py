@@ -293,3 +293,38 @@ def test_a_lazy_commit_owed_at_close_to_a_dead_server_is_reported(monkeypatch, c
         assert "1 write(s) committed lazily may not be stored" in caplog.text
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("bad", ["7,4", "x", "13,4,1", "14.5,8", "13,0"])
+def test_a_bad_growth_in_the_environment_stops_kvshm_serve_with_a_clear_error(bad):
+    """KVSHM_INDEX_GROWTH with a bad value: kvshm serve printed a traceback from deep in
+    IndexWriter.create (after the pool was made), the value shown as a tuple ("(7, 4)",
+    not what was set). Now one line naming the variable and the value as set, exit
+    status 2, before any segment is made."""
+    import os
+    import subprocess
+    import sys
+
+    from servers import unique_shm_name
+
+    name = unique_shm_name()
+    p = subprocess.run([sys.executable, "-m", "kvshm", "serve", "--service-port", "0",
+                        "--manage-port", "0", "--prealloc-size", "0.0625", "--shm-name",
+                        name, "--log-level", "WARNING"],
+                       env={**os.environ, "KVSHM_INDEX_GROWTH": bad},
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    assert "Traceback" not in p.stderr
+    assert f"KVSHM_INDEX_GROWTH={bad!r}" in p.stderr, p.stderr
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(name.lstrip("/"))]
+
+
+def test_a_growth_argument_takes_whole_numbers_only(shm_name):
+    """growth=(13.9, 8) was taken as (13, 8) and ("13", "8") as (13, 8): int() of
+    anything; now a float or a str is refused as the variable's "14.5,8" is."""
+    from kvshm._shmindex import IndexWriter
+
+    for bad in ((13.9, 8), ("13", "8"), (13, 8.0)):
+        with pytest.raises(ValueError, match="growth"):
+            IndexWriter.create(shm_name + "-index", shm_name + "-reads", 64, epoch=1,
+                               block_size=BS, num_blocks=64, growth=bad)
