@@ -328,3 +328,83 @@ def test_a_growth_argument_takes_whole_numbers_only(shm_name):
         with pytest.raises(ValueError, match="growth"):
             IndexWriter.create(shm_name + "-index", shm_name + "-reads", 64, epoch=1,
                                block_size=BS, num_blocks=64, growth=bad)
+
+
+# --------------------- 3b: a GET reply placed by Conn.recv(into=) with a hostile layout
+
+def _tamper_cases():
+    big = 300_000
+    # (values stored, tamper(sizes, counts, frames) -> (sizes, counts, frames))
+    return {
+        "extra frame": ([big, big], lambda s, c, f: (s, c, [*f, b"\x11" * big])),
+        "frame dropped": ([big, big], lambda s, c, f: (s, c, f[:1])),
+        "huge count": ([big, big], lambda s, c, f: (s, [2**64 - 1, 0], f)),
+        "bool counts": ([big, big], lambda s, c, f: (s, [True, True], f)),
+        "negative count": ([big, big], lambda s, c, f: (s, [-1, 3], f)),
+        "short counts": ([big, big], lambda s, c, f: (s, c[:1], f)),
+        "split value overflows": ([big], lambda s, c, f: (
+            s, [1, 0], [bytes(f[0])[:100_000], b"\x22" * 250_000])),
+        "split value short": ([big], lambda s, c, f: (
+            s, [1, 0], [bytes(f[0])[:100_000], b"\x22" * 150_000])),
+        "sizes past the buffer": ([big, big], lambda s, c, f: ([big * 2, big], c, f)),
+        "zero counts only": ([big, big], lambda s, c, f: (s, [0, 0], f)),
+        "packed small split": ([100, 200], lambda s, c, f: (s, [1, 1], [bytes(f[0])[:100],
+                                                                       bytes(f[0])[100:]])),
+    }
+
+
+@pytest.mark.parametrize("how", list(_tamper_cases()))
+def test_a_hostile_get_layout_never_writes_past_what_it_says(shm_name, monkeypatch, how):
+    """Conn.recv(into=) against replies whose frames, counts and sizes disagree: the call
+    either returns the values (a layout that is in fact consistent) or raises
+    ProtocolError; the bytes of each out buffer past the value's stored size are never
+    written, the client keeps working (the next, untampered call is right)."""
+    import sys
+
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from test_debt23 import _ThreadServer
+
+    import kvshm.client as client_mod
+    import kvshm.zmq_ctrl.channel as chmod
+    from kvshm.client import Client
+    from kvshm.errors import ProtocolError
+    from kvshm.zmq_ctrl.protocol import Op
+
+    if not chmod.INTO:
+        pytest.skip("KVSHM_ZMTP_INTO=0")
+    values, tamper = _tamper_cases()[how]
+    ts = _ThreadServer(shm_name)
+    try:
+        keys = [b"b23-g-%d" % i for i in range(len(values))]
+        ts.store.put(keys, [bytes([65 + i]) * n for i, n in enumerate(values)])
+        real = ts.loop._handlers[Op.GET]
+        bad = [True]
+
+        def tampered(session, req_id, body, frames, on_sent):
+            st, rb, fr = real(session, req_id, body, frames, on_sent)
+            if bad[0]:
+                rb["sizes"], rb["counts"], fr = tamper(rb["sizes"], rb["counts"], fr)
+            return st, rb, fr
+
+        ts.loop.add_ops({Op.GET: tampered})
+        ts.start()
+        monkeypatch.setattr(client_mod, "PIPELINE", False)
+        room = 700_000
+        with Client(ts.address, transport="tcp", timeout=10) as c:
+            assert c._chan.zmtp
+            outs = [bytearray(b"\xee" * room) for _ in keys]
+            try:
+                got = c.get_batch_into(keys, outs)
+            except ProtocolError:
+                got = None
+            for o, n in zip(outs, values):
+                assert o[n:] == b"\xee" * (room - n), (how, o.find(b"\xee", n))
+            if got is not None:
+                assert got == values
+            bad[0] = False
+            outs = [bytearray(room) for _ in keys]
+            assert c.get_batch_into(keys, outs) == values
+            assert all(o[:n] == bytes([65 + i]) * n
+                       for i, (o, n) in enumerate(zip(outs, values)))
+    finally:
+        ts.close()
