@@ -408,3 +408,66 @@ def test_a_hostile_get_layout_never_writes_past_what_it_says(shm_name, monkeypat
                        for i, (o, n) in enumerate(zip(outs, values)))
     finally:
         ts.close()
+
+
+@pytest.mark.parametrize("growth", ["14,1", "8,1"])
+def test_a_server_with_an_extreme_growth_serves_lock_free_reads_through_its_growths(
+        growth):
+    """kvshm serve with KVSHM_INDEX_GROWTH at an extreme: a writer client fills the table
+    through many growths (by 1/16 each) while deleting a quarter of what it wrote
+    (tombstones at the table's load); a second client (lock-free reads of the server's
+    table, another process from the server) sees every kept key with its bytes after
+    each batch, and none deleted; the server refused no key (unpublished 0) and its
+    accounting holds."""
+    import threading
+
+    from kvshm import Client
+    from servers import ServerProcess
+
+    with ServerProcess("--block-size", "4", prealloc_size=1 / 16,
+                       env={"KVSHM_INDEX_GROWTH": growth}) as srv:
+        with Client(srv.address, transport="shm") as w, \
+                Client(srv.address, transport="shm") as r:
+            kept: list[bytes] = []
+            gone: list[bytes] = []
+            errors: list[BaseException] = []
+            stop = threading.Event()
+            ready = threading.Event()
+
+            def reads():
+                try:
+                    while not stop.is_set():
+                        ks = kept[:]            # (committed before they were listed)
+                        if ks:
+                            got = r.get_batch(ks[-200:])
+                            assert got == [k * 2 for k in ks[-200:]]
+                            assert r.exists_batch(ks) == [True] * len(ks)
+                            ready.set()
+                except BaseException as exc:    # (asserted below)
+                    errors.append(exc)
+                    ready.set()
+
+            t = threading.Thread(target=reads)
+            t.start()
+            try:
+                for b in range(24):
+                    ks = [b"b23-%s-%02d-%04d" % (growth.encode(), b, i) for i in range(400)]
+                    w.put_batch(ks, [k * 2 for k in ks])
+                    drop = ks[::4]
+                    assert w.delete(drop) == len(drop)
+                    gone.extend(drop)
+                    kept.extend(k for k in ks if k not in set(drop))
+                    if b == 0:
+                        ready.wait(30)
+                    assert not errors, errors
+            finally:
+                stop.set()
+                t.join(60)
+            assert not errors, errors
+            assert r.exists_batch(kept) == [True] * len(kept)
+            assert r.exists_batch(gone) == [False] * len(gone)
+            s = w.stats(verify=True)
+            si = s["shared_index"]
+            assert si["unpublished"] == 0 and si["live"] == len(kept), si
+            assert si["rebuilds"] >= 3, si
+            assert s["accounting_ok"], s
