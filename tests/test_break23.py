@@ -471,3 +471,97 @@ def test_a_server_with_an_extreme_growth_serves_lock_free_reads_through_its_grow
             assert si["unpublished"] == 0 and si["live"] == len(kept), si
             assert si["rebuilds"] >= 3, si
             assert s["accounting_ok"], s
+
+
+# ------------------------------------- 1b: checksummed entries through an SSD tier
+
+def test_checksummed_entries_keep_their_checksum_through_spills_and_promotions(
+        shm_name, tmp_path):
+    """Entries stored with a checksum (an int alone in Entry._x) get a tier's meta when
+    spilled (both: a side object), lose it when promoted or overwritten, some stored in
+    several runs: random puts (a third without a checksum), reads, deletes on a small
+    pool over an SSD tier; every read gives the value's bytes and the checksum it was
+    put with, and each live entry's attributes agree (meta only while it has a copy
+    below, one run unless its extents say otherwise)."""
+    import sys
+
+    import numpy as np
+    import xxhash
+
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from test_ssd import Tiered, runs_of
+
+    from kvshm.zmq_ctrl.protocol import Status
+
+    t = Tiered(shm_name, str(tmp_path / "ssd"), pool_blocks=32, ssd_blocks=128,
+               queue_blocks=4)
+    try:
+        rng = np.random.default_rng(23)
+        truth: dict[bytes, tuple[bytes, int | None]] = {}
+
+        def put(k, v, csum):
+            t.rid += 1
+            r = None
+            while r is None:
+                r = t.store.alloc_entries(b"w", t.rid, [k], [len(v)],
+                                          None if csum is None else [csum], defer=True)
+                if r is None:
+                    t.woke.wait(0.5)
+                    t.woke.clear()
+                    t.store.service()
+            offsets, st = r
+            assert st == [Status.OK], st
+            pos = 0
+            for o, n in runs_of(offsets[0], len(v)):
+                t.pool.write(o, v[pos:pos + n])
+                pos += n
+            assert t.store.commit(b"w", [t.rid]) == []
+            t.store.service()
+
+        def get(k):
+            t.rid += 1
+            hold = t.store.read_hold()
+            while not t.store.prepare_read([k], hold):
+                t.woke.wait(0.5)
+                t.woke.clear()
+                t.store.service()
+            offsets, sizes, sums = t.store.lookup(b"r", t.rid, [k], hold)
+            t.store.release_hold(hold)
+            if sizes[0] < 0:
+                return None
+            data = b"".join(t.pool.read_bytes(o, n) for o, n in runs_of(offsets[0], sizes[0]))
+            t.store.release(b"r", [t.rid])
+            return data, sums[0]
+
+        for step in range(1200):
+            op = rng.integers(0, 10)
+            k = b"c%d" % rng.integers(0, 120)
+            if op < 5:
+                v = bytes(rng.integers(0, 256, int(rng.integers(1, 3 * BS)), dtype=np.uint8))
+                csum = None if op == 0 else xxhash.xxh64_intdigest(v)
+                put(k, v, csum)
+                truth[k] = (v, csum)
+            elif op < 9:
+                got = get(k)
+                if got is not None:
+                    v, csum = truth[k]
+                    # (one put without: the SSD tier's own xxh64 once it was spilled)
+                    assert got[0] == v and got[1] in (csum, xxhash.xxh64_intdigest(v)), (
+                        k, got[1], csum)
+            else:
+                t.store.delete([k])
+                truth.pop(k, None)
+            if step % 100 == 0:
+                t.check()
+                for e in t.store.index.lru():
+                    v, csum = truth[e.key]
+                    assert e.checksum in (csum, xxhash.xxh64_intdigest(v)), e
+                    assert e.size == len(truth[e.key][0])
+                    assert sum(n for _, n in e.extents) == e.nblocks, e
+                    assert e.meta is None or (e.meta.key == e.key
+                                              and e.meta.size == e.size), (e, e.meta)
+        s = t.check()
+        assert s["tiers"]["ssd"]["spills"] > 0 and s["tiers"]["pool"]["promotions"] > 0
+        assert s["tiers"]["ssd"]["checksum_failures"] == 0
+    finally:
+        t.close()
