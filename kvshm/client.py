@@ -1306,13 +1306,30 @@ class _Session:
                 ok = list(range(len(st)))           # the common case, at C speed
                 some = offsets
             else:
+                if not all(type(s) is int and s in _STATUSES for s in st):
+                    self.aborts.append(r.req_id)
+                    bad = next(s for s in st if type(s) is not int or s not in _STATUSES)
+                    raise ProtocolError(f"ALLOC reply for {len(bkeys)} keys has a status "
+                                        f"{bad!r:.40} (no status)")
                 ok = [i for i, s in enumerate(st) if s == Status.OK]
                 some = [offsets[i] for i in ok]
             if ok:
                 try:
-                    # values of several runs: a mover that cuts at the runs' edges
-                    mv, offs = placed(mover, some, Layout())
-                    src.to_pool(mv, offs, ok)
+                    # an offset that is no place in the pool (not an int nor runs:
+                    # placed; negative or past the pool: the write's range check, before
+                    # a byte of that value is written) is the reply's fault, not the
+                    # caller's: ProtocolError
+                    try:
+                        # values of several runs: a mover that cuts at the runs' edges
+                        mv, offs = placed(mover, some, Layout())
+                    except (IndexError, TypeError, ValueError) as exc:
+                        raise ProtocolError(f"ALLOC reply for {len(bkeys)} keys has an "
+                                            f"offset that is no place: {exc}") from exc
+                    try:
+                        src.to_pool(mv, offs, ok)
+                    except IndexError as exc:
+                        raise ProtocolError(f"ALLOC reply for {len(bkeys)} keys has an "
+                                            f"offset outside the pool: {exc}") from exc
                 except BaseException:
                     self.aborts.append(r.req_id)
                     raise
@@ -1686,6 +1703,8 @@ class _Session:
 
 
 _GRANT_OPS = (Op.ALLOC, Op.LOOKUP)
+# the statuses a reply may give (an ALLOC reply's "st" items are checked against them)
+_STATUSES = frozenset(int(s) for s in Status)
 
 # what a driver does with a reply (_Drive.after)
 _DONE = 0          # hand it to the operation

@@ -565,3 +565,62 @@ def test_checksummed_entries_keep_their_checksum_through_spills_and_promotions(
         assert s["tiers"]["ssd"]["checksum_failures"] == 0
     finally:
         t.close()
+
+
+# ------------------------------------- 3c: an ALLOC reply's items (not only its lengths)
+
+@pytest.mark.parametrize("bad", ["negative offset", "offset past the pool", "str offset",
+                                 "str status", "float offset", "run past the pool"])
+def test_an_alloc_reply_with_bad_items_writes_nothing_and_aborts(server, monkeypatch, bad):
+    """e7eb749 checks an ALLOC reply's lists and lengths; its items go to the pool write
+    (the client writes the value where the reply says): an offset that is negative,
+    past the pool, not an int, or a status that is no status must raise a clear error
+    (ProtocolError: they were IndexError, ValueError "not enough values to unpack",
+    TypeError "float object is not iterable", ValueError "x is not a valid Status"),
+    write nothing outside the blocks granted, and the grant go (aborted with the next
+    request)."""
+    import kvshm.client as client_mod
+    import kvshm.zmq_ctrl.channel as chmod
+    from kvshm.client import Client
+    from kvshm.errors import ProtocolError
+    from kvshm.zmq_ctrl.protocol import Op
+
+    monkeypatch.setenv("KVSHM_NO_LOCAL_READS", "1")
+    monkeypatch.setattr(client_mod, "INLINE_PUT", False)
+    keys = [b"b23-a-%s-%d" % (bad.replace(" ", "-").encode(), i) for i in range(3)]
+    with Client(server.address, transport="shm", timeout=10) as c:
+        assert c._session.mover is not None
+        psize = c._session.mover.pool.size
+        base = c.stats()["pending"]
+        orig = chmod.Channel.request
+
+        def request(self, op, *a, **k):
+            r = orig(self, op, *a, **k)
+            if op != Op.ALLOC:
+                return r
+            rb = dict(r[2])
+            off = list(rb["offsets"])
+            if bad == "negative offset":
+                off[1] = -4096
+            elif bad == "offset past the pool":
+                off[1] = psize + 4096
+            elif bad == "str offset":
+                off[1] = "x"
+            elif bad == "float offset":
+                off[1] = 4096.0
+            elif bad == "run past the pool":
+                off[1] = [[psize - 4096, 9000]]
+            else:
+                rb["st"] = [rb["st"][0], "x", rb["st"][2]]
+            rb["offsets"] = off
+            return (r[0], r[1], rb, r[3])
+
+        with monkeypatch.context() as m:
+            m.setattr(chmod.Channel, "request", request)
+            with pytest.raises(BaseException) as ei:
+                c.put_batch(keys, [b"A" * 9000] * 3)
+        assert isinstance(ei.value, ProtocolError), ei.value
+        assert c.stats()["pending"] == base         # (the ABORT rode on that one)
+        c.put_batch(keys, [b"B" * 9000] * 3)
+        assert c.get_batch(keys) == [b"B" * 9000] * 3
+        assert c.stats(verify=True)["accounting_ok"]
