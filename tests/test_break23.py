@@ -624,3 +624,46 @@ def test_an_alloc_reply_with_bad_items_writes_nothing_and_aborts(server, monkeyp
         c.put_batch(keys, [b"B" * 9000] * 3)
         assert c.get_batch(keys) == [b"B" * 9000] * 3
         assert c.stats(verify=True)["accounting_ok"]
+
+
+# ------------------------------------- 3d: frames._groups, fuzzed
+
+def test_unpack_and_placed_agree_on_random_layouts():
+    """test_debt23's 69 layouts, fuzzed: any frame lengths, counts (zeros, negatives,
+    bools, more or fewer than the frames) and sizes: the Python unpack gives the C
+    unpack's values or both refuse (FrameLayoutError, nothing else), and placed accepts
+    exactly what unpack accepts."""
+    from hypothesis import given
+
+    import kvshm.zmq_ctrl.frames as F
+
+    ints = st.integers(-1, 12)
+    counts_st = st.lists(st.one_of(st.integers(-1, 3), st.sampled_from([True, False, 0])),
+                         max_size=5)
+
+    @settings(max_examples=800, deadline=None)
+    @given(lens=st.lists(st.integers(0, 12), max_size=5), counts=counts_st,
+           sizes=st.lists(ints, max_size=6))
+    def check(lens, counts, sizes):
+        frames = [bytes(range(sum(lens[:i]), sum(lens[:i + 1]))) for i in range(len(lens))]
+        try:
+            py = [bytes(v) for v in F._py_unpack(frames, counts, sizes)]
+        except F.FrameLayoutError:
+            py = None
+        if F._batch is not None:
+            try:
+                c = [bytes(v) for v in F.unpack(frames, counts, sizes)]
+            except F.FrameLayoutError:
+                c = None
+            assert py == c, (lens, counts, sizes)
+        if lens:
+            try:
+                ok = F.placed(list(lens), counts, sizes)
+            except F.FrameLayoutError:
+                ok = False
+            assert ok == (py is not None), (lens, counts, sizes)
+        if py is not None:
+            assert b"".join(py) == b"".join(frames)
+            assert [len(v) for v in py] == sizes
+
+    check()
