@@ -667,3 +667,81 @@ def test_unpack_and_placed_agree_on_random_layouts():
             assert [len(v) for v in py] == sizes
 
     check()
+
+
+def test_a_lazy_commit_resent_after_a_stopped_server_never_overwrites_a_newer_write(
+        monkeypatch):
+    """A lazy put of v1; the server SIGSTOPped, the request carrying its COMMIT times out
+    (it reached the server's socket: applied once the server goes on), the COMMIT queued
+    again (980c47c); the server resumed, the same client puts v2 on the same key. v2 must
+    be what every reader sees after flush, whatever the re-sent COMMIT met; a report
+    (LeaseExpired) may come, a wrong value or a lost v2 may not."""
+    import os
+    import signal
+
+    from kvshm.client import Client
+    from kvshm.errors import KvshmError, LeaseExpired
+    from servers import ServerProcess
+
+    monkeypatch.setenv("KVSHM_NO_LOCAL_READS", "1")
+    srv = ServerProcess(prealloc_size=1 / 16)
+    try:
+        with Client(srv.address, lazy_commit=True, transport="shm", timeout=1.5) as c:
+            c.put("b23-stop", b"1" * 9000)
+            assert c._session.commits
+            os.kill(srv.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(KvshmError):
+                    c.exists_batch([b"b23-x"])
+            finally:
+                os.kill(srv.pid, signal.SIGCONT)
+            reports = 0
+            for _ in range(3):
+                try:
+                    c.put("b23-stop", b"2" * 9000)
+                    break
+                except LeaseExpired:
+                    reports += 1
+            for _ in range(3):
+                try:
+                    c.flush()
+                    break
+                except LeaseExpired:
+                    reports += 1
+            with Client(srv.address, transport="tcp", timeout=10) as other:
+                assert other.get("b23-stop") == b"2" * 9000
+            assert c.get("b23-stop") == b"2" * 9000
+            assert reports <= 1
+    finally:
+        srv.stop()
+
+
+# ------------------------------------- 4: the fast path's C counters
+
+def test_the_fast_paths_counts_follow_the_requests_it_serves(server):
+    """FastPath.counts is now a property over C counters: /stats' fast_path (what
+    ServiceLoop.fast_counts reads) counts each one-key PUT, GET and EXISTS the fast path
+    served, by op (at most the requests made, each op seen), and reading them twice
+    never makes them go back."""
+    from kvshm.client import Client
+
+    with Client(server.address, transport="tcp", timeout=10) as c:
+        fp0 = c.stats()["fast_path"]
+        if fp0["PUT"] + fp0["GET"] + fp0["EXISTS"] + fp0["declined"] == 0:
+            c.put("b23-fp-warm", b"w")
+            if sum(c.stats()["fast_path"][k] for k in ("PUT", "GET", "EXISTS")) == 0:
+                pytest.skip("no fast path in this server")
+        fp0 = c.stats()["fast_path"]
+        for i in range(20):
+            c.put(f"b23-fp-{i}", b"v" * 100)
+        for i in range(15):
+            assert c.get(f"b23-fp-{i}") == b"v" * 100
+        for i in range(10):
+            assert c.exists(f"b23-fp-{i}")
+        fp1 = c.stats()["fast_path"]
+        fp2 = c.stats()["fast_path"]
+        served = {k: fp1[k] - fp0[k] for k in ("PUT", "GET", "EXISTS")}
+        assert served["PUT"] + fp1["declined"] - fp0["declined"] >= 20
+        assert served["PUT"] <= 20 and served["GET"] <= 15 and served["EXISTS"] <= 10
+        assert served["PUT"] > 0 and served["GET"] > 0 and served["EXISTS"] > 0, served
+        assert all(fp2[k] >= fp1[k] for k in ("PUT", "GET", "EXISTS", "declined"))
