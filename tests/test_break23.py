@@ -745,3 +745,87 @@ def test_the_fast_paths_counts_follow_the_requests_it_serves(server):
         assert served["PUT"] <= 20 and served["GET"] <= 15 and served["EXISTS"] <= 10
         assert served["PUT"] > 0 and served["GET"] > 0 and served["EXISTS"] > 0, served
         assert all(fp2[k] >= fp1[k] for k in ("PUT", "GET", "EXISTS", "declined"))
+
+
+def test_lazy_commits_survive_failed_requests_and_hellos_on_two_threads(server, monkeypatch):
+    """One lazily committing client on two threads (puts on one, lookups on the other);
+    every 7th request that carries COMMITs, HELLOs included, fails before it is sent
+    (ServerUnavailable), each failure making a HELLO due. After a flush every put that
+    returned is stored, with its bytes; none was reported lost (none was sent twice)."""
+    import threading
+
+    import kvshm.zmq_ctrl.channel as chmod
+    from kvshm.client import Client
+    from kvshm.errors import KvshmError, LeaseExpired, ServerUnavailable
+
+    monkeypatch.setenv("KVSHM_NO_LOCAL_READS", "1")
+    orig = chmod.Channel.request
+    orig_many = chmod.Channel.request_many
+    lock = threading.Lock()
+    seen = [0]
+
+    def fail_now(body):
+        if isinstance(body, dict) and body.get("commit"):
+            with lock:
+                seen[0] += 1
+                return seen[0] % 7 == 0
+        return False
+
+    def request(self, op, body, *a, **k):
+        if fail_now(body):
+            raise ServerUnavailable("test: not sent")
+        return orig(self, op, body, *a, **k)
+
+    def request_many(self, items, *a, **k):
+        if items and fail_now(items[0][1]):
+            raise ServerUnavailable("test: not sent")
+        return orig_many(self, items, *a, **k)
+
+    with Client(server.address, lazy_commit=True, transport="shm", timeout=10) as c:
+        monkeypatch.setattr(chmod.Channel, "request", request)
+        monkeypatch.setattr(chmod.Channel, "request_many", request_many)
+        stored: dict[bytes, bytes] = {}
+        reports: list[BaseException] = []
+        other: list[BaseException] = []
+        stop = threading.Event()
+
+        def looker():
+            while not stop.is_set():
+                try:
+                    c.exists_batch([b"b23-t-x", b"b23-t-y"])
+                except LeaseExpired as exc:
+                    reports.append(exc)
+                except ServerUnavailable:
+                    pass
+                except BaseException as exc:     # (asserted below)
+                    other.append(exc)
+
+        t = threading.Thread(target=looker)
+        t.start()
+        try:
+            for i in range(150):
+                k, v = b"b23-t-%03d" % i, bytes([i % 251]) * (5000 + i)
+                try:
+                    c.put(k, v)
+                    stored[k] = v
+                except LeaseExpired as exc:
+                    reports.append(exc)
+                except ServerUnavailable:
+                    pass
+        finally:
+            stop.set()
+            t.join(60)
+        monkeypatch.setattr(chmod.Channel, "request", orig)
+        monkeypatch.setattr(chmod.Channel, "request_many", orig_many)
+        for _ in range(3):
+            try:
+                c.flush()
+                break
+            except LeaseExpired as exc:
+                reports.append(exc)
+        assert not other, other
+        assert seen[0] >= 14
+        assert not reports, reports
+        got = c.get_batch(list(stored))
+        assert [g == stored[k] for k, g in zip(stored, got)] == [True] * len(stored)
+        assert len(stored) > 100
