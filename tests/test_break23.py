@@ -829,3 +829,64 @@ def test_lazy_commits_survive_failed_requests_and_hellos_on_two_threads(server, 
         got = c.get_batch(list(stored))
         assert [g == stored[k] for k, g in zip(stored, got)] == [True] * len(stored)
         assert len(stored) > 100
+
+
+def test_a_get_reply_that_cannot_be_encoded_keeps_no_view_of_the_pool(shm_name,
+                                                                     monkeypatch):
+    """fb05d1d: a reply _send cannot send drops its frames (views of the pool) before the
+    error is logged, so the logged traceback keeps none. A reply whose header msgpack
+    cannot encode (a handler's bug) took the other branch and kept them: with a log
+    handler that keeps records (a buffering handler; pytest's own capture) the pool
+    stayed exported and could not be closed (BufferError). Now both branches drop them:
+    INTERNAL answered, pins settled, no view left while the record is kept."""
+    import gc
+    import logging
+    import sys
+
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from test_debt23 import _ThreadServer
+
+    import kvshm.client as client_mod
+    from kvshm.client import Client
+    from kvshm.errors import KvshmError
+    from kvshm.zmq_ctrl.protocol import Op
+
+    class Keep(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.records = []
+
+        def emit(self, record):
+            self.records.append(record)
+
+    keep = Keep()
+    lg = logging.getLogger("kvshm.zmq_ctrl.router")
+    lg.addHandler(keep)
+    monkeypatch.setattr(lg, "propagate", False)     # (kept here only: dropped below)
+    monkeypatch.setattr(client_mod, "PIPELINE", False)
+    ts = _ThreadServer(shm_name)
+    try:
+        keys = [b"b23-enc-%d" % i for i in range(2)]
+        ts.store.put(keys, [b"E" * 300_000, b"F" * 300_000])
+        real = ts.loop._handlers[Op.GET]
+
+        def tampered(session, req_id, body, frames, on_sent):
+            st, rb, fr = real(session, req_id, body, frames, on_sent)
+            rb["x"] = {1, 2}                    # msgpack cannot encode a set
+            return st, rb, fr
+
+        ts.loop.add_ops({Op.GET: tampered})
+        ts.start()
+        with Client(ts.address, transport="tcp", timeout=10) as c:
+            with pytest.raises(KvshmError, match="internal error"):
+                c.get_batch(keys)
+            assert c.stats()["pins"] == 0
+            assert c.get_batch(keys[:0]) == []
+        gc.collect()
+        assert any("encoding the reply" in r.getMessage() for r in keep.records)
+        assert ts.pool.num_views == 0, ts.pool.num_views
+    finally:
+        lg.removeHandler(keep)
+        keep.records.clear()
+        gc.collect()
+        ts.close()

@@ -222,6 +222,10 @@ class DispatchMixin(LoopState):
         try:
             header = encode_reply(status, req_id, rbody)
         except Exception as exc:    # a handler's reply msgpack cannot encode (a bug)
+            # (its frames, views of the pool, dropped as below: the logged traceback
+            # holds this frame, and a handler that keeps records would keep them)
+            if type(frames) is list:
+                frames.clear()
             self._reply_bug(ident, session, req_id, op, exc, on_sent, t0)
             return
         try:
