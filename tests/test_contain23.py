@@ -176,13 +176,25 @@ def test_container_client_on_the_newest_paths_sees_only_what_is_committed(monkey
             lazy.put_batch(host[:8], vals)          # allocated, copied, COMMIT held
             assert obs.stats()["pending"] >= 8
             assert p.stdin is not None and p.stdout is not None
-            p.stdin.write(b"look\n")
-            p.stdin.flush()
-            before = json.loads(TwoHosts._line(p, 60) or "{}")
+            def look() -> dict:
+                try:
+                    p.stdin.write(b"look\n")
+                    p.stdin.flush()
+                except BrokenPipeError:
+                    pass
+                line = TwoHosts._line(p, 60)
+                if not line:
+                    try:
+                        rc = p.wait(10)
+                    except subprocess.TimeoutExpired:
+                        rc = None
+                    err = p.stderr.read().decode(errors="replace") if rc is not None else ""
+                    pytest.fail(f"the container gave no answer (exit {rc}): {err[-3000:]}")
+                return json.loads(line)
+
+            before = look()
             lazy.flush()
-            p.stdin.write(b"look\n")
-            p.stdin.flush()
-            after = json.loads(TwoHosts._line(p, 60) or "{}")
+            after = look()
             p.stdin.close()
             assert p.wait(30) == 0, p.stderr.read() if p.stderr else ""
         finally:

@@ -115,11 +115,18 @@ def test_cut_leaves_a_new_connection_on_the_old_fd_number_alone() -> None:
         socks += [a_cli, a_srv]
         fd = a_srv.fileno()
         _queue_stuck_reply(loop, b"A" * 16, _Frame(fd, ""))
-        # A goes; its fd number is the lowest free one, the next accept gets it
+        # A goes and B's connection comes on A's old fd number. (Not by closing A and
+        # accepting B: the lowest free number is not A's when another thread of this
+        # process opened a descriptor meanwhile, as a zmq context left by an earlier test
+        # can; dup2 closes A's server end and puts B's there in one step.)
         a_cli.close()
-        a_srv.close()
-        b_cli, b_srv = _pair(ls, path)
-        socks += [b_cli, b_srv]
+        b_cli, b_new = _pair(ls, path)
+        socks.append(b_cli)
+        os.dup2(b_new.fileno(), fd)
+        a_srv.detach()                       # fd is B's now: A's object must not close it
+        b_new.close()
+        b_srv = socket.socket(fileno=fd)
+        socks.append(b_srv)
         assert b_srv.fileno() == fd          # B's connection holds A's old fd number
         loop._reap_sends(time.monotonic() + 10.0)   # A's reply is past its lease
         assert loop.errors.get("unread_replies") == 1
