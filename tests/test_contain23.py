@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import shlex
 import shutil
 import struct
 import subprocess
@@ -136,28 +137,30 @@ CONTAINER = """
 """
 
 
-def _container_cmd() -> list[str] | None:
+def _container_cmd(hide: str | None = None) -> list[str] | None:
     """A container sharing the host's /dev/shm: own user (root mapped to root), mount
-    (a private /tmp), pid and UTS namespaces; None where unshare cannot make it."""
+    (an empty tmpfs over ``hide``, the server's ipc directory: out of its sight), pid and
+    UTS namespaces; None where unshare cannot make it. (Not a private /tmp: the checkout
+    and its venv may lie under /tmp, as a CI clone does, and the container runs them.)"""
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         return None
+    hide_cmd = f"mount -t tmpfs none {shlex.quote(hide)} && " if hide else ""
     cmd = ["unshare", "--user", "--map-root-user", "--mount", "--uts", "--pid", "--fork",
            "--mount-proc", "sh", "-c",
-           'mount -t tmpfs none /tmp && hostname kvshm-tenant && exec "$0" "$@"']
+           hide_cmd + 'hostname kvshm-tenant && exec "$0" "$@"']
     r = subprocess.run([*cmd, "true"], capture_output=True, timeout=30)
     return cmd if r.returncode == 0 else None
 
 
 def test_container_client_on_the_newest_paths_sees_only_what_is_committed(monkeypatch):
     """Held: a client in another container (its own user, mount, pid and UTS
-    namespaces, the host's /dev/shm; its /tmp private, so the server's ipc socket is
-    out of its sight) with inline puts, batch lookups over helper threads and pipelining
+    namespaces, the host's /dev/shm; the server's ipc directory hidden under a tmpfs, so
+    its ipc socket is out of its sight) with inline puts, batch lookups over helper threads and pipelining
     on: its own puts (inline and packed) read back; another client's write that is
     allocated and copied but not committed (lazy_commit) is a miss for it through
     exists_batch (helpers), match_prefix and get_batch_into; once committed, all three
     see it, bytes right; the server's accounting is exact after."""
-    cmd = _container_cmd()
-    if cmd is None:
+    if _container_cmd() is None:
         pytest.skip("unshare --user --mount --pid --uts is not available here (root)")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), KVSHM_INLINE_PUT="1",
                KVSHM_BATCH_READ_THREADS="2", KVSHM_PIPELINE="1")
@@ -167,7 +170,10 @@ def test_container_client_on_the_newest_paths_sees_only_what_is_committed(monkey
             Client(srv.address, lazy_commit=True) as lazy, Client(srv.address) as obs:
         host = [f"host-{i}" for i in range(40_000)]
         vals = [bytes([i + 7]) * 70_000 for i in range(8)]
-        # (the code on the command line: the container's /tmp, tmp_path's, is its own)
+        assert srv.ipc, "the server serves no ipc endpoint to hide"
+        cmd = _container_cmd(os.path.dirname(srv.ipc.removeprefix("ipc://")))
+        assert cmd is not None
+        # (the code on the command line: nothing of tmp_path's is in the container's view)
         p = subprocess.Popen([*cmd, sys.executable, "-c", textwrap.dedent(CONTAINER),
                               srv.address],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
