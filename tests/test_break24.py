@@ -1,0 +1,297 @@
+"""break24: a hostile review of the batch put path (install_entries with publish_runs and
+one free_runs, ``KVSHM_INSTALL_RUNS``) against the lists path it replaced: the same key
+twice or more in one PUT or COMMIT batch, old values pinned, checksummed, over several
+runs, a batch mixing plain and non-plain entries, a batch that grows the shared table
+mid-publish; store accounting, free blocks, entries, values and the table's bytes must
+be the same either way."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvshm import _index
+
+import test_batchp
+from test_batchp import BLOCKS, BS, Twin
+
+
+def _both(shm_name: str, tag: str) -> tuple[Twin, Twin]:
+    return Twin(shm_name + f"-{tag}r", False), Twin(shm_name + f"-{tag}l", False)
+
+
+def _run(a: Twin, b: Twin, monkeypatch: Any, fn: Any) -> list[Any]:
+    """``fn(twin)`` on the runs twin (INSTALL_RUNS) and on the lists twin; their returns."""
+    out = []
+    for t, runs in ((a, True), (b, False)):
+        monkeypatch.setattr(_index, "INSTALL_RUNS", runs)
+        out.append(fn(t))
+    monkeypatch.setattr(_index, "INSTALL_RUNS", True)
+    return out
+
+
+def _check(a: Twin, b: Twin) -> None:
+    sa, sb = a.state(), b.state()
+    for k in sa:
+        assert sa[k] == sb[k], k
+    for t in (a, b):
+        st = t.store.stats(verify=True)
+        assert st["accounting_ok"], st
+
+
+def _read(t: Twin, key: bytes) -> bytes:
+    e = t.store.index.get(key)
+    return b"".join(t.store.pool.read_bytes(o, k) for o, k in e.byte_extents(BS))
+
+
+def _drain(a: Twin, b: Twin) -> None:
+    """Every key deleted: every block free again, on both."""
+    for t in (a, b):
+        t.store.delete(sorted(e.key for e in t.store.index.lru()))
+        st = t.store.stats(verify=True)
+        assert st["accounting_ok"], st
+        assert st["free_blocks"] == st["num_blocks"], st
+        assert st["dead"] == 0 and st["num_keys"] == 0, st
+
+
+def test_put_same_key_twice_in_a_batch_old_pinned(shm_name, monkeypatch):
+    # a PUT batch naming a key two and three times (the last value wins), some of them
+    # over a pinned old value, some new keys twice: the runs and the lists agree, the
+    # last copy is what readers see, the middle copies' blocks go back
+    a, b = _both(shm_name, "d")
+    try:
+        base = [b"k%d" % i for i in range(6)]
+        _run(a, b, monkeypatch, lambda t: t.store.put(base, [b"0" * (i * 1500)
+                                                           for i in range(6)]))
+        _run(a, b, monkeypatch, lambda t: t.store.lookup(b"s", 1, [b"k1", b"k2"]))
+        keys = [b"k1", b"k1", b"k2", b"k3", b"k3", b"k3", b"n7", b"n7", b"k4"]
+        vals = [bytes([65 + i]) * (BS * (i % 3) + 10 * i) for i in range(len(keys))]
+        sts = _run(a, b, monkeypatch, lambda t: t.store.put(keys, vals))
+        assert sts[0] == sts[1] and all(s == 0 for s in sts[0]), set(sts[0])
+        _check(a, b)
+        for t in (a, b):
+            for k in set(keys):
+                want = vals[len(keys) - 1 - keys[::-1].index(k)]
+                assert _read(t, k) == want, k
+        _run(a, b, monkeypatch, lambda t: t.store.release(b"s", [1]))
+        _check(a, b)
+        _drain(a, b)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_put_batch_mixed_sums_several_runs_and_duplicates(shm_name, monkeypatch):
+    # the pool fragmented so a value must lie over several runs; a batch mixing plain
+    # values, checksummed ones and a several-run one, a key twice among them, over old
+    # values that themselves lie over several runs
+    a, b = _both(shm_name, "m")
+    try:
+        fill = [b"f%03d" % i for i in range(BLOCKS)]
+        _run(a, b, monkeypatch, lambda t: t.store.put(fill, [b"x" * 100] * BLOCKS))
+        holes = fill[::4][:40]
+        _run(a, b, monkeypatch, lambda t: t.store.delete(holes))
+        # a three-block value: no three free blocks in a row, so several runs
+        _run(a, b, monkeypatch, lambda t: t.store.put([b"w0", b"w1"],
+                                                      [b"W" * (3 * BS), b"V" * (2 * BS)]))
+        for t in (a, b):
+            assert t.store.index.get(b"w0").nruns > 1
+        keys = [b"w0", b"f001", b"w0", b"f002", b"w1", b"f001", b"z9"]
+        vals = [bytes([97 + i]) * (BS // 2 + i) for i in range(len(keys))]
+        vals[2] = b"Q" * (2 * BS + 5)
+        sums = [None, 7, None, 9, None, None, 3]
+        sts = _run(a, b, monkeypatch, lambda t: t.store.put(keys, vals, sums))
+        assert sts[0] == sts[1] and all(s == 0 for s in sts[0]), set(sts[0])
+        _check(a, b)
+        for t in (a, b):
+            assert _read(t, b"w0") == vals[2]
+            assert _read(t, b"f001") == vals[5]
+            assert t.store.index.get(b"f001").checksum is None
+            assert t.store.index.get(b"f002").checksum == 9
+        _drain(a, b)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_commit_same_key_twice_in_one_grant(shm_name, monkeypatch):
+    # ALLOC naming a key twice (and an old key, pinned), its bytes written, COMMIT: the
+    # runs and the lists agree, the later copy wins, nothing leaks after the release
+    a, b = _both(shm_name, "c")
+    try:
+        _run(a, b, monkeypatch, lambda t: t.store.put([b"a", b"b"], [b"1" * 5000, b"2"]))
+        _run(a, b, monkeypatch, lambda t: t.store.lookup(b"r", 1, [b"a"]))
+        keys = [b"a", b"c", b"a", b"b", b"c", b"b"]
+        sizes = [100 + 3000 * i for i in range(len(keys))]
+
+        def write(t: Twin) -> Any:
+            offs, sts = t.store.alloc_entries(b"w", 5, keys, sizes)
+            assert all(s == 0 for s in sts), sts
+            for i, o in enumerate(offs):
+                t.store.pool.write_many([o], [bytes([48 + i]) * sizes[i]])
+            return t.store.commit(b"w", [5])
+
+        assert _run(a, b, monkeypatch, write) == [[], []]
+        _check(a, b)
+        for t in (a, b):
+            assert _read(t, b"a") == b"2" * sizes[2]
+            assert _read(t, b"b") == b"5" * sizes[5]
+            assert _read(t, b"c") == b"4" * sizes[4]
+        _run(a, b, monkeypatch, lambda t: t.store.release(b"r", [1]))
+        _check(a, b)
+        _drain(a, b)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_put_batch_grows_the_table_mid_publish(shm_name, monkeypatch):
+    # one batch of more keys than the table's first size holds (it grows while
+    # publishing), with duplicates, then a batch overwriting most of them (duplicates
+    # again) as it grows once more: the same table bytes and accounting either way
+    monkeypatch.setattr(test_batchp, "BLOCKS", 8192)
+    a, b = _both(shm_name, "g")
+    try:
+        first = a.writer.stats()["slots"]
+        n = 3000
+        keys = [b"g%05d" % (i % (n - 200)) for i in range(n)]
+        vals = [bytes([i % 251]) * (i % 300) for i in range(n)]
+        _run(a, b, monkeypatch, lambda t: t.store.put(keys, vals))
+        _check(a, b)
+        keys2 = [b"g%05d" % (i * 7 % 5000) for i in range(5000)]
+        vals2 = [bytes([i % 13]) * (i % 500 + 1) for i in range(5000)]
+        sts = _run(a, b, monkeypatch, lambda t: t.store.put(keys2, vals2))
+        assert sts[0] == sts[1] and all(s == 0 for s in sts[0]), set(sts[0])
+        _check(a, b)
+        assert a.writer.stats()["slots"] > first
+        _drain(a, b)
+    finally:
+        a.close()
+        b.close()
+
+
+# --- connections without HELLO cut (kvshm/zmq_ctrl/admission.py) ---
+
+class _Proxy:
+    """A TCP relay on a free port to ``upstream``; :meth:`cut` ends every relayed
+    connection (both ends), as a dropped link would; new ones are relayed again."""
+
+    def __init__(self, upstream: str) -> None:
+        import socket
+        import threading
+        host, port = upstream.rsplit(":", 1)
+        self.up = (host, int(port))
+        self.ls = socket.socket()
+        self.ls.bind(("127.0.0.1", 0))
+        self.ls.listen(16)
+        self.address = "127.0.0.1:%d" % self.ls.getsockname()[1]
+        self.pairs: list[Any] = []
+        self.every: list[Any] = []          # all made, closed at close()
+        self.accepted = 0
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)
+        self.threads = [threading.Thread(target=self._accept, daemon=True)]
+        self.threads[0].start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+        while True:
+            try:
+                c, _ = self.ls.accept()
+            except OSError:
+                return
+            try:
+                u = socket.create_connection(self.up)
+            except OSError:
+                c.close()
+                continue
+            with self.cond:
+                self.pairs.append((c, u))
+                self.every.append((c, u))
+                self.accepted += 1
+                self.cond.notify_all()
+            for a, b in ((c, u), (u, c)):
+                t = threading.Thread(target=self._pump, args=(a, b), daemon=True)
+                t.start()
+                self.threads.append(t)
+
+    @staticmethod
+    def _pump(a: Any, b: Any) -> None:
+        import socket
+        try:
+            while True:
+                d = a.recv(65536)
+                if not d:
+                    break
+                b.sendall(d)
+        except OSError:
+            pass
+        for s in (a, b):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def wait_accepted(self, n: int, timeout: float = 40.0) -> None:
+        with self.cond:
+            assert self.cond.wait_for(lambda: self.accepted >= n, timeout), self.accepted
+
+    def cut(self) -> None:
+        import socket
+        with self.lock:
+            pairs, self.pairs = self.pairs, []
+        for c, u in pairs:
+            for s in (c, u):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.ls.close()
+        self.cut()
+        for t in self.threads[1:]:
+            t.join(10)
+        with self.lock:
+            for c, u in self.every:
+                c.close()
+                u.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("zmtp", [True, False], ids=["zmtp", "libzmq"])
+def test_a_client_reconnected_under_its_id_and_idle_past_the_limit_is_answered(
+        zmtp, monkeypatch):
+    # a client HELLOs, its link drops (the relay cuts it), its connection is made again
+    # under the same routing id (libzmq reconnects at once; the ZMTP client when it next
+    # sends) and stays idle past --hello-timeout: its next request is answered, well
+    # within its own timeout (a cut connection would leave the request unanswered)
+    import time
+
+    import kvshm.zmq_ctrl.channel as channel
+    from kvshm import Client
+    from kvshm.security import find_token
+    from kvshm.zmq_ctrl.channel import endpoint_of
+    from servers import ServerProcess
+
+    with ServerProcess("--hello-timeout", "1") as srv:
+        px = _Proxy(srv.address)
+        monkeypatch.setattr(channel, "ZMTP", zmtp)
+        c = Client(px.address, transport="tcp", timeout=20,
+                   token=find_token(endpoint_of(srv.address)))
+        try:
+            c.put(b"k", b"v")
+            px.cut()
+            if not zmtp:
+                px.wait_accepted(2)     # libzmq's own reconnect through the relay
+            time.sleep(3.0)             # the thing tested: idle past the 1 s limit
+            t0 = time.monotonic()
+            assert c.get(b"k") == b"v"
+            assert time.monotonic() - t0 < 15.0
+            c.put(b"k2", b"v2")
+            assert c.get(b"k2") == b"v2"
+        finally:
+            c.close()
+            px.close()
