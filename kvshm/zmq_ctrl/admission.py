@@ -37,10 +37,12 @@ door-less loop gives every peer a session.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import resource
 import socket as _socket
+import stat
 import struct
 import time
 from typing import Any
@@ -105,8 +107,25 @@ def _accepted_on(fd: int, endpoint: bytes) -> bool:
     (another thread's socket: the management port's, a file, a pipe)."""
     try:
         d = os.dup(fd)
-    except OSError:
-        return False
+    except OSError as e:
+        if e.errno not in (errno.EMFILE, errno.ENFILE):
+            return False
+        # no descriptor free (the connection took the last one): its name read on
+        # ``fd`` itself, never closed here (a read only; a number given to another
+        # socket meanwhile answers for that socket, as the dup would have)
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                return False
+            s = _socket.socket(fileno=fd)
+        except OSError:
+            return False
+        try:
+            fam, name = s.family, s.getsockname()
+        except OSError:
+            return False
+        finally:
+            s.detach()
+        return _names(fam, name, endpoint)
     try:
         s = _socket.socket(fileno=d)
     except OSError:
@@ -118,6 +137,11 @@ def _accepted_on(fd: int, endpoint: bytes) -> bool:
         return False
     finally:
         s.close()
+    return _names(fam, name, endpoint)
+
+
+def _names(fam: int, name: Any, endpoint: bytes) -> bool:
+    """Whether a socket of family ``fam`` named ``name`` is one accepted on ``endpoint``."""
     ep = endpoint.decode(errors="replace")
     if ep.startswith("tcp://"):
         return (fam in (_socket.AF_INET, _socket.AF_INET6) and isinstance(name, tuple)
