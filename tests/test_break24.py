@@ -457,3 +457,45 @@ def test_a_silent_connection_whose_time_is_up_while_no_descriptor_is_free_is_cut
                 first.close()
         finally:
             c.close()
+
+
+def test_pack_fixints_is_msgpacks_bytes_or_declines():
+    # a reply's statuses packed in C: msgpack's own bytes for ints 0..127 and int
+    # subclasses (IntEnum members, one overriding __index__/__int__: by its value, as
+    # msgpack), None (msgpack packs it) for bools, 128, negatives, huge ints, a
+    # non-int claiming int as its __class__, bounds out of range; never an error
+    import enum
+
+    import msgpack
+
+    from kvshm._batch import pack_fixints
+
+    class E(enum.IntEnum):
+        A = 0
+        B = 127
+        C = 128
+
+    class Idx(int):
+        def __index__(self) -> int:
+            return 5
+
+        def __int__(self) -> int:
+            return 6
+
+    class Fake:
+        __class__ = property(lambda s: int)     # type: ignore[assignment]
+
+    cases: list[list[Any]] = [[0, 1, 127], [E.A, E.B], [Idx(7), 3], [E.C], [True],
+                              [0, False], [-1], [1 << 70], [Fake()], [1.0], [None], []]
+    for v in cases:
+        got = pack_fixints(v, 0, len(v))
+        ok = all(type(x) is not bool and int in type(x).__mro__
+                 and 0 <= int.__int__(x) <= 127 for x in v)
+        if ok:
+            assert got == msgpack.packb(v)[1:], v
+        else:
+            assert got is None, v
+    v = [1, 2, 3]
+    assert pack_fixints(v, 1, 3) == b"\x02\x03"
+    for a, b in ((-1, 2), (2, 1), (0, 4)):
+        assert pack_fixints(v, a, b) is None
