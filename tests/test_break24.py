@@ -499,3 +499,50 @@ def test_pack_fixints_is_msgpacks_bytes_or_declines():
     assert pack_fixints(v, 1, 3) == b"\x02\x03"
     for a, b in ((-1, 2), (2, 1), (0, 4)):
         assert pack_fixints(v, a, b) is None
+
+
+def test_ssd_tier_grant_naming_a_spilled_key_twice(shm_name, tmp_path):
+    # a small pool over an SSD tier: keys spilled (below only, or both), then one ALLOC
+    # grant naming a spilled key twice and a new key twice, committed: each key reads
+    # its last copy, both accountings hold, every block and SSD slot comes back after
+    import time
+
+    from test_ssd import Tiered, runs_of
+
+    t = Tiered(shm_name, str(tmp_path / "ssd"), pool_blocks=16, ssd_blocks=128,
+               queue_blocks=4, clean_blocks=4)
+    try:
+        for i in range(40):
+            t.put(b"s%02d" % i, bytes([i]) * (BS + i))
+        t.check()
+        keys = [b"s00", b"n1", b"s00", b"s01", b"n1"]
+        vals = [bytes([200 + i]) * (BS // 2 + 7 * i) for i in range(len(keys))]
+        t.rid += 1
+        r = None
+        end = time.monotonic() + 30
+        while r is None:
+            r = t.store.alloc_entries(b"w", t.rid, keys, [len(v) for v in vals], defer=True)
+            if r is None:
+                assert time.monotonic() < end
+                t.woke.wait(0.5)
+                t.woke.clear()
+                t.store.service()
+        offsets, st = r
+        assert all(s == 0 for s in st), st
+        for o, v in zip(offsets, vals):
+            pos = 0
+            for off, n in runs_of(o, len(v)):
+                t.pool.write(off, v[pos:pos + n])
+                pos += n
+        assert t.store.commit(b"w", [t.rid]) == []
+        t.check()
+        assert t.get(b"s00") == vals[2]
+        assert t.get(b"n1") == vals[4]
+        assert t.get(b"s01") == vals[3]
+        assert t.get(b"s05") == bytes([5]) * (BS + 5)
+        t.check()
+        t.store.delete([e.key for e in t.store.index.lru()])
+        s = t.check()
+        assert s["num_keys"] == 0 and s["free_blocks"] == s["num_blocks"], s
+    finally:
+        t.close()
