@@ -402,13 +402,14 @@ def test_a_silent_connection_taking_the_last_descriptor_is_still_cut():
             c.close()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+@pytest.mark.xfail(strict=True, raises=(AssertionError, ConnectionRefusedError), reason=(
     "shut_conn dup(2)s the fd to check its inode and shut it down; with no descriptor "
     "free (EMFILE) it answers False and _cut_unadmitted has already dropped the entry: "
     "the silent connection is never cut. A fix without the dup (fstat, then shutdown on "
     "the number itself) opens a window where libzmq closes the fd and another thread's "
     "socket takes the number; re-queueing the entry on EMFILE changes shut_conn's "
-    "interface: left to the owner"))
+    "interface: left to the owner. Some runs the server aborts instead, libzmq's "
+    "ipc_listener.cpp:297 'Too many open files' (see the next test): ConnectionRefused"))
 @pytest.mark.timeout(120)
 def test_a_silent_connection_whose_time_is_up_while_no_descriptor_is_free_is_cut_later():
     # the server one descriptor short of its limit while a silent peer's hello-timeout
@@ -546,3 +547,40 @@ def test_ssd_tier_grant_naming_a_spilled_key_twice(shm_name, tmp_path):
         assert s["num_keys"] == 0 and s["free_blocks"] == s["num_blocks"], s
     finally:
         t.close()
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "libzmq's ipc listener asserts on EMFILE from accept(2) (src/ipc_listener.cpp:297 "
+    "'Too many open files', abort): a connection to the server's ipc endpoint while it "
+    "has no descriptor free kills the server (its tcp listener only retries). Not "
+    "kvshm's code; a fix (a reserve descriptor, or no ipc listener near the limit) "
+    "is a design choice left to the owner"))
+@pytest.mark.timeout(120)
+def test_an_ipc_connect_while_no_descriptor_is_free_leaves_the_server_up():
+    import resource
+    import socket
+    import time
+
+    from servers import ServerProcess
+
+    with ServerProcess("--hello-timeout", "1") as srv:
+        assert srv.ipc, srv.ready_line
+        pid = srv.proc.pid
+        old = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+        s = socket.socket(socket.AF_UNIX)
+        try:
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, (_nfds(pid), old[1]))
+            s.connect(srv.ipc[len("ipc://"):] if srv.ipc.startswith("ipc://") else srv.ipc)
+            try:        # the server's end: closed when it aborts, else nothing comes
+                s.settimeout(2.0)
+                s.recv(1)
+            except (TimeoutError, OSError):
+                pass
+        finally:
+            s.close()
+            if srv.proc.poll() is None:
+                resource.prlimit(pid, resource.RLIMIT_NOFILE, old)
+        end = time.monotonic() + 5
+        while srv.proc.poll() is None and time.monotonic() < end:
+            time.sleep(0.1)     # a bounded look for an abort; the server stays up
+        assert srv.proc.poll() is None, (srv.proc.returncode, srv.stderr_text[-300:])
