@@ -584,3 +584,53 @@ def test_an_ipc_connect_while_no_descriptor_is_free_leaves_the_server_up():
         while srv.proc.poll() is None and time.monotonic() < end:
             time.sleep(0.1)     # a bounded look for an abort; the server stays up
         assert srv.proc.poll() is None, (srv.proc.returncode, srv.stderr_text[-300:])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("zmtp", [True, False], ids=["zmtp", "libzmq"])
+def test_a_raw_peer_spoofing_a_clients_routing_id_never_gets_it_cut(zmtp, monkeypatch):
+    # a raw peer opens connections under a connected client's routing id (the server
+    # does not hand an id over, ROUTER_HANDOVER off) and says nothing, then a burst of
+    # silent peers past --max-unadmitted: the client, idle past --hello-timeout through
+    # it all, is answered on its connection (no reconnect for the ZMTP client)
+    import kvshm.zmq_ctrl.channel as channel
+    from kvshm import Client
+    from servers import ServerProcess
+    from test_idlecut import peer
+
+    with ServerProcess("--hello-timeout", "1", "--max-unadmitted", "4") as srv:
+        monkeypatch.setattr(channel, "ZMTP", zmtp)
+        c = Client(srv.address, transport="tcp", timeout=20)
+        try:
+            c.put(b"k", b"v")
+            rid = c._chan.routing_id
+            spoof = []
+            for _ in range(3):
+                try:
+                    spoof.append(peer(srv.address, identity=rid))
+                except (EOFError, OSError):
+                    pass                # refused at once: the id is held
+            burst = []
+            try:
+                for _ in range(12):
+                    try:
+                        burst.append(peer(srv.address))
+                    except (EOFError, OSError):
+                        pass
+                canary = peer(srv.address)
+                try:
+                    canary.settimeout(40)
+                    try:
+                        assert canary.recv(1) == b""
+                    except ConnectionResetError:
+                        pass
+                finally:
+                    canary.close()
+            finally:
+                for s in spoof + burst:
+                    s.close()
+            assert c.get(b"k") == b"v"
+            if zmtp:
+                assert c._chan.reconnects == 0
+        finally:
+            c.close()
