@@ -458,6 +458,8 @@ def test_a_silent_connection_whose_time_is_up_while_no_descriptor_is_free_is_cut
                 first.close()
         finally:
             c.close()
+            if srv.proc.poll() is not None:
+                srv.kill()              # aborted (see the next test): pipes collected
 
 
 def test_pack_fixints_is_msgpacks_bytes_or_declines():
@@ -583,7 +585,11 @@ def test_an_ipc_connect_while_no_descriptor_is_free_leaves_the_server_up():
         end = time.monotonic() + 5
         while srv.proc.poll() is None and time.monotonic() < end:
             time.sleep(0.1)     # a bounded look for an abort; the server stays up
-        assert srv.proc.poll() is None, (srv.proc.returncode, srv.stderr_text[-300:])
+        try:
+            assert srv.proc.poll() is None, (srv.proc.returncode, srv.stderr_text[-300:])
+        finally:
+            if srv.proc.poll() is not None:
+                srv.kill()              # a dead server's pipes collected
 
 
 @pytest.mark.timeout(120)
