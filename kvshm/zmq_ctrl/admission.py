@@ -37,7 +37,6 @@ door-less loop gives every peer a session.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import resource
@@ -105,38 +104,21 @@ def _accepted_on(fd: int, endpoint: bytes) -> bool:
     """Whether ``fd`` is a socket accepted on ``endpoint`` (the monitor event's: tcp by
     its local port, ipc by its path), not something else that got the number since
     (another thread's socket: the management port's, a file, a pipe)."""
+    # read on ``fd`` itself, never closed here (no dup: it needs a free descriptor, and
+    # the connection may have taken the last one); a number given to another socket
+    # meanwhile answers for that socket
     try:
-        d = os.dup(fd)
-    except OSError as e:
-        if e.errno not in (errno.EMFILE, errno.ENFILE):
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
             return False
-        # no descriptor free (the connection took the last one): its name read on
-        # ``fd`` itself, never closed here (a read only; a number given to another
-        # socket meanwhile answers for that socket, as the dup would have)
-        try:
-            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
-                return False
-            s = _socket.socket(fileno=fd)
-        except OSError:
-            return False
-        try:
-            fam, name = s.family, s.getsockname()
-        except OSError:
-            return False
-        finally:
-            s.detach()
-        return _names(fam, name, endpoint)
-    try:
-        s = _socket.socket(fileno=d)
+        s = _socket.socket(fileno=fd)
     except OSError:
-        os.close(d)
         return False
     try:
         fam, name = s.family, s.getsockname()
     except OSError:
         return False
     finally:
-        s.close()
+        s.detach()
     return _names(fam, name, endpoint)
 
 
