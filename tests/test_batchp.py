@@ -602,6 +602,75 @@ def test_unpack_hands_odd_sizes_to_the_slow_path():
         assert _batch.unpack([b"abc"], [2], [1, bad], slow) == "slow", bad
 
 
+class _CountingList(list):
+    """A grant's entries list that counts the items its slicing copies and its slice
+    deletions shift (the work :meth:`Store.settle_some` does on it)."""
+
+    work = 0
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            _CountingList.work += len(range(*i.indices(len(self))))
+        return super().__getitem__(i)
+
+    def __delitem__(self, i: Any) -> None:
+        if isinstance(i, slice):
+            a, b, _ = i.indices(len(self))
+            _CountingList.work += len(self) - max(a, b)     # the items after it shift
+        super().__delitem__(i)
+
+
+@pytest.mark.parametrize("how", ["commit", "abort", "release"])
+def test_settle_some_of_a_large_grant_in_small_parts_is_linear(shm_name, how):
+    # a grant of N entries settled one entry at a time (the router's slices of a COMMIT
+    # or RELEASE of a large grant): each entry is copied or moved a bounded number of
+    # times in all (``del entries[:n]`` moved the rest each time: N**2 / 2), and the
+    # grant ends as one commit / abort / release of it would leave it
+    n = 3000
+    pool = Pool.create(shm_name, n * BS, BS)
+    try:
+        store = Store(pool, StoreConfig(limits=Limits(max_key_bytes=200,
+                                                      max_batch=100_000)))
+        keys = [b"L%05d" % i for i in range(n)]
+        sess = store.session_for(b"client")
+        if how == "release":
+            assert store.put(keys, [b"v%05d" % i for i in range(n)]) == [0] * n
+            offsets, sizes, _ = store.lookup(sess, 5, keys)
+            assert all(s == 6 for s in sizes)
+        else:
+            offsets, st = store.alloc_entries(sess, 5, keys, [6] * n)
+            assert st == [0] * n
+            for i, o in enumerate(offsets):
+                pool.write(o, b"v%05d" % i)
+        g = sess.grants[5]
+        g.entries = _CountingList(g.entries)
+        _CountingList.work = 0
+        for k in range(n):
+            assert store.grant_entries(sess, [5]) == n - k
+            assert store.settle_some(sess, 5, how, 1) == 1
+        assert 5 not in sess.grants
+        assert store.settle_some(sess, 5, how, 1) == -1
+        assert _CountingList.work <= 3 * n, _CountingList.work
+        st = store.stats(verify=True)
+        assert st["accounting_ok"], st
+        assert st["grants"] == 0 and sess.quota.pending == sess.quota.pinned == 0
+        assert store._pending == 0
+        if how == "abort":
+            assert st["num_keys"] == 0 and st["free_blocks"] == n, st
+        else:
+            assert st["num_keys"] == n, st
+            assert all(e.pins == 0 for e in store.index.lru())
+            for i in (0, 1, n // 2, n - 1):
+                e = store.index.get(keys[i])
+                assert pool.read_bytes(e.start * BS, 6) == b"v%05d" % i
+            if how == "commit":
+                assert store.counters["puts"] == n
+                assert store.counters["bytes_in"] == 6 * n
+    finally:
+        pool.close()
+        pool.unlink()
+
+
 def test_settle_some_in_parts_counts_what_one_commit_counts(shm_name):
     # a large ALLOC grant committed in parts (settle_some, the router's slices; its
     # blocks and bytes summed in C) leaves the same counters, quota and pending counts,

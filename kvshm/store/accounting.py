@@ -100,7 +100,7 @@ class _Accounting:
             blocks = sum(e.nblocks for e in self.index.lru())
             blocks += sum(e.nblocks for sess in self._sessions.values()
                           for g in sess.grants.values() if g.kind == _ALLOC
-                          for e in g.entries)
+                          for e in g.entries[g.done:])
             blocks += sum(e.nblocks for e in self._dead)
             blocks += sum(p.entry.nblocks for p in self._promoting.values())
             if self.reservations is not None:

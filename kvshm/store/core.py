@@ -172,7 +172,7 @@ class Store(_Sessions, _Space, _Tiered, _Accounting, _Reserving):
                 continue
             self._settle(g, commit=True)
             self.counters["commits"] += 1
-            self.counters["puts"] += len(g.entries)
+            self.counters["puts"] += g.count()
             self.counters["bytes_in"] += g.nbytes
         return failed
 

@@ -44,8 +44,12 @@ _PIN = 1
 
 
 class _Grant:
+    """One grant: ``entries[done:]`` are the entries it still holds (the first ``done``
+    were settled by :meth:`_Sessions.settle_some`, which compacts the list once they are
+    half of it, so settling a grant in many small parts moves each entry O(1) times)."""
+
     __slots__ = ("kind", "session", "rid", "entries", "deadline", "nbytes", "nblocks",
-                 "held")
+                 "held", "done")
 
     def __init__(self, kind: int, session: "Session", rid: int, entries: list[Entry],
                  deadline: float, nbytes: int, nblocks: int) -> None:
@@ -58,6 +62,18 @@ class _Grant:
         self.nbytes = nbytes        # value bytes (counters)
         self.nblocks = nblocks      # blocks held (limits)
         self.held = False        # lease ran out, but its live client may still copy
+        self.done = 0            # entries at the front settled already (settle_some)
+
+    def count(self) -> int:
+        """The entries it still holds."""
+        return len(self.entries) - self.done
+
+    def rest(self) -> list[Entry]:
+        """The entries it still holds, as its list (the settled ones dropped first)."""
+        if self.done:
+            del self.entries[:self.done]
+            self.done = 0
+        return self.entries
 
 
 class _Quota:
@@ -169,17 +185,18 @@ class _Sessions:
         if g.held:
             self._held -= 1
         q = session.quota
+        entries = g.rest()
         if g.kind == _ALLOC:
             q.pending -= g.nblocks
-            self._pending -= len(g.entries)
+            self._pending -= len(entries)
             if commit:
                 self.index.sync()   # lock-free reads recorded before this write go first
-                _index.install_entries(self, g.entries)
+                _index.install_entries(self, entries)
             else:
-                _index.free_entries(self, g.entries)
+                _index.free_entries(self, entries)
         else:
             q.pinned -= g.nblocks
-            _index.unpin_entries(self, g.entries)
+            _index.unpin_entries(self, entries)
 
     def grant_entries(self, session: Session, req_ids: Sequence[int]) -> int:
         """Entries held by the grants ``req_ids`` of ``session`` (what settling them
@@ -189,7 +206,7 @@ class _Sessions:
         for rid in req_ids:
             g = grants.get(rid)
             if g is not None:
-                n += len(g.entries)
+                n += g.count()
         return n
 
     def settle_some(self, session: Session, req_id: int, how: str, n: int) -> int:
@@ -198,12 +215,15 @@ class _Sessions:
         last entries settle it as :meth:`commit` / :meth:`abort` / :meth:`release` would
         (same counters); until then it stays, smaller, with its lease started again.
         Returns the entries settled, -1 when there is no such grant (a COMMIT of it
-        failed)."""
+        failed). Linear in ``n`` (amortized), however many parts a grant is settled in.
+        Raises ValueError for ``n`` < 0."""
+        if n < 0:
+            raise ValueError(f"settle_some: n must be >= 0, got {n!r}")
         g = session.grants.get(req_id)
         kind = _PIN if how == "release" else _ALLOC
         if g is None or g.kind != kind:
             return -1
-        k = len(g.entries)
+        k = g.count()
         if k <= n:
             if how == "commit":
                 self.commit(session, [req_id])      # type: ignore[attr-defined]
@@ -212,8 +232,15 @@ class _Sessions:
             else:
                 self.release(session, [req_id])     # type: ignore[attr-defined]
             return k
-        part = g.entries[:n]
-        del g.entries[:n]
+        d = g.done
+        part = g.entries[d:d + n]
+        d += n
+        if 2 * d >= len(g.entries):
+            # compact once the settled front is half the list: the entries moved are
+            # fewer than those settled since the last compaction (amortized O(1) each)
+            del g.entries[:d]
+            d = 0
+        g.done = d
         nblocks, nbytes = _index.sum_blocks_bytes(part)     # (one C loop, not n steps)
         g.nblocks -= nblocks
         g.nbytes -= nbytes
@@ -376,7 +403,7 @@ class _Sessions:
                         self._held += 1
                         log.warning("lease expired for %d entries of live client %s: held, "
                                     "not reused, until it settles them or exits",
-                                    len(g.entries), sess.label or sess.id)
+                                    g.count(), sess.label or sess.id)
                     g.deadline = now + self.config.lease_timeout    # look again later
                     leases.append((g.deadline, g))
                 else:
@@ -392,9 +419,9 @@ class _Sessions:
             self._count_reclaim(g)
             if g.kind == _ALLOC:
                 log.warning("lease expired: pending write of %d entries from %s reclaimed",
-                            len(g.entries), sess.label or sess.id)
+                            g.count(), sess.label or sess.id)
             else:
-                log.info("lease expired: %d pins of %s dropped", len(g.entries),
+                log.info("lease expired: %d pins of %s dropped", g.count(),
                          sess.label or sess.id)
             self._settle(g, commit=False)
         return None
