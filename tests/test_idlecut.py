@@ -417,6 +417,86 @@ def test_a_reused_fd_number_is_never_cut_for_the_connection_that_had_it():
         new_peer.close()
 
 
+class _NoFreeDescriptor:
+    """While entered, this process has no descriptor free: the soft RLIMIT_NOFILE just
+    above the highest open fd, every number below it taken by /dev/null (dup(2) then
+    fails with EMFILE). Restored on exit."""
+
+    def __enter__(self) -> "_NoFreeDescriptor":
+        import resource
+
+        self.old = resource.getrlimit(resource.RLIMIT_NOFILE)
+        self.fill: list[int] = []
+        top = max(int(x) for x in os.listdir("/proc/self/fd"))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (top + 8, self.old[1]))
+        try:
+            while True:
+                self.fill.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
+        except OSError:
+            pass
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import resource
+
+        for fd in self.fill:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, self.old)
+
+
+def test_a_connection_due_while_no_descriptor_is_free_stays_held_and_is_cut_later():
+    """A held connection whose time is up while the process has no descriptor free
+    (shut_conn's dup fails with EMFILE: it cannot be told whether the fd is still that
+    connection): not dropped, nothing shut down; held first in line, due a moment later;
+    cut at the next timer once a descriptor is free (counted once). The bound's cut
+    likewise leaves the oldest held for the timer."""
+    from kvshm.zmq_ctrl import sends
+
+    loop = _Loop()
+    a, b = _pair()
+    c, d = _pair()
+    try:
+        for s in (a, c):
+            st = os.fstat(s.fileno())
+            loop._unadmitted[s.fileno()] = (st.st_dev, st.st_ino, 0.0)   # due long ago
+        with _NoFreeDescriptor():
+            assert sends.shut_conn((a.fileno(), *loop._unadmitted[a.fileno()][:2])) \
+                == sends.UNTOLD
+            now = time.monotonic()
+            loop._cut_unadmitted(now)
+            assert list(loop._unadmitted) == [a.fileno(), c.fileno()]
+            assert loop._unadmitted[a.fileno()][2] > now
+            assert loop._admission_deadline() == loop._unadmitted[a.fileno()][2]
+            loop._cut_unadmitted(now + 3600)        # still none free: held again
+            assert list(loop._unadmitted) == [a.fileno(), c.fileno()]
+        assert _alive(a, b) and _alive(c, d)
+        assert "unadmitted_cut" not in loop.errors
+        loop._cut_unadmitted(loop._admission_deadline())
+        assert not loop._unadmitted
+        assert b.recv(1) == b"" and d.recv(1) == b""
+        assert loop.errors["unadmitted_cut"] == 2
+        # over the bound with no descriptor free: the oldest held, for the timer
+        loop.max_unadmitted = 1
+        e, f = _pair()
+        g, h = _pair()
+        try:
+            with _NoFreeDescriptor():
+                for s in (e, g):
+                    loop._monitor.put(zmq.EVENT_ACCEPTED, s.fileno())
+                loop._on_monitor()
+                assert list(loop._unadmitted) == [e.fileno(), g.fileno()]
+            assert _alive(e, f)
+            loop._cut_unadmitted(loop._admission_deadline())
+            assert f.recv(1) == b""
+            assert list(loop._unadmitted) == [g.fileno()] and _alive(g, h)
+        finally:
+            for s in (e, f, g, h):
+                s.close()
+    finally:
+        for s in (a, b, c, d):
+            s.close()
+
+
 def test_events_read_late_never_hold_an_admitted_connection_on_a_reused_number():
     """The old connection's DISCONNECTED and the new one's ACCEPTED are read after the
     new one's HELLO was served (same fd number): the new one is not held (so never

@@ -23,7 +23,9 @@ cannot use up the descriptors before the timer fires. A connection is named by
 ``(fd, st_dev, st_ino)``, as :func:`~kvshm.zmq_ctrl.sends.conn_of` names it: the fd
 number alone is not a connection (the kernel gives it to the next socket once libzmq
 closed it), so a connection is shut down only while its fd still names the same socket
-(:func:`shut_conn`), and an ACCEPTED event read after its connection ended is not held
+(:func:`~kvshm.zmq_ctrl.sends.shut_conn`, on a dup of the fd; when no descriptor is
+free for that dup, the connection stays held and is checked again
+:data:`UNTOLD_RETRY_S` later, first in line), and an ACCEPTED event read after its connection ended is not held
 when the number names a socket not accepted on that event's endpoint by then
 (:func:`_accepted_on`: another thread's socket, the management port's). Counted in ``errors``: ``unadmitted_cut`` (timer),
 ``unadmitted_bound`` (over the bound).
@@ -49,7 +51,9 @@ from typing import Any
 import zmq
 
 from kvshm.zmq_ctrl.loopstate import LoopState
-from kvshm.zmq_ctrl.sends import conn_of
+from kvshm.zmq_ctrl.sends import SHUT, UNTOLD, conn_of, shut_conn
+
+__all__ = ["AdmissionMixin", "shut_conn", "HELLO_TIMEOUT_S", "MAX_UNADMITTED"]
 
 log = logging.getLogger("kvshm.zmq_ctrl.router")
 
@@ -68,36 +72,9 @@ _HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILE
                      | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 _EV = struct.Struct("=HI")
 
-
-def shut_conn(conn: tuple[int, int, int] | None) -> bool:
-    """Shut down (``SHUT_RDWR``) the socket ``conn`` names, ``(fd, st_dev, st_ino)``, if
-    its fd still names that socket (a socket's inode is not reused while it is open);
-    libzmq then sees the end and closes it. Returns True when shut down; False when the
-    fd is closed, names another socket or file now, or ``conn`` is None. Never raises."""
-    if conn is None:
-        return False
-    fd, dev, ino = conn
-    try:
-        d = os.dup(fd)
-    except OSError:
-        return False                        # closed by now
-    try:
-        s = _socket.socket(fileno=d)
-    except OSError:                         # not a socket now (a file, a pipe, an
-        os.close(d)                         # eventfd got the number): the dup goes
-        return False
-    try:
-        st = os.fstat(s.fileno())
-        if (st.st_dev, st.st_ino) != (dev, ino):
-            return False
-        if s.family not in (_socket.AF_INET, _socket.AF_INET6, _socket.AF_UNIX):
-            return False
-        s.shutdown(_socket.SHUT_RDWR)
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
+#: Seconds until a connection to be shut down is checked again when no descriptor was
+#: free for the check (:data:`~kvshm.zmq_ctrl.sends.UNTOLD`): it stays held meanwhile.
+UNTOLD_RETRY_S = 0.25
 
 
 def _accepted_on(fd: int, endpoint: bytes) -> bool:
@@ -250,10 +227,23 @@ class AdmissionMixin(LoopState):
             bound = self._unadmitted_bound()
             while len(pending) > bound:
                 fd, (dev, ino, _) = pending.popitem(last=False)
+                got = shut_conn((fd, dev, ino))
+                if got == UNTOLD:           # no descriptor to check it: the timer's, soon
+                    self._hold_untold(fd, dev, ino)
+                    break
                 self._count_error("unadmitted_bound")
-                if shut_conn((fd, dev, ino)):
+                if got == SHUT:
                     log.info("connection on fd %d shut down: more than %d connections "
                              "without HELLO", fd, bound)
+
+    def _hold_untold(self, fd: int, dev: int, ino: int) -> None:
+        """A connection to be shut down that could not be checked (no descriptor free):
+        held again, first in line, due :data:`UNTOLD_RETRY_S` from now (the loop's
+        timer then asks again). Its fd, dev, ino are kept, so the check is still of the
+        connection recorded, not of whatever has the number by then."""
+        pending = self._unadmitted
+        pending[fd] = (dev, ino, time.monotonic() + UNTOLD_RETRY_S)
+        pending.move_to_end(fd, last=False)
 
     def _admit(self, src: Any) -> None:
         """The connection ``src`` (a request's header frame, or a connection
@@ -286,15 +276,26 @@ class AdmissionMixin(LoopState):
         self._admit(src)
 
     def _cut_unadmitted(self, now: float) -> None:
-        """Shut down the unadmitted connections whose time is up."""
+        """Shut down the unadmitted connections whose time is up. One that cannot be
+        checked now (no descriptor free: :data:`~kvshm.zmq_ctrl.sends.UNTOLD`) stays
+        held, first in line, and is asked about again :data:`UNTOLD_RETRY_S` later (the
+        ones behind it would find no descriptor either); counted once, when cut or
+        found gone."""
         pending = self._unadmitted
         while pending:
             fd, (dev, ino, deadline) = next(iter(pending.items()))
             if deadline > now:
                 return
             del pending[fd]
+            got = shut_conn((fd, dev, ino))
+            if got == UNTOLD:
+                self._hold_untold(fd, dev, ino)
+                log.warning("connection on fd %d: no HELLO within %g s, but no "
+                            "descriptor free to check it: tried again in %g s", fd,
+                            self.hello_timeout, UNTOLD_RETRY_S)
+                return
             self._count_error("unadmitted_cut")
-            if shut_conn((fd, dev, ino)):
+            if got == SHUT:
                 log.info("connection on fd %d shut down: no HELLO within %g s", fd,
                          self.hello_timeout)
 

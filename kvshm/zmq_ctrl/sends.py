@@ -10,8 +10,10 @@ replies are let go before its new GET is counted (:meth:`SendsMixin._settle_own_
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import socket as _socket
 import time
 from typing import Any
 
@@ -54,6 +56,60 @@ def conn_of(frame: Any) -> tuple[int, int, int] | None:
     return fd, st.st_dev, st.st_ino
 
 
+#: what :func:`shut_conn` answers: the socket was shut down
+SHUT = "shut"
+#: ... the fd is closed, or names another socket, a file or a pipe now (or no
+#: connection was named): nothing was done, nothing is to be done later
+GONE = "gone"
+#: ... no descriptor was free to check it (EMFILE, ENFILE, ENOMEM from dup(2)): nothing
+#: was done; the caller asks again later (the connection may still be the one named)
+UNTOLD = "untold"
+
+_NO_DESCRIPTOR = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
+
+
+def shut_conn(conn: tuple[int, int, int] | None) -> str:
+    """Shut down (``SHUT_RDWR``) the socket ``conn`` names, ``(fd, st_dev, st_ino)`` as
+    :func:`conn_of` took it, if its fd still names that socket (its inode, which the
+    kernel does not reuse while that socket is open); libzmq then sees the end and
+    closes it. The one check of "is this fd still the connection recorded" of the
+    loop (:meth:`SendsMixin._cut`, :mod:`kvshm.zmq_ctrl.admission`).
+
+    The check and the shutdown are made on a dup(2) of the fd, never on the number:
+    between an fstat of the number and a shutdown of it, libzmq's I/O thread may close
+    it and another thread's socket take the number; the dup holds the open file the
+    fstat looked at. So the check needs one free descriptor.
+
+    Returns :data:`SHUT` (shut down), :data:`GONE` (``conn`` None, the fd closed, or it
+    names another socket, a file, a pipe, or a socket not of AF_INET/AF_INET6/AF_UNIX)
+    or :data:`UNTOLD` (no descriptor free for the dup: EMFILE, ENFILE, ENOMEM; nothing
+    done, ask again later). Never raises."""
+    if conn is None:
+        return GONE
+    fd, dev, ino = conn
+    try:
+        d = os.dup(fd)
+    except OSError as exc:
+        return UNTOLD if exc.errno in _NO_DESCRIPTOR else GONE     # EBADF: closed by now
+    try:
+        s = _socket.socket(fileno=d)
+    except OSError:                         # not a socket now (a file, a pipe, an
+        os.close(d)                         # eventfd got the number): the dup goes
+        return GONE
+    try:
+        st = os.fstat(s.fileno())
+        if (st.st_dev, st.st_ino) != (dev, ino):
+            return GONE
+        if s.family not in (_socket.AF_INET, _socket.AF_INET6, _socket.AF_UNIX):
+            return GONE
+        s.shutdown(_socket.SHUT_RDWR)
+        return SHUT
+    except OSError:
+        return GONE
+    finally:
+        s.close()
+
+
 class SendsMixin(LoopState):
     """Sends in flight of ServiceLoop (a mixin of it)."""
 
@@ -75,7 +131,7 @@ class SendsMixin(LoopState):
         for ident, conn in stuck.items():
             self._cut(ident, conn)
 
-    def _cut(self, ident: bytes, conn: Any) -> None:
+    def _cut(self, ident: bytes, conn: Any) -> str:
         """A peer has not read its replies within the lease: shut its connection down
         (libzmq then drops the unsent replies, and their pins go when their trackers
         say so). ``conn``: that peer's connection as :func:`conn_of` took it when the
@@ -85,37 +141,20 @@ class SendsMixin(LoopState):
         libzmq closes the fd and the kernel gives the same number to the next socket
         opened (another client's accepted connection). The socket is shut down only if
         the fd still names the same socket (its inode, which the kernel does not reuse
-        while that socket is open, and ours is until libzmq closes it)."""
+        while that socket is open, and ours is until libzmq closes it): :func:`shut_conn`.
+        Returns what it answered; :data:`UNTOLD` (no descriptor free to check) leaves
+        the connection up, and the replies' next lease tries again."""
         log.warning("peer %s has not read its replies within the lease (%g s): its "
                     "connection is dropped", ident.hex(), self.store.config.lease_timeout)
         self._count_error("unread_replies")
-        if conn is None:
-            return
-        fd, dev, ino = conn
-        import socket as _socket
-
-        try:
-            d = os.dup(fd)
-        except OSError:
-            return                          # closed by now
-        try:
-            s = _socket.socket(fileno=d)
-        except OSError:                     # not a socket now (a file, a pipe, an
-            os.close(d)                     # eventfd got the number): the dup goes
-            return
-        try:
-            st = os.fstat(s.fileno())
-            if (st.st_dev, st.st_ino) != (dev, ino):
-                log.info("peer %s: its connection is gone, fd %d is another socket's "
-                         "now: left alone", ident.hex(), fd)
-                return
-            if s.family not in (_socket.AF_INET, _socket.AF_INET6, _socket.AF_UNIX):
-                return
-            s.shutdown(_socket.SHUT_RDWR)
-        except OSError:
-            pass
-        finally:
-            s.close()
+        got = shut_conn(conn)
+        if got == GONE and conn is not None:
+            log.info("peer %s: its connection is gone (fd %d closed, or another socket's "
+                     "or file's now): left alone", ident.hex(), conn[0])
+        elif got == UNTOLD:
+            log.warning("peer %s: no descriptor free to check its connection (fd %d): "
+                        "tried again after the next lease", ident.hex(), conn[0])
+        return got
 
     def _settle_own_sends(self, session: Session) -> None:
         """This peer's earlier GET replies leave before the reply to its new request
