@@ -75,6 +75,10 @@ _EV = struct.Struct("=HI")
 #: Seconds until a connection to be shut down is checked again when no descriptor was
 #: free for the check (:data:`~kvshm.zmq_ctrl.sends.UNTOLD`): it stays held meanwhile.
 UNTOLD_RETRY_S = 0.25
+#: the UNTOLD warning is logged at most once in this many seconds (a server at its
+#: descriptor limit would otherwise log one every UNTOLD_RETRY_S)
+_UNTOLD_LOG_S = 10.0
+_untold_logged = [-_UNTOLD_LOG_S]
 
 
 def _accepted_on(fd: int, endpoint: bytes) -> bool:
@@ -290,9 +294,12 @@ class AdmissionMixin(LoopState):
             got = shut_conn((fd, dev, ino))
             if got == UNTOLD:
                 self._hold_untold(fd, dev, ino)
-                log.warning("connection on fd %d: no HELLO within %g s, but no "
-                            "descriptor free to check it: tried again in %g s", fd,
-                            self.hello_timeout, UNTOLD_RETRY_S)
+                if now - _untold_logged[0] >= _UNTOLD_LOG_S:
+                    _untold_logged[0] = now
+                    log.warning("connection on fd %d: no HELLO within %g s, but no "
+                                "descriptor free to check it: tried again every %g s "
+                                "(logged once in %g s)", fd, self.hello_timeout,
+                                UNTOLD_RETRY_S, _UNTOLD_LOG_S)
                 return
             self._count_error("unadmitted_cut")
             if got == SHUT:
