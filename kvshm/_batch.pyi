@@ -33,3 +33,7 @@ def pack_fixints(v: list[Any], a: int, b: int) -> bytes | None:
     else None."""
 def all_bools(v: list[Any]) -> bool:
     """Whether every item of v is True or False (bool objects only)."""
+def sizes_ok(sizes: list[Any], n: int, most: int) -> bool:
+    """Whether sizes is n ints, each -2, -1 or in [0, most]."""
+def places_ok(offsets: list[Any], sizes: list[Any], capacity: int) -> bool:
+    """Whether each hit's place (an int offset, or byte extents) lies in the pool."""

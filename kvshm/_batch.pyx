@@ -921,3 +921,69 @@ def all_bools(list v):
         if it != t and it != f:
             return False
     return True
+
+
+# ------------------------------------------------ a GET / LOOKUP reply's sizes and places
+
+cdef inline bint _int_in(object o, long long lo, long long hi):
+    """``o`` is an int (not a bool, not a subclass) in [lo, hi]."""
+    cdef int ovf = 0
+    cdef long long v
+    if type(o) is not int:
+        return False
+    v = PyLong_AsLongLongAndOverflow(o, &ovf)
+    return not ovf and lo <= v <= hi
+
+
+def sizes_ok(list sizes, Py_ssize_t n, long long most):
+    """Whether ``sizes`` (a GET or LOOKUP reply's) is ``n`` ints (bools and subclasses
+    refused), each -2 (refused), -1 (a miss) or a size in [0, ``most``] bytes: one C
+    loop (:func:`kvshm.replies.sizes_of`)."""
+    cdef object s
+    if len(sizes) != n:
+        return False
+    for s in sizes:
+        if not _int_in(s, -2, most):
+            return False
+    return True
+
+
+def places_ok(list offsets, list sizes, long long capacity):
+    """Whether each hit of a LOOKUP reply (``sizes[i]`` >= 0; ``sizes`` passed
+    :func:`sizes_ok`) lies in a pool of ``capacity`` bytes: ``offsets[i]`` an int with
+    ``0 <= offsets[i] <= capacity - sizes[i]``, or byte extents ``[[offset, length],
+    ...]`` (lists or tuples of two ints), each inside the pool, their lengths adding up
+    to at least ``sizes[i]``. ``offsets`` as long as ``sizes``. Misses' places are not
+    looked at (:func:`kvshm.replies.places_of`)."""
+    cdef Py_ssize_t i, n = len(sizes)
+    cdef long long sz, total, off, ln
+    cdef int ovf = 0
+    cdef object o, x
+    if len(offsets) != n:
+        return False
+    for i in range(n):
+        sz = PyLong_AsLongLongAndOverflow(sizes[i], &ovf)
+        if sz < 0:
+            continue
+        o = offsets[i]
+        if type(o) is int:
+            if not _int_in(o, 0, capacity - sz):
+                return False
+            continue
+        if (type(o) is not list and type(o) is not tuple) or len(o) == 0:
+            return False
+        total = 0
+        for x in o:
+            if (type(x) is not list and type(x) is not tuple) or len(x) != 2 or \
+                    not _int_in(x[0], 0, capacity) or not _int_in(x[1], 0, capacity):
+                return False
+            off = PyLong_AsLongLongAndOverflow(x[0], &ovf)
+            ln = PyLong_AsLongLongAndOverflow(x[1], &ovf)
+            if off > capacity - ln:
+                return False
+            total += ln
+            if total > capacity:
+                return False
+        if total < sz:
+            return False
+    return True

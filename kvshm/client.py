@@ -105,7 +105,7 @@ from kvshm.errors import (
     WriteRefused,
     WritesLost,
 )
-from kvshm.replies import count_of, found_of, prefix_of
+from kvshm.replies import count_of, found_of, places_of, prefix_of, sizes_of, sums_of
 from kvshm.movers import Layout, OneSidedMover, ShmMover, placed
 from kvshm.zmq_ctrl.channel import CALL1 as _CALL1, NOT_SENT as _NOT_SENT, _pid
 from kvshm.zmq_ctrl.channel import DRAIN_MAX, Channel, check_resolvable, endpoint_of
@@ -1532,7 +1532,13 @@ class _Session:
             # through the new mover, as a put allocates again
             self.releases.append(r.req_id)
             return (yield from self.op_lookup_copy(bkeys, outs, verify, sink, True))
-        offsets, sizes = r.body["offsets"], r.body["sizes"]
+        try:        # (a reply whose sizes or places do not fit the keys asked, the pool)
+            sizes = sizes_of(r.body, len(bkeys), "LOOKUP", self.capacity)
+            offsets = places_of(r.body, sizes, self.capacity)
+            sums = sums_of(r.body, len(bkeys), "LOOKUP") if verify else None
+        except ProtocolError as exc:
+            self.releases.append(r.req_id)      # whatever it pinned goes
+            raise ProtocolError(f"{exc} (from {self.hello.get('server')})") from None
         if -2 in sizes:      # the server's per-client pin limit (store.QUOTA_REFUSED)
             self.releases.append(r.req_id)
             refused = [bkeys[i] for i, s in enumerate(sizes) if s == -2]
@@ -1566,7 +1572,7 @@ class _Session:
             # The pins go only after the copy: until then the blocks cannot be reused.
             self.releases.append(r.req_id)
         if verify:
-            self._verify(bkeys, sizes, r.body.get("sums"), data)
+            self._verify(bkeys, sizes, sums, data)
         return sizes, data
 
     def got(self, bkeys: Sequence[bytes], views: Sequence[memoryview] | None, sink: Any,
@@ -1575,15 +1581,26 @@ class _Session:
         """``(sizes, data)`` of a GET reply (the TCP mover), as :meth:`op_lookup_copy`
         returns them; raises what a refused or malformed reply means. ``outs`` (instead
         of ``views``, no sink, no verify): the caller's output buffers, filled in C where
-        they are plain buffers; ``data`` is then all None."""
+        they are plain buffers; ``data`` is then all None.
+
+        Raises ProtocolError for a reply that does not fit the keys asked: sizes not one
+        int per key (-2, -1 or 0 .. the pool's size), counts not a list of ints, frames
+        that do not add up to the hits, sums not one per key (``verify``)."""
         _check(r, "get")
-        sizes = r.body["sizes"]
+        try:
+            sizes = sizes_of(r.body, len(bkeys), "GET", self.capacity)
+            sums = sums_of(r.body, len(bkeys)) if verify else None
+        except ProtocolError as exc:
+            raise ProtocolError(f"{exc} (from {self.hello.get('server')})") from None
         if -2 in sizes:     # the server's per-principal limit on unsent replies
             refused = [bkeys[i] for i, sz in enumerate(sizes) if sz == -2]
             raise QuotaExceeded(f"reading {len(refused)} keys (first {refused[0]!r}) "
                                 "would exceed this client's limit on pinned and "
                                 "unsent bytes on the server; read in smaller batches")
         counts = r.body.get("counts", [1] * len(r.frames))
+        if type(counts) is not list:
+            raise ProtocolError(f"GET reply from {self.hello.get('server')}: counts of "
+                                f"{type(counts).__name__} (a list wanted)")
         if outs is not None:
             try:        # received straight into ``outs`` (the ZMTP transport: _Req.into)
                 if _frames.placed(r.frames, counts, sizes):
@@ -1604,7 +1621,7 @@ class _Session:
                                None if views is None else list(views))
             if fast is not None:
                 if verify:
-                    self._verify(bkeys, sizes, r.body.get("sums"), fast)
+                    self._verify(bkeys, sizes, sums, fast)
                 return sizes, fast
         hit_sizes = [s for s in sizes if s >= 0]
         try:
@@ -1628,7 +1645,7 @@ class _Session:
             else:
                 data[i] = v.tobytes()
         if verify:
-            self._verify(bkeys, sizes, r.body.get("sums"), data)
+            self._verify(bkeys, sizes, sums, data)
         return sizes, data
 
     def _read_placed(self, bkeys: Sequence[bytes], views: Sequence[memoryview] | None
