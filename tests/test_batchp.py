@@ -649,7 +649,8 @@ def test_settle_some_of_a_large_grant_in_small_parts_is_linear(shm_name, how):
             assert store.grant_entries(sess, [5]) == n - k
             assert store.settle_some(sess, 5, how, 1) == 1
         assert 5 not in sess.grants
-        assert store.settle_some(sess, 5, how, 1) == -1
+        # no grant left: -1, but a commit of one committed already is done (0)
+        assert store.settle_some(sess, 5, how, 1) == (0 if how == "commit" else -1)
         assert _CountingList.work <= 3 * n, _CountingList.work
         st = store.stats(verify=True)
         assert st["accounting_ok"], st

@@ -53,6 +53,39 @@ def test_strided_value_async(server):
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("slice_keys", ["2048", "1"])
+def test_a_commit_sent_again_is_answered_as_the_first(slice_keys):
+    # a client whose COMMIT reply was lost sends the identical COMMIT again: answered
+    # as the first was (no commit_failed: no LeaseExpired reported for a write that
+    # is in), and the value is there; an unknown grant's COMMIT still fails. With
+    # --slice-keys 1 the first COMMIT (of 3 entries) is settled in slices
+    with ServerProcess("--slice-keys", slice_keys) as srv:
+        ctx = zmq.Context.instance()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(f"tcp://{srv.address}")
+        try:
+            def call(op, body, rid):
+                s.send(msgpack.packb([PROTOCOL_VERSION, op, rid, epoch, body]))
+                assert s.poll(10000)
+                return msgpack.unpackb(s.recv())
+
+            epoch = raw_hello(s, srv.address)["epoch"]
+            r = call(Op.ALLOC, {"keys": [b"r0", b"r1", b"r2"], "sizes": [10] * 3}, 2)
+            assert r[1] == 0 and r[3]["st"] == [0, 0, 0], r
+            first = call(Op.COMMIT, {"commit": [2]}, 3)
+            again = call(Op.COMMIT, {"commit": [2]}, 3)          # the same message
+            assert first[1] == again[1] == 0, (first, again)
+            assert "commit_failed" not in first[3], first
+            assert "commit_failed" not in again[3], again
+            r = call(Op.EXISTS, {"keys": [b"r0", b"r2"], "commit": [2]}, 4)
+            assert r[3]["found"] == [True, True] and "commit_failed" not in r[3], r
+            r = call(Op.COMMIT, {"commit": [99]}, 5)
+            assert r[3].get("commit_failed") == [99], r
+        finally:
+            s.close()
+
+
 def test_lazy_commit_refused_late_is_reported(tmp_path):
     with ServerProcess("--lease-timeout", "0.3") as srv:
         # a raw client (no pid in HELLO: remote) whose commit arrives after its lease

@@ -214,3 +214,49 @@ def test_overwrite_in_a_full_pool_frees_the_old_copy_not_another_key(store):
     assert store.exists([b"k0"]) == [False] and store.counters["evictions"] == 1
     store.release(b"reader", [9])
     check_accounting(store)
+
+
+def test_a_commit_sent_again_is_answered_committed_not_lease_expired(store, clock):
+    # a COMMIT whose reply was lost, sent again: the grant was settled by the first, so
+    # it is answered as that one was (committed), and only a grant that was never
+    # committed (expired, aborted, unknown) is reported failed; bounded per session
+    from kvshm.store import sessions
+
+    sess = store.session_for(b"w")
+    offsets, st = store.alloc_entries(sess, 7, [b"k"], [5])
+    store.pool.write(offsets[0], b"hello")
+    assert store.commit(sess, [7]) == []
+    assert store.commit(sess, [7]) == []                 # sent again
+    assert store.settle_some(sess, 7, "commit", 10) == 0  # the sliced path: the same
+    assert store.counters["commits"] == 1 and store.counters["commits_again"] == 2
+    assert store.counters["puts"] == 1
+    assert read(store, b"k") == b"hello"
+    assert store.commit(b"other", [7]) == [7]            # another session's: unknown
+    # aborted, expired, never made: failed, as before
+    store.alloc_entries(sess, 8, [b"a"], [5])
+    store.abort(sess, [8])
+    store.alloc_entries(sess, 9, [b"e"], [5])
+    clock.t += 10
+    store.expire()
+    assert store.commit(sess, [8, 9, 10]) == [8, 9, 10]
+    assert store.settle_some(sess, 9, "commit", 10) == -1
+    # a reused id: the new grant is what a COMMIT of it names (expired: failed)
+    store.alloc_entries(sess, 7, [b"k2"], [5])
+    clock.t += 10
+    store.expire()
+    assert store.commit(sess, [7]) == [7]
+    # a new HELLO of the same process (replace_session): its commits go with it
+    store.alloc_entries(sess, 11, [b"m"], [5])
+    assert store.commit(sess, [11]) == []
+    new = store.open_session(b"w", nonce=b"n")
+    store.replace_session(sess, new)
+    assert store.commit(new, [11]) == []
+    # bounded: the oldest commits are forgotten (then failed, as before)
+    n = sessions.RECENT_COMMITS + 5
+    for rid in range(1000, 1000 + n):
+        store.alloc_entries(new, rid, [b"x%d" % (rid % 3)], [1])
+        assert store.commit(new, [rid]) == []
+    assert len(new.committed) == sessions.RECENT_COMMITS
+    assert store.commit(new, [1000, 1000 + n - 1]) == [1000]
+    st = store.stats(verify=True)
+    assert st["accounting_ok"], st

@@ -98,7 +98,7 @@ class Store(_Sessions, _Space, _Tiered, _Accounting, _Reserving):
             ("demotions", "dropped", "dropped_bytes", "promotions", "ssd_hits"), 0)
         self.counters: dict[str, int] = dict.fromkeys(
             ("hits", "misses", "evictions", "evicted_bytes", "bytes_in", "bytes_out",
-             "puts", "gets", "commits", "aborts", "lease_expired_writes",
+             "puts", "gets", "commits", "commits_again", "aborts", "lease_expired_writes",
              "lease_expired_pins", "deletes", "purged", "pool_full", "too_large",
              "invalid_keys", "quota_refusals", "replaced_early", "alloc_evictions",
              "free_blocks_at_evictions", "fragmented_evictions", "relocations",
@@ -162,12 +162,20 @@ class Store(_Sessions, _Space, _Tiered, _Accounting, _Reserving):
         """COMMIT: make the pending entries of these ALLOC grants visible.
 
         Returns the request ids whose grant no longer exists (lease expired, or unknown).
+        A request id of a grant this session committed already (one of its last
+        :data:`~kvshm.store.sessions.RECENT_COMMITS`: a COMMIT re-sent after a lost
+        reply) is not among them: it is committed, as the first COMMIT said (counted in
+        ``commits_again``).
         """
-        grants = self._as_session(session).grants
+        session = self._as_session(session)
+        grants = session.grants
         failed = []
         for rid in req_ids:
             g = grants.get(rid)
             if g is None or g.kind != _ALLOC:
+                if g is None and rid in session.committed:
+                    self.counters["commits_again"] += 1     # re-sent: committed already
+                    continue
                 failed.append(rid)
                 continue
             self._settle(g, commit=True)

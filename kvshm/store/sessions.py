@@ -42,6 +42,13 @@ def _untrack_entries(entries: list[Any], start: int) -> None:
 _ALLOC = 0
 _PIN = 1
 
+#: Request ids of its committed ALLOC grants a session remembers (the most recent): a
+#: COMMIT of one of them sent again (its reply was lost, the client retries) is answered
+#: as the first was, committed, not as a grant gone (LeaseExpired). Bounded per session
+#: (a dict of ints, ~100 bytes an id); a re-sent COMMIT older than that many commits of
+#: its session is reported failed, as before.
+RECENT_COMMITS = 1024
+
 
 class _Grant:
     """One grant: ``entries[done:]`` are the entries it still holds (the first ``done``
@@ -103,7 +110,8 @@ class Session:
     """
 
     __slots__ = ("id", "principal", "nonce", "proof", "grants", "quota", "closed",
-                 "label", "local", "sending", "operator", "seen", "conn", "__weakref__")
+                 "label", "local", "sending", "operator", "seen", "conn", "committed",
+                 "__weakref__")
 
     def __init__(self, sid: int, principal: Any, nonce: bytes, proof: Any,
                  quota: _Quota, label: str = "") -> None:
@@ -117,6 +125,9 @@ class Session:
         self.conn: Any = None             # the router's name of its connection
         self.sending = 0            # blocks of this session's GET replies not yet sent
         self.grants: dict[int, _Grant] = {}
+        #: request ids of its most recently committed ALLOC grants, oldest first (at
+        #: most RECENT_COMMITS): :meth:`_Sessions.committed_before`
+        self.committed: dict[int, None] = {}
         self.quota = quota
         self.closed = False
         self.label = label
@@ -149,6 +160,8 @@ class _Sessions:
         large request in slices): the entries join the grant the earlier slices made, and
         its lease starts again, so a long request cannot lose its first slices' blocks."""
         prev = session.grants.get(req_id)
+        if session.committed:
+            session.committed.pop(req_id, None)     # a new grant of a reused id
         deadline = self._clock() + self.config.lease_timeout
         nblocks = _index.sum_blocks(entries)
         if prev is not None:
@@ -192,11 +205,22 @@ class _Sessions:
             if commit:
                 self.index.sync()   # lock-free reads recorded before this write go first
                 _index.install_entries(self, entries)
+                done = session.committed
+                done[g.rid] = None
+                if len(done) > RECENT_COMMITS:
+                    del done[next(iter(done))]
             else:
                 _index.free_entries(self, entries)
         else:
             q.pinned -= g.nblocks
             _index.unpin_entries(self, entries)
+
+    @staticmethod
+    def committed_before(session: Session, req_id: int) -> bool:
+        """Whether ``req_id`` names an ALLOC grant of ``session`` committed already (one
+        of its last :data:`RECENT_COMMITS` commits, none of its grants since): a COMMIT
+        of it sent again is answered as committed."""
+        return req_id in session.committed
 
     def grant_entries(self, session: Session, req_ids: Sequence[int]) -> int:
         """Entries held by the grants ``req_ids`` of ``session`` (what settling them
@@ -215,13 +239,17 @@ class _Sessions:
         last entries settle it as :meth:`commit` / :meth:`abort` / :meth:`release` would
         (same counters); until then it stays, smaller, with its lease started again.
         Returns the entries settled, -1 when there is no such grant (a COMMIT of it
-        failed). Linear in ``n`` (amortized), however many parts a grant is settled in.
+        failed), 0 for a "commit" of a grant committed already
+        (:meth:`committed_before`: a COMMIT sent again). Linear in ``n`` (amortized), however many parts a grant is settled in.
         Raises ValueError for ``n`` < 0."""
         if n < 0:
             raise ValueError(f"settle_some: n must be >= 0, got {n!r}")
         g = session.grants.get(req_id)
         kind = _PIN if how == "release" else _ALLOC
         if g is None or g.kind != kind:
+            if g is None and how == "commit" and req_id in session.committed:
+                self.counters["commits_again"] += 1
+                return 0
             return -1
         k = g.count()
         if k <= n:
@@ -285,6 +313,13 @@ class _Sessions:
         Request ids are never reused by one client, so they stay unique in ``new``."""
         if old.closed or old is new:
             return
+        if old.committed:       # a COMMIT re-sent on the new session: answered as done
+            done = new.committed
+            for rid in old.committed:
+                if rid not in new.grants:
+                    done[rid] = None
+            while len(done) > RECENT_COMMITS:
+                del done[next(iter(done))]
         for rid, g in old.grants.items():
             g.session = new
             prev = new.grants.get(rid)
