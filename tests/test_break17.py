@@ -51,6 +51,37 @@ def test_cut_of_an_fd_reused_by_a_file_leaks_no_fd() -> None:
     assert loop.errors["unread_replies"] == 11
 
 
+def test_cut_while_no_descriptor_is_free_says_untold_and_leaves_the_socket_up() -> None:
+    """At EMFILE _cut cannot dup the fd to check it: it answers UNTOLD (the replies'
+    next lease tries again), shuts nothing down and leaks nothing; with a descriptor
+    free the same connection is shut down (SHUT), and a closed fd is GONE."""
+    import socket
+
+    from kvshm.zmq_ctrl import sends
+    from test_idlecut import _NoFreeDescriptor
+
+    loop = _CutLoop()
+    a, b = socket.socketpair()
+    try:
+        st = os.fstat(a.fileno())
+        conn = (a.fileno(), st.st_dev, st.st_ino)
+        before = _open_fds()
+        with _NoFreeDescriptor() as nf:
+            assert nf.fill
+            assert loop._cut(b"peer", conn) == sends.UNTOLD
+        assert _open_fds() == before
+        a.sendall(b"x")
+        assert b.recv(1) == b"x"                # still up
+        assert loop._cut(b"peer", conn) == sends.SHUT
+        assert b.recv(1) == b""
+    finally:
+        a.close()
+        b.close()
+    assert sends.shut_conn(conn) == sends.GONE  # closed (or another's now)
+    assert sends.shut_conn(None) == sends.GONE
+    assert loop.errors["unread_replies"] == 2
+
+
 _PV_TRACKED = r"""
 import gc
 from kvshm._pool import PackedValues
