@@ -81,6 +81,10 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hello-timeout", type=nonneg_float, default=5.0, metavar="S",
                    help="seconds a connection may go without a valid HELLO before the "
                         "server closes it (default 5; 0: never)")
+    p.add_argument("--listener", choices=("libzmq", "native"), default=None,
+                   help="what serves the tcp:// and ipc:// endpoints: libzmq's ROUTER or "
+                        "kvshm's own ZMTP listener (native; not with CURVE) (default "
+                        "$KVSHM_LISTENER, else libzmq)")
     p.add_argument("--max-unadmitted", type=pos_int, default=256, metavar="N",
                    help="connections without HELLO held at most; beyond, the oldest are "
                         "closed (default 256, at most a quarter of the descriptor limit)")
@@ -173,6 +177,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         slice_keys=args.slice_keys,
         hello_timeout=args.hello_timeout,
         max_unadmitted=args.max_unadmitted,
+        listener=args.listener,
         max_client_pending_bytes=args.max_client_pending,
         max_client_pinned_bytes=args.max_client_pinned,
         curve_secret_key=args.curve_secret_key,

@@ -31,6 +31,7 @@ from kvshm import segments
 from kvshm._pool import Pool
 from kvshm.store import Store, StoreConfig
 from kvshm.zmq_ctrl.protocol import PROTOCOL_VERSION, Limits
+from kvshm.zmq_ctrl.listener import NativeListener
 from kvshm.zmq_ctrl.router import ServiceLoop, bind, make_router
 
 __all__ = ["Server", "ServerConfig", "ConfigError", "GiB", "KiB"]
@@ -100,6 +101,11 @@ class ServerConfig:
     max_unadmitted : int
         Connections without HELLO held at most (>= 1); beyond, the oldest are shut down
         (and never more than a quarter of the soft descriptor limit). Default 256.
+    listener : str, optional
+        What serves the tcp:// and ipc:// endpoints: ``"libzmq"`` (its ROUTER socket)
+        or ``"native"`` (kvshm's own ZMTP listener, :mod:`kvshm.zmq_ctrl.listener`; not
+        with CURVE, which keeps libzmq's). None (default): ``$KVSHM_LISTENER``, else
+        libzmq.
     max_client_pending_bytes, max_client_pinned_bytes : int, optional
         Per-client limits in bytes: uncommitted writes, and pinned reads. None (the
         default): 3/4 of the pool each; 0: no limit.
@@ -190,6 +196,7 @@ class ServerConfig:
     slice_keys: int = 2048
     hello_timeout: float = 5.0
     max_unadmitted: int = 256
+    listener: str | None = None
     max_client_pending_bytes: int | None = None
     max_client_pinned_bytes: int | None = None
     curve_secret_key: str | None = None
@@ -228,6 +235,11 @@ class ServerConfig:
             return 0
         bs = self.block_size * KiB
         return int(self.ssd_size * GiB) // bs * bs
+
+    @property
+    def listener_kind(self) -> str:
+        """``listener``, else ``$KVSHM_LISTENER``, else ``"libzmq"``."""
+        return self.listener or os.environ.get("KVSHM_LISTENER") or "libzmq"
 
     @property
     def pool_bytes(self) -> int:
@@ -316,6 +328,9 @@ class ServerConfig:
             raise ConfigError("max_key_bytes", "must be >= 1")
         if self.max_batch < 1:
             raise ConfigError("max_batch", "must be >= 1")
+        if self.listener_kind not in ("libzmq", "native"):
+            raise ConfigError("listener", "must be libzmq or native, not "
+                              f"{self.listener_kind!r} (--listener, $KVSHM_LISTENER)")
         if type(self.slice_keys) is not int or self.slice_keys < 1:
             raise ConfigError("slice_keys", "must be an int >= 1")
         v = self.hello_timeout
@@ -472,8 +487,18 @@ class Server:
             max_message = max(max_value, 64 << 20) + (1 << 20)
             # Bind the service port first, so a taken port fails before the pool (and
             # the RDMA registration) cost anything.
-            self._router = make_router(self._ctx, socket_setup, max_message,
-                                       ipv6=":" in cfg.host)
+            if cfg.listener_kind == "native" and socket_setup is None:
+                # kvshm's own ZMTP listener (tcp, ipc; inproc through its inner libzmq
+                # ROUTER); CURVE keeps libzmq's ROUTER for every endpoint
+                self._router = NativeListener(self._ctx, max_frame_bytes=max_message,
+                                              # no message holds more than the pool
+                                              max_message_bytes=cfg.pool_bytes + max_message,
+                                              ipv6=":" in cfg.host)
+            else:
+                if cfg.listener_kind == "native":
+                    log.info("--listener native serves no CURVE: libzmq's ROUTER serves")
+                self._router = make_router(self._ctx, socket_setup, max_message,
+                                           ipv6=":" in cfg.host)
             try:
                 bound = [bind(self._router, f"tcp://{_bracket(cfg.host)}:{cfg.service_port}")]
             except OSError as exc:

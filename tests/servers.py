@@ -100,13 +100,18 @@ class ServerProcess:
         0 (default) for a free port, or a fixed one (to restart on the same port).
     ready_timeout : float
         Seconds to wait for the ready line.
+    listener : str, optional
+        ``--listener`` (``"libzmq"``, ``"native"``); None: the server's default (which
+        ``$KVSHM_LISTENER`` in the environment of the test run chooses).
     """
 
     def __init__(self, *flags: str, service_port: int = 0, prealloc_size: float = 0.125,
                  shm_name: str | None = None, ready_timeout: float = 30.0,
                  env: dict[str, str] | None = None,
-                 launcher: list[str] | None = None) -> None:
+                 launcher: list[str] | None = None, listener: str | None = None) -> None:
         self.shm_name = shm_name or unique_shm_name()
+        if listener is not None:
+            flags = (*flags, "--listener", listener)
         cmd = [*(launcher or [sys.executable, "-m", "kvshm"]), "serve", "--service-port", str(service_port),
                "--manage-port", "0", "--prealloc-size", str(prealloc_size),
                "--shm-name", self.shm_name, "--log-level", "WARNING", *flags]

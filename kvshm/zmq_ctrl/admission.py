@@ -50,8 +50,9 @@ from typing import Any
 
 import zmq
 
+from kvshm.zmq_ctrl.listener import NativeListener
 from kvshm.zmq_ctrl.loopstate import LoopState
-from kvshm.zmq_ctrl.sends import SHUT, UNTOLD, conn_of, shut_conn
+from kvshm.zmq_ctrl.sends import SHUT, UNTOLD, conn_of, shut_any, shut_conn
 
 __all__ = ["AdmissionMixin", "shut_conn", "HELLO_TIMEOUT_S", "MAX_UNADMITTED"]
 
@@ -134,6 +135,17 @@ class AdmissionMixin(LoopState):
         self._admitting = (HELLO_CUT_ON and self.door_token is not None
                            and hello_timeout > 0)
         self._log_hs = log_handshakes
+        #: the loop's native listener (kvshm.zmq_ctrl.listener), or None: libzmq's ROUTER
+        self._native = self._sock if isinstance(self._sock, NativeListener) else None
+        if self._native is not None:
+            # the listener tells its accepts and ends itself: no monitor
+            self._monitor = None
+            self._mon_fd = -1
+            if self._admitting:
+                self._native.on_accept = self._native_accepted
+                self._native.on_close = self._native_ended
+                self._native.trust = self._native_trusted
+            return
         events = 0
         if log_handshakes:
             events |= _HANDSHAKE_EVENTS
@@ -228,17 +240,48 @@ class AdmissionMixin(LoopState):
                 log.warning("refused a client connection on %s: %s",
                             parts[1].decode(errors="replace"), why)
         if accepted:
-            bound = self._unadmitted_bound()
-            while len(pending) > bound:
-                fd, (dev, ino, _) = pending.popitem(last=False)
-                got = shut_conn((fd, dev, ino))
-                if got == UNTOLD:           # no descriptor to check it: the timer's, soon
-                    self._hold_untold(fd, dev, ino)
-                    break
-                self._count_error("unadmitted_bound")
-                if got == SHUT:
-                    log.info("connection on fd %d shut down: more than %d connections "
-                             "without HELLO", fd, bound)
+            self._over_bound()
+
+    def _over_bound(self) -> None:
+        """Shut down the oldest unadmitted connections beyond the bound (one that could
+        not be checked, no descriptor free, is held for the timer)."""
+        pending = self._unadmitted
+        bound = self._unadmitted_bound()
+        while len(pending) > bound:
+            fd, (dev, ino, _) = pending.popitem(last=False)
+            got = shut_any(self._native, (fd, dev, ino))
+            if got == UNTOLD:           # no descriptor to check it: the timer's, soon
+                self._hold_untold(fd, dev, ino)
+                break
+            self._count_error("unadmitted_bound")
+            if got == SHUT:
+                log.info("connection on fd %d shut down: more than %d connections "
+                         "without HELLO", fd, bound)
+
+    def _native_accepted(self, fd: int) -> None:
+        """The native listener accepted a connection on ``fd``: held as unadmitted (as an
+        ACCEPTED event of the monitor), the oldest shut down beyond the bound."""
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            return
+        self._unadmitted.pop(fd, None)
+        self._admitted.pop(fd, None)
+        self._unadmitted[fd] = (st.st_dev, st.st_ino, time.monotonic() + self.hello_timeout)
+        self._over_bound()
+
+    def _native_ended(self, fd: int) -> None:
+        """The native listener's connection on ``fd`` ended (told before its close)."""
+        self._unadmitted.pop(fd, None)
+        self._admitted.pop(fd, None)
+
+    def _native_trusted(self, fd: int, ident: bytes) -> bool:
+        """Whether the connection on ``fd`` may hold a message larger than a HELLO:
+        admitted, or its routing id an open session's."""
+        if fd in self._admitted and fd not in self._unadmitted:
+            return True
+        sess = self._by_ident.get(ident)
+        return sess is not None and not sess.closed
 
     def _hold_untold(self, fd: int, dev: int, ino: int) -> None:
         """A connection to be shut down that could not be checked (no descriptor free):
@@ -291,7 +334,7 @@ class AdmissionMixin(LoopState):
             if deadline > now:
                 return
             del pending[fd]
-            got = shut_conn((fd, dev, ino))
+            got = shut_any(self._native, (fd, dev, ino))
             if got == UNTOLD:
                 self._hold_untold(fd, dev, ino)
                 if now - _untold_logged[0] >= _UNTOLD_LOG_S:

@@ -35,6 +35,12 @@ class AdminOpsMixin(LoopState):
                            slice_keys=self.slice_keys)
         s["loop_max_turn"] = dict(self.max_turn)
         s["fast_path"] = self.fast_counts()
+        # what serves tcp:// and ipc://, and the native listener's connections closed
+        # by reason (kvshm.zmq_ctrl.listener)
+        nat = self._native
+        s["listener"] = ({"kind": "native", "connections": nat.connections,
+                          "closed": dict(nat.counts)} if nat is not None
+                         else {"kind": "libzmq"})
         if body.get("latency"):
             s["latency"] = {(Op(op).name if op in Op._value2member_map_ else str(op)): {
                                 "buckets": list(LATENCY_BUCKETS[:-1]),

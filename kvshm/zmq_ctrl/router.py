@@ -73,6 +73,7 @@ from kvshm.zmq_ctrl.sockets import bind, make_router
 # ops_cluster, the tests and perf/ scripts import them from this module)
 from kvshm.zmq_ctrl.dispatch import _BATCHQ_MIN_BYTES, _HELLO, LATENCY_BUCKETS  # noqa: F401
 from kvshm.zmq_ctrl.fastpaths import _BATCH_ON, _FAST_ON, _batchq, _fastpath  # noqa: F401
+from kvshm.zmq_ctrl.listener import NativeListener
 from kvshm.zmq_ctrl.handling import (  # noqa: F401
     _MORE,
     _OUTCOME_STATUS,
@@ -257,6 +258,10 @@ class ServiceLoop(DispatchMixin, SessionsMixin, AdmissionMixin, ParkedMixin, Sli
         #: kvshm.zmq_ctrl._zmqc (module-level ``_zmqc`` when the loop is made), or None:
         #: pyzmq receives and sends
         self._zmqc = _zmqc
+        if isinstance(sock, NativeListener):
+            # kvshm's own ZMTP listener: its calls stand in for _zmqc's (the same turns,
+            # fast path and lean turns over it)
+            self._zmqc = sock.ops
         #: replies queued by :meth:`_send` while a turn drains the socket (a list), else None
         self._outq: list[tuple[bytes, bytes]] | None = None
         #: replies :meth:`_send` took (sent or queued): a request whose dispatch raised

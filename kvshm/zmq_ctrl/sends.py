@@ -68,6 +68,16 @@ UNTOLD = "untold"
 _NO_DESCRIPTOR = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
 
 
+def shut_any(native: Any, conn: tuple[int, int, int] | None) -> str:
+    """:func:`shut_conn`, or where the loop serves through a native listener
+    (:class:`~kvshm.zmq_ctrl.listener.NativeListener`, ``native``), its own
+    ``shut``: it closes a connection of its own with no descriptor needed, so it answers
+    :data:`SHUT` or :data:`GONE`, never :data:`UNTOLD`."""
+    if native is not None:
+        return SHUT if native.shut(conn) else GONE
+    return shut_conn(conn)
+
+
 def shut_conn(conn: tuple[int, int, int] | None) -> str:
     """Shut down (``SHUT_RDWR``) the socket ``conn`` names, ``(fd, st_dev, st_ino)`` as
     :func:`conn_of` took it, if its fd still names that socket (its inode, which the
@@ -147,7 +157,7 @@ class SendsMixin(LoopState):
         log.warning("peer %s has not read its replies within the lease (%g s): its "
                     "connection is dropped", ident.hex(), self.store.config.lease_timeout)
         self._count_error("unread_replies")
-        got = shut_conn(conn)
+        got = shut_any(self._native, conn)
         if got == GONE and conn is not None:
             log.info("peer %s: its connection is gone (fd %d closed, or another socket's "
                      "or file's now): left alone", ident.hex(), conn[0])
