@@ -19,6 +19,10 @@ The same two with a Store behind them (``--modes``; by default all four):
 ``zmq+store``
     kvshm's own loop, :meth:`ServiceLoop.run` (its lean turns in C, the one-key fast
     path), over a Store of its own, no door (an implicit session per peer).
+``native+store``
+    ``zmq+store`` over kvshm's own ZMTP listener (:mod:`kvshm.zmq_ctrl.listener`, the
+    server's ``--listener native``) instead of libzmq's ROUTER: the whole loop (timers,
+    HELLO, slices, zero-copy sends, bounds), compared with ``zmq+store``.
 ``zmtp+store``
     A prototype, not kvshm's server: ``zmtp``'s connections, each message served by the
     same loop's ``FastPath.handle`` (the session, the Store, the reply's bytes) and its
@@ -182,6 +186,33 @@ def serve_zmq_store(stop_fd: int) -> None:
         pool.unlink()
 
 
+def serve_native_store(stop_fd: int) -> None:
+    """``zmq+store`` (ServiceLoop.run over a Store, no door) with kvshm's own ZMTP
+    listener (:class:`kvshm.zmq_ctrl.listener.NativeListener`, the server's
+    ``--listener native``) in place of libzmq's ROUTER; returns when ``stop_fd`` is
+    readable."""
+    import threading
+
+    from kvshm.zmq_ctrl import router
+    from kvshm.zmq_ctrl.listener import NativeListener
+    from kvshm.zmq_ctrl.protocol import PROTOCOL_VERSION
+
+    pool, store = _store()
+    loop = router.ServiceLoop(store, ["tcp://127.0.0.1:0"], {"version": PROTOCOL_VERSION}, 7,
+                              sock=NativeListener())
+    try:
+        print(loop.endpoints[0].rsplit(":", 1)[1], flush=True)
+        t = threading.Thread(target=loop.run, daemon=True)
+        t.start()
+        select.select([stop_fd], [], [])
+        loop.stop()
+        t.join(30)
+    finally:
+        loop.close()
+        pool.close()
+        pool.unlink()
+
+
 def serve_zmtp_store(stop_fd: int) -> None:
     """A prototype, not kvshm's server: :func:`serve_zmtp`'s connections, each message
     served by the same loop's C fast path (``FastPath.handle``: the session, the Store,
@@ -252,7 +283,7 @@ def serve_zmtp_store(stop_fd: int) -> None:
 
 
 SERVERS = {"zmq": serve_zmq, "zmtp": serve_zmtp, "zmq+store": serve_zmq_store,
-           "zmtp+store": serve_zmtp_store}
+           "zmtp+store": serve_zmtp_store, "native+store": serve_native_store}
 
 
 # --------------------------------------------------------------------------- clients
@@ -359,10 +390,12 @@ def main(argv: list[str] | None = None) -> int:
     bad = [m for m in modes if m not in SERVERS]
     if bad:
         ap.error(f"unknown --modes {bad}; known: {', '.join(SERVERS)}")
-    pairs = [(a, b) for a, b in (("zmq", "zmtp"), ("zmq+store", "zmtp+store"))
+    pairs = [(a, b) for a, b in (("zmq", "zmtp"), ("zmq+store", "zmtp+store"),
+                                 ("zmq+store", "native+store"))
              if a in modes and b in modes]
     if not pairs:
-        ap.error("--modes names no pair to compare (zmq,zmtp or zmq+store,zmtp+store)")
+        ap.error("--modes names no pair to compare (zmq,zmtp or zmq+store,zmtp+store or "
+                 "zmq+store,native+store)")
     res: dict[str, Any] = {"meta": {"seconds": args.seconds, "reps": args.reps,
                                     "cpus": os.cpu_count(), "pairs": pairs,
                                     "loadavg_start": os.getloadavg()[0]}, "rows": []}
@@ -382,7 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     res["meta"]["loadavg_end"] = os.getloadavg()[0]
     for a, b in pairs:
         what = ("SERVER TRANSPORT ALONE (no store)" if a == "zmq" else
-                "WITH THE STORE (the loop's C fast path; zmtp+store is a prototype)")
+                "WITH THE STORE (the loop's C fast path; zmtp+store is a prototype)"
+                if b == "zmtp+store" else
+                "WITH THE STORE: kvshm's loop over libzmq's ROUTER vs its native listener")
         print(f"{what}: 4 KiB PUT requests over TCP, ZMTP clients, {args.seconds} s phases, "
               f"median of {args.reps}")
         hdr = ("clients", f"{a} req/s", f"{b} req/s", f"{b}/{a}", f"{a} srv us",

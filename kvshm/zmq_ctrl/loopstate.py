@@ -47,7 +47,7 @@ class LoopState:
     _admitted: dict[int, tuple[int, int]]
     _admitting: bool
     _mon_fd: int
-    _native: Any      # the native listener (kvshm.zmq_ctrl.listener) or None
+    _native: Any = None   # the native listener (kvshm.zmq_ctrl.listener), or None
     hello_timeout: float
     max_unadmitted: int
     _admit: Callable[[Any], None]
