@@ -310,7 +310,13 @@ class NativeListener:
         self._turns = 0
         self._last = ""
         self.closed = False
-        self._polls: dict[tuple[int, int], Any] = {}
+        # descriptors of the loop's own in the epoll set (wake pipe 2, monitor 4), the
+        # events of the last wait still to serve, and whether there are any (or a timer
+        # of the listener's: accept back-off, handshake deadlines)
+        self._extra: dict[int, int] = {}
+        self._pending: Any = ()
+        self._events_due = False
+        self._inner_more = True
         #: admission's hooks (ServiceLoop sets them): a connection accepted (fd), ended
         #: (fd), and whether a connection (fd, routing id) may hold a large message
         self.on_accept: Callable[[int], None] | None = None
@@ -466,52 +472,63 @@ class NativeListener:
         """Wait at most ``timeout_ms`` (-1: no limit) for something to receive (1), ``fd``
         readable (2) or ``mon`` (an fd or a zmq socket) readable (4); 0: timeout, -1:
         interrupted. A 1 may be spurious (a write or an accept to do: the next
-        :meth:`recv_message` does it and may find no message)."""
+        :meth:`recv_message` does it and may find no message). One ``epoll_wait``: ``fd``
+        and ``mon`` join the listener's epoll set at their first wait; the events it
+        returns are what the next :meth:`recv_message` serves (no second wait)."""
         now_bits = 0
-        if self._ready or (self._inner is not None
-                           and self._inner.getsockopt(zmq.EVENTS) & zmq.POLLIN):
+        if self._ready or self._events_due or (
+                self._inner_more and self._inner is not None
+                and self._inner.getsockopt(zmq.EVENTS) & zmq.POLLIN):
             now_bits = 1
             timeout_ms = 0
-        if self._accept_retry and not now_bits:
-            left = int(max(0.0, self._accept_retry - time.monotonic()) * 1000) + 1
-            timeout_ms = left if timeout_ms < 0 else min(timeout_ms, left)
-        if self._handshaking and not now_bits:
-            first = next(iter(self._handshaking.values())).deadline
-            left = int(max(0.0, first - time.monotonic()) * 1000) + 1
-            timeout_ms = left if timeout_ms < 0 else min(timeout_ms, left)
+        else:
+            if self._accept_retry:
+                left = int(max(0.0, self._accept_retry - time.monotonic()) * 1000) + 1
+                timeout_ms = left if timeout_ms < 0 else min(timeout_ms, left)
+            if self._handshaking:
+                first = next(iter(self._handshaking.values())).deadline
+                left = int(max(0.0, first - time.monotonic()) * 1000) + 1
+                timeout_ms = left if timeout_ms < 0 else min(timeout_ms, left)
+        extra = self._extra
+        if fd >= 0 and fd not in extra:
+            self._watch(fd, 2)
         mfd = -1
         if mon is not None:
             mfd = mon if type(mon) is int else int(mon.getsockopt(zmq.FD))
-        key = (fd, mfd)
-        p = self._polls.get(key)
-        if p is None:
-            p = select.poll()
-            p.register(self._efd, select.POLLIN)
-            if fd >= 0:
-                p.register(fd, select.POLLIN)
-            if mfd >= 0:
-                p.register(mfd, select.POLLIN)
-            self._polls[key] = p
+            if mfd not in extra:
+                self._watch(mfd, 4)
         try:
-            got = p.poll(timeout_ms)
+            evs = self._ep.poll(timeout_ms / 1000.0 if timeout_ms >= 0 else -1, 256)
         except InterruptedError:
             return -1
         bits = now_bits
-        for f, _ in got:
-            if f == self._efd:
+        keep = []
+        for e in evs:
+            b = extra.get(e[0])
+            if b is None:
+                keep.append(e)
                 bits |= 1
-            elif f == fd:
-                bits |= 2
-            elif f == mfd:
-                bits |= 4
+            elif (b == 2 and e[0] == fd) or (b == 4 and e[0] == mfd):
+                bits |= b
+        self._pending = keep
+        self._events_due = bool(keep)
         if not bits and (self._accept_retry or self._handshaking):
             bits = 1        # a timer of the listener's own: the next receive runs it
+            self._events_due = True
         return bits
+
+    def _watch(self, fd: int, bit: int) -> None:
+        self._extra[fd] = bit
+        try:
+            self._ep.register(fd, select.EPOLLIN)
+        except FileExistsError:
+            pass
 
     def recv_message(self) -> list[Any] | None:
         """The next message received, ``[routing id (bytes), header (Header), *frames]``
         (frames of 64 KiB and more as bytearray, smaller as bytes), or None: none now.
-        Does the accepts, reads, writes and handshake timeouts due; never blocks."""
+        Does the accepts, reads, writes and handshake timeouts the last :meth:`poll_in`
+        saw due; never blocks."""
         ready = self._ready
         if ready:
             self._turns += 1
@@ -520,13 +537,14 @@ class NativeListener:
                 if m is not None:
                     return m
             return ready.popleft()
-        self._events()
-        if ready:
-            return ready.popleft()
+        if self._events_due:
+            self._events_due = False
+            self._events()
+            if ready:
+                return ready.popleft()
         if self._inner is not None:
             return self._inner_recv()
         return None
-
     def send_message(self, parts: Sequence[Any], track_from: int = -1) -> Any:
         """Send ``[routing id, *frames]`` to its connection (frames from ``track_from``
         on zero-copy: held until written; a :class:`Tracker` is returned for them).
@@ -551,8 +569,29 @@ class NativeListener:
                 except zmq.ZMQError:
                     pass
             return Tracker(None) if track_from >= 0 else True
-        tracker = Tracker(c) if track_from >= 0 else None
         n = len(parts)
+        if n == 2 and track_from < 0 and not c.out:
+            # the common reply: one small frame, written at once (no queue, no views)
+            p = parts[1]
+            size = len(p) if type(p) is bytes else memoryview(p).nbytes
+            if size < 256:
+                data = bytes((0, size)) + p
+            else:
+                data = b"\x02" + struct.pack(">Q", size) + p
+            try:
+                k = c.sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                k = 0
+            except OSError:
+                self._close(c, None)
+                return True
+            if k < len(data):
+                c.out.append([memoryview(data)[k:], None, len(data) - k, True])
+                c.out_bytes += len(data) - k
+                c.out_msgs += 1
+                self._flush(c)
+            return True
+        tracker = Tracker(c) if track_from >= 0 else None
         small: list[Any] = []
         items: list[list[Any]] = []
         copied = 0
@@ -630,8 +669,12 @@ class NativeListener:
             try:
                 m = inner.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return None
-        if m is not None and type(m[0]) is not bytes:
+                m = None
+        if m is None:
+            self._inner_more = False
+            return None
+        self._inner_more = True         # maybe more: looked at before the next wait
+        if type(m[0]) is not bytes:
             m[0] = m[0].bytes
         return m
 
@@ -653,10 +696,8 @@ class NativeListener:
                 if c.deadline > now:
                     break
                 self._close(c, "handshake_timeout")
-        try:
-            evs = self._ep.poll(0, 256)
-        except InterruptedError:
-            return
+        evs = self._pending
+        self._pending = ()
         conns = self._conns
         for fd, ev in evs:
             c = conns.get(fd)
@@ -814,7 +855,8 @@ class NativeListener:
                     c.frames.append(big)
                     if not c.big_more:
                         self._deliver(c)
-                    self._parse(c)
+                    if c.rbuf:
+                        self._parse(c, c.rbuf)
                     if c.state == _CLOSED:
                         return
                     continue
@@ -827,15 +869,19 @@ class NativeListener:
             if not data:
                 self._close(c, None)
                 return
-            c.rbuf += data
-            self._parse(c)
+            if c.rbuf:
+                c.rbuf += data
+                self._parse(c, c.rbuf)
+            else:
+                self._parse(c, data)
             if c.state == _CLOSED:
                 return
             if len(data) < _READ and c.big is None:
                 return
 
-    def _parse(self, c: _Conn) -> None:
-        buf = c.rbuf
+    def _parse(self, c: _Conn, buf: Any) -> None:
+        """Parse ``buf`` (``c.rbuf``, or bytes just read while it was empty); what is
+        left of it unparsed stays in ``c.rbuf``."""
         at = 0
         n = len(buf)
         try:
@@ -917,8 +963,11 @@ class NativeListener:
             self._close(c, why)
             return
         if c.state != _CLOSED:
-            if at:
-                del buf[:at]
+            if buf is c.rbuf:
+                if at:
+                    del buf[:at]
+            elif at < n:
+                c.rbuf = bytearray(buf[at:])
 
     def _deliver(self, c: _Conn) -> None:
         frames = c.frames
