@@ -363,6 +363,12 @@ def _client_rounds(c: Client) -> None:
     c.put_batch(keys, vals)
     assert c.get_batch(keys) == vals
     assert c.exists(b"k")
+    # a reply of several values, small (packed) and large (zero-copy)
+    mixed = [b"k", b"big", b"b0", b"nope"]
+    assert c.get_batch(mixed) == [b"v", big, vals[0], None]
+    c.delete(b"big")
+    with pytest.raises(KeyError):
+        c.get(b"big")
 
 
 @pytest.mark.parametrize("zmtp", [True, False], ids=["zmtp", "libzmq"])
@@ -375,7 +381,9 @@ def test_the_clients_over_tcp_and_ipc(zmtp, monkeypatch):
             c = Client(addr, transport="tcp", timeout=20)
             try:
                 _client_rounds(c)
-                assert c.stats()["listener"]["kind"] == "native"
+                st = c.stats()
+                assert st["listener"]["kind"] == "native"
+                assert not st["error_kinds"].get("internal"), st["error_kinds"]
             finally:
                 c.close()
         assert srv.alive()

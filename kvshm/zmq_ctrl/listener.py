@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import itertools
 import logging
 import os
 import select
@@ -545,6 +546,7 @@ class NativeListener:
         if self._inner is not None:
             return self._inner_recv()
         return None
+
     def send_message(self, parts: Sequence[Any], track_from: int = -1) -> Any:
         """Send ``[routing id, *frames]`` to its connection (frames from ``track_from``
         on zero-copy: held until written; a :class:`Tracker` is returned for them).
@@ -636,6 +638,20 @@ class NativeListener:
         c.out_msgs += 1
         self._flush(c)
         return tracker if tracker is not None else True
+
+    def send_multipart(self, parts: Sequence[Any], flags: int = 0, copy: bool = True,
+                       track: bool = False) -> Any:
+        """``zmq.Socket.send_multipart`` for the loop's pyzmq calls: :meth:`send_message`
+        (parts held until written, not copied: as pyzmq's ``copy=False``)."""
+        return self.send_message(parts, 1 if track else -1)
+
+    def recv_multipart(self, flags: int = 0, copy: bool = True) -> list[Any]:
+        """``zmq.Socket.recv_multipart`` with ``zmq.NOBLOCK``: :meth:`recv_message`, or
+        ``zmq.Again`` when none is here."""
+        m = self.recv_message()
+        if m is None:
+            raise zmq.Again()
+        return m
 
     def shut(self, conn: tuple[int, int, int] | None) -> bool:
         """Close the connection ``conn`` names, ``(fd, st_dev, st_ino)``, if it is one of
@@ -801,7 +817,8 @@ class NativeListener:
         out = c.out
         sock = c.sock
         while out:
-            bufs = [item[0] for item in list(out)[:64]] if len(out) > 1 else [out[0][0]]
+            bufs = ([item[0] for item in itertools.islice(out, 64)] if len(out) > 1
+                    else [out[0][0]])
             try:
                 n = sock.sendmsg(bufs)
             except (BlockingIOError, InterruptedError):
