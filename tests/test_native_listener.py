@@ -439,3 +439,32 @@ def test_the_server_stays_up_through_hostile_peers_and_an_emfile():
 def test_a_bad_listener_name_is_refused():
     with pytest.raises(RuntimeError, match="listener"):
         ServerProcess(env={"KVSHM_LISTENER": "nope"})
+
+
+def test_a_burst_of_tiny_messages_is_parsed_as_the_loop_takes_them(pump):
+    from kvshm.zmq_ctrl.listener import READY_MAX
+
+    s = pump.peer()
+    n = 3 * READY_MAX + 7
+    wire = b"".join(_message(str(i).encode()) for i in range(n))
+    rest = memoryview(wire)
+    got: list[bytes] = []
+    most = 0
+    end = time.monotonic() + WAIT_S
+    while len(got) < n:
+        assert time.monotonic() < end, f"{len(got)} of {n} messages"
+        if rest:
+            try:
+                rest = rest[s.send(rest):]
+            except BlockingIOError:
+                pass
+        if pump.lst.poll_in(-1, None, 5) > 0:
+            while True:
+                m = pump.lst.recv_message()
+                most = max(most, len(pump.lst._ready))
+                if m is None:
+                    break
+                got.append(bytes(m[1]))
+    assert got == [str(i).encode() for i in range(n)]
+    assert most <= READY_MAX
+    s.close()

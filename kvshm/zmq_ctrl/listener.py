@@ -76,6 +76,10 @@ MAX_OUT_MESSAGES = 4096
 BIG = 65536
 
 _READ = 262144
+#: Messages parsed and not yet received by the loop at most: past it, a connection's
+#: bytes read stay unparsed (and it is not read) until the loop has taken some (a
+#: ROUTER's RCVHWM, 1000 a pipe: a peer's burst of tiny messages cannot grow the server)
+READY_MAX = 1024
 _SIG_OK = b"\xff"
 _SOCKET_TYPES = (b"DEALER", b"ROUTER", b"REQ")
 _NO_FD_FREE = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
@@ -303,6 +307,8 @@ class NativeListener:
         self._by_ident: dict[bytes, _Conn] = {}
         self._handshaking: "collections.OrderedDict[int, _Conn]" = collections.OrderedDict()
         self._ready: collections.deque[list[Any]] = collections.deque()
+        # connections whose bytes read wait to be parsed (READY_MAX reached)
+        self._backlog: dict[int, _Conn] = {}
         self._next_id = 0
         self._accept_retry = 0.0        # monotonic time the listeners come back; 0: in
         self._accept_warned = 0.0
@@ -477,7 +483,7 @@ class NativeListener:
         and ``mon`` join the listener's epoll set at their first wait; the events it
         returns are what the next :meth:`recv_message` serves (no second wait)."""
         now_bits = 0
-        if self._ready or self._events_due or (
+        if self._ready or self._events_due or self._backlog or (
                 self._inner_more and self._inner is not None
                 and self._inner.getsockopt(zmq.EVENTS) & zmq.POLLIN):
             now_bits = 1
@@ -538,6 +544,12 @@ class NativeListener:
                 if m is not None:
                     return m
             return ready.popleft()
+        if self._backlog:
+            for c in list(self._backlog.values()):
+                del self._backlog[c.fd]
+                self._parse(c, c.rbuf)
+            if ready:
+                return ready.popleft()
         if self._events_due:
             self._events_due = False
             self._events()
@@ -793,6 +805,7 @@ class NativeListener:
         fd = c.fd
         self._conns.pop(fd, None)
         self._handshaking.pop(fd, None)
+        self._backlog.pop(fd, None)
         if c.ident and self._by_ident.get(c.ident) is c:
             del self._by_ident[c.ident]
         for item in c.out:
@@ -856,6 +869,8 @@ class NativeListener:
     def _read(self, c: _Conn) -> None:
         sock = c.sock
         for _ in range(4):
+            if c.fd in self._backlog:
+                return          # its bytes read wait for the loop to take messages
             big = c.big
             try:
                 if big is not None:
@@ -901,8 +916,12 @@ class NativeListener:
         left of it unparsed stays in ``c.rbuf``."""
         at = 0
         n = len(buf)
+        ready = self._ready
         try:
             while c.state != _CLOSED:
+                if len(ready) >= READY_MAX and at < n:
+                    self._backlog[c.fd] = c     # parsed later (recv_message)
+                    break
                 if c.state == _GREETING:
                     if n - at < 64:
                         if n - at >= 1 and buf[at] != 0xFF:
