@@ -468,3 +468,15 @@ def test_a_burst_of_tiny_messages_is_parsed_as_the_loop_takes_them(pump):
     assert got == [str(i).encode() for i in range(n)]
     assert most <= READY_MAX
     s.close()
+
+
+def test_a_ping_is_answered_with_its_context_and_other_commands_are_ignored(pump):
+    s = pump.peer()
+    ping = b"\x04PING" + b"\x00\x64" + b"ctx-1"
+    sub = b"\x09SUBSCRIBE" + b"topic"
+    s.sendall(bytes([0x04, len(ping)]) + ping + bytes([0x04, len(sub)]) + sub
+              + _message(b"after"))
+    assert pump.recv_frame(s) == (0x04, b"\x04PONGctx-1")
+    pump.until(lambda: pump.got, "the message after the commands")
+    assert bytes(pump.got[0][1]) == b"after"
+    s.close()
