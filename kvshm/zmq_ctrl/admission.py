@@ -144,6 +144,9 @@ class AdmissionMixin(LoopState):
             if self._admitting:
                 self._native.on_accept = self._native_accepted
                 self._native.on_close = self._native_ended
+            if self.door_token is not None:
+                # a peer without a session holds no more than a HELLO's worth of an
+                # unended message (no door: every peer has a session)
                 self._native.trust = self._native_trusted
             return
         events = 0
