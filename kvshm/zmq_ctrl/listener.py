@@ -223,36 +223,6 @@ class _Conn:
         self.writing = False            # EPOLLOUT asked for
 
 
-class _Ops:
-    """The :mod:`kvshm.zmq_ctrl._zmqc` calls the loop makes, over a :class:`NativeListener`
-    (the listener is the ``sock`` they are given)."""
-
-    DONTWAIT = 1
-
-    @staticmethod
-    def poll_in(sock: "NativeListener", fd: int = -1, mon: Any = None,
-                timeout_ms: int = -1) -> int:
-        return sock.poll_in(fd, mon, timeout_ms)
-
-    wait_in = poll_in
-
-    @staticmethod
-    def recv_multipart(sock: "NativeListener", flags: int = 1, copy_threshold: int = 65536,
-                       keep: int = -1) -> list[Any] | None:
-        return sock.recv_message()
-
-    @staticmethod
-    def send_parts(sock: "NativeListener", parts: Sequence[Any], flags: int = 0,
-                   track_from: int = -1, copy_threshold: int = 65536) -> Any:
-        return sock.send_message(parts, track_from)
-
-    @staticmethod
-    def sweep(timeout: float = 0.0) -> int:
-        if _zmqc is not None:
-            return _zmqc.sweep(timeout)
-        return 0
-
-
 try:    # the inner inproc ROUTER's messages as the loop takes them from libzmq
     from kvshm.zmq_ctrl import _zmqc
 except ImportError:     # pragma: no cover - not built
@@ -531,7 +501,8 @@ class NativeListener:
         except FileExistsError:
             pass
 
-    def recv_message(self) -> list[Any] | None:
+    def recv_message(self, flags: int = 1, copy_threshold: int = 65536,
+                     keep: int = -1) -> list[Any] | None:
         """The next message received, ``[routing id (bytes), header (Header), *frames]``
         (frames of 64 KiB and more as bytearray, smaller as bytes), or None: none now.
         Does the accepts, reads, writes and handshake timeouts the last :meth:`poll_in`
@@ -650,6 +621,11 @@ class NativeListener:
         c.out_msgs += 1
         self._flush(c)
         return tracker if tracker is not None else True
+
+    def send_parts(self, parts: Sequence[Any], flags: int = 0, track_from: int = -1,
+                   copy_threshold: int = 65536) -> Any:
+        """``_zmqc.send_parts``'s signature: :meth:`send_message`."""
+        return self.send_message(parts, track_from)
 
     def send_multipart(self, parts: Sequence[Any], flags: int = 0, copy: bool = True,
                        track: bool = False) -> Any:
@@ -1056,3 +1032,20 @@ class NativeListener:
             c.out_bytes += len(pong)
             self._flush(c)
         # other commands (PONG, SUBSCRIBE...) are ignored, as a ROUTER does
+
+
+def _sweep(timeout: float = 0.0) -> int:
+    return _zmqc.sweep(timeout) if _zmqc is not None else 0
+
+
+class _Ops:
+    """The :mod:`kvshm.zmq_ctrl._zmqc` calls the loop makes, over a :class:`NativeListener`
+    (the listener is the ``sock`` they are given: each is the listener's own method,
+    unbound, so that a call is one Python frame)."""
+
+    DONTWAIT = 1
+    poll_in = NativeListener.poll_in
+    wait_in = NativeListener.poll_in
+    recv_multipart = NativeListener.recv_message
+    send_parts = NativeListener.send_parts
+    sweep = staticmethod(_sweep)
