@@ -197,6 +197,23 @@ def test_a_peer_without_identity_gets_one_and_ids_are_not_handed_over(pump):
         s.close()
 
 
+def test_a_peer_whose_end_is_not_read_yet_does_not_hold_its_id(pump):
+    a = pump.peer(identity=b"again")
+    # its end not seen by the listener's poll (out of its epoll set), then closed
+    fd = next(fd for fd, c in pump.lst._conns.items() if c.ident == b"again")
+    pump.lst._ep.unregister(fd)
+    a.close()
+    b = pump.connect()
+    b.sendall(GREETING + _ready(b"again"))
+    assert pump.recvn(b, 64)[:1] == b"\xff"
+    flags, body = pump.recv_frame(b)
+    assert flags & 4 and body.startswith(b"\x05READY")
+    b.sendall(_message(b"back"))
+    pump.until(lambda: pump.got, "the message of the id's new connection")
+    assert pump.got[0][0] == b"again" and not pump.lst.counts.get("id_taken")
+    b.close()
+
+
 @pytest.mark.parametrize("bad, why", [
     (b"GET / HTTP/1.1\r\n\r\n" + b"\0" * 64, "bad_greeting"),
     (GREETING[:10] + b"\x02\x00" + GREETING[12:], "bad_greeting"),        # ZMTP 2

@@ -1006,6 +1006,9 @@ class NativeListener:
             if len(ident) > 255:
                 raise ProtocolError("bad_ready")
             if ident:
+                old = self._by_ident.get(ident)
+                if old is not None and _ended(old.sock):
+                    self._close(old, None)      # its end not read yet: no handover
                 if ident in self._by_ident:
                     log.info("connection on fd %d claims the routing id of a connected "
                              "peer (%s): closed", c.fd, ident.hex())
@@ -1032,6 +1035,17 @@ class NativeListener:
             c.out_bytes += len(pong)
             self._flush(c)
         # other commands (PONG, SUBSCRIBE...) are ignored, as a ROUTER does
+
+
+def _ended(sock: socket.socket) -> bool:
+    """Whether the peer of ``sock`` has closed it (end of stream or an error waiting),
+    without taking any byte."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
 
 
 def _sweep(timeout: float = 0.0) -> int:
