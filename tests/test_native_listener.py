@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import resource
-import select
 import socket
 import struct
 import tempfile
