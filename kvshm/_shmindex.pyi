@@ -18,6 +18,8 @@ KEY_MAX: int
 SLOT_SIZE: int
 #: Bytes of a slot shared by its key, checksum and runs.
 SLOT_DATA: int
+#: Largest value size a slot holds (1 TiB - 1); larger values are asked of the server.
+SLOT_SIZE_MAX: int
 #: Bytes of a wide record (an entry a slot cannot hold).
 WIDE_SIZE: int
 #: Slots a table starts with (it grows as GROWTH says, up to its capacity).
@@ -50,10 +52,12 @@ MISS: int
 #: Byte offset and closed value of the header's state word.
 STATE_OFFSET: int
 STATE_CLOSED: int
-#: The table layout this build writes and reads (4), and where the header holds it.
+#: The table layout this build writes and reads (5), and where the header holds it.
 LAYOUT: int
 LAYOUT_OFFSET: int
-#: Byte offsets in a slot of its key (then checksum, runs) and of its value's size.
+#: Byte offsets in a slot of its meta word (size in its low 40 bits, hash tag, key
+#: length, state, flags, runs), of its key (then checksum, runs) and of the size's word.
+SLOT_META_OFFSET: int
 SLOT_KEY_OFFSET: int
 SLOT_SIZE_OFFSET: int
 

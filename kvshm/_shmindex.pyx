@@ -5,9 +5,9 @@ without asking the server (docs/DESIGN.md, "Same-host reads without a round trip
 The server is the only writer (:class:`IndexWriter`); clients map the table read-only
 (:class:`IndexReader`, ``PROT_READ``: a reader cannot corrupt it) and read optimistically.
 
-Index segment layout (layout 4)::
+Index segment layout (layout 5)::
 
-    [ header: 4096 bytes | 2 x capacity slots of 128 bytes | wide records of 256 bytes ]
+    [ header: 4096 bytes | 2 x capacity slots of 64 bytes | wide records of 256 bytes ]
 
 Header: magic ``KVSHMIX1``, layout version, epoch (the server instance, as in HELLO),
 nslots and base (the table: ``nslots`` slots from slot ``base``; it grows (:data:`GROWTH`) up
@@ -28,27 +28,28 @@ new keys go to the new one, a key still in the old one is moved before it is cha
 each move writes the new slot before the old one becomes a tombstone; readers look in the
 old table first, then the new one, and check the table sequence again before a miss. A
 new table's slots start at versions above every version written before, so a token of an
-older table never matches a later entry. Slot::
+older table never matches a later entry. Slot (one 64-byte cache line)::
 
     @0 version u64 (seqlock: odd while the server writes the slot; only ever grows)
-    @8 hash u64 | @16 state u32 (empty/live/tombstone) | @20 key length u16
-    @22 extent count u8 | @23 flags u8 (has checksum)
-    @24 96 bytes: the key, then (flags & 1) its checksum u64, then the extents,
+    @8 meta u64: size (bits 0-39: a value of at most SLOT_SIZE_MAX = 1 TiB - 1 bytes;
+       a larger one is not published), hash tag (40-47: the key hash's low byte), key
+       length (48-55), state (56-57: empty/live/tombstone), flags (58-59: 1 has
+       checksum, 2 wide), extent count - 1 (60-62)
+    @16 48 bytes: the key, then (flags & 1) its checksum u64, then the extents,
     (first block u32, block count u32) each; an entry whose key, checksum and extents
-    do not fit in 96 bytes (a key over 88 bytes, or a long key in many runs) has them
-    in a wide record of 256 bytes instead (flags & 2), whose index (u32) the 96 bytes
-    then begin with. A wide record changes only while the version of the slot that
-    points at it is odd, and is reused only after that slot's version changed, so the
-    slot's seqlock covers it too.
-    @120 size u64 (the value's bytes)
+    do not fit in 48 bytes (a key over 40 bytes, or a 40-byte key with a checksum or
+    more than one run) has them in a wide record of 256 bytes instead (flags & 2),
+    whose index (u32) the 48 bytes then begin with. A wide record changes only while
+    the version of the slot that points at it is odd, and is reused only after that
+    slot's version changed, so the slot's seqlock covers it too.
 
-A lookup that only asks whether a key is there (``exists``, ``match_prefix``) reads the
-slot's first 64-byte cache line alone for a key of up to 40 bytes (a 40-byte hex chunk
-hash included); a get also reads the second (the size, and the runs of a key over 40
-bytes). Layout 3 had the size at @24 and the key from @32, so a 40-byte key went on into
-the second line; layout 4 moved the size to the end. A reader refuses a table of
-another layout (ValueError; :func:`kvshm.localread.attach` then leaves the client to ask
-the server).
+A probe reads one cache line a slot: the version, then the meta word, whose bits 40-57
+(tag, length, state) it compares with the key's in one comparison before it compares
+the key's bytes; a 40-byte key (a hex chunk hash) in one run is all in the line. The
+table keeps only the hash's low byte, so a growth or rebuild hashes each moved key
+again. Layout 4 had 128-byte slots (the full hash @8, the key @24, the size @120);
+layout 5 halves the table's memory per key. A reader refuses a table of another layout
+(ValueError; :func:`kvshm.localread.attach` then leaves the client to ask the server).
 
 A reader loads the version (acquire), the fields, copies the value out of the pool,
 fences (acquire) and loads the version again; any change means the entry moved, was
@@ -159,11 +160,9 @@ cdef extern from *:
                                            __ATOMIC_ACQ_REL, __ATOMIC_RELAXED);
     }
     static inline void kvx_prefetch(const void *p) { __builtin_prefetch(p, 0, 1); }
-    /* A slot a publish is about to write: both its cache lines (the probe reads the
-       first, the write ends at the size in the second), for writing. */
+    /* A slot a publish is about to write (one cache line: layout 5), for writing. */
     static inline void kvx_prefetch_slot_w(const void *p) {
         __builtin_prefetch(p, 1, 3);
-        __builtin_prefetch((const char *)p + 64, 1, 3);
     }
     /* Prefetch a key's home slot and the one after it in the table of n slots from
        slot base, and in the old one (on slots from obase) when on != 0. A macro: GCC
@@ -171,12 +170,12 @@ cdef extern from *:
        its calls (it did, with a Cython inline method). */
     #define KVX_PREFETCH_KEY(slots, h, base, n, obase, on) do {                         \
         uint64_t kvx_pk_ = (base) + kvx_home((h), (n));                                  \
-        __builtin_prefetch((slots) + kvx_pk_ * 128, 0, 1);                               \
-        __builtin_prefetch((slots) + (kvx_pk_ + 1) * 128, 0, 1);                         \
+        __builtin_prefetch((slots) + kvx_pk_ * 64, 0, 1);                                \
+        __builtin_prefetch((slots) + (kvx_pk_ + 1) * 64, 0, 1);                          \
         if (on) {                                                                        \
             kvx_pk_ = (obase) + kvx_home((h), (on));                                     \
-            __builtin_prefetch((slots) + kvx_pk_ * 128, 0, 1);                           \
-            __builtin_prefetch((slots) + (kvx_pk_ + 1) * 128, 0, 1);                     \
+            __builtin_prefetch((slots) + kvx_pk_ * 64, 0, 1);                            \
+            __builtin_prefetch((slots) + (kvx_pk_ + 1) * 64, 0, 1);                      \
         }                                                                                \
     } while (0)
     static inline void kvx_pause(void) {
@@ -502,10 +501,13 @@ MAX_EXTENTS = 8
 #: Longest key the table holds (in a wide record when its key, checksum and runs do not
 #: fit in a slot's SLOT_DATA bytes); longer keys are not published (readers ask the server).
 KEY_MAX = 152
-#: Bytes per slot.
-SLOT_SIZE = 128
+#: Bytes per slot (one cache line).
+SLOT_SIZE = 64
 #: Bytes of a slot shared by the key, the checksum and the runs.
-SLOT_DATA = 96
+SLOT_DATA = 48
+#: Largest value size a slot holds (40 bits of its meta word: 1 TiB - 1); a larger value
+#: is not published (readers ask the server).
+SLOT_SIZE_MAX = (1 << 40) - 1
 #: Bytes of a wide record (key, checksum and runs of an entry a slot cannot hold).
 WIDE_SIZE = 256
 #: Slots a table starts with (at most its capacity); it grows as :data:`GROWTH` says.
@@ -608,12 +610,14 @@ def _env_threads():
 
 _MAGIC = b"KVSHMIX1"
 _RING_MAGIC = b"KVSHMRR1"
-_LAYOUT = 4     # (3: size @24, key @32; 4: key @24, size @120)
+_LAYOUT = 5     # (3: size @24, key @32; 4: 128-byte slots, key @24, size @120;
+                #  5: 64-byte slots, meta word @8, key @16)
 
 DEF C_MAX_EXT = 8
 DEF C_KEY_MAX = 152
-DEF C_SLOT = 128
-DEF C_DATA = 96
+DEF C_SLOT = 64
+DEF C_DATA = 48
+DEF C_SIZE_BITS = 40              # (SLOT_SIZE_MAX: 2 ** 40 - 1)
 DEF C_WIDE = 256
 DEF WIDE_CHUNK = 4096        # wide records reserved at a time
 DEF C_HEADER = 4096
@@ -661,16 +665,14 @@ DEF C_CHUNK = 256
 # slots a batch lookup looks at from a key's home before it puts the key aside (the
 # two it prefetched), and the slots after those it then prefetches for it
 DEF FIRST_SLOTS = 2
-# keys longer than C_LINE_KEY bytes (from the slot's byte 24) go on into its second
-# cache line, up to C_INLINE_KEY (longer: in a wide record)
+# keys of up to C_LINE_KEY bytes in one run (and no checksum) lie in the slot (from its
+# byte 16); longer ones (or with more runs) in a wide record
 DEF C_LINE_KEY = 40
-DEF C_INLINE_KEY = 88
 DEF MORE_SLOTS = 4
 #: Keys ahead of the one looked up whose slots a batch lookup prefetches.
 PREFETCH_AHEAD = AHEAD
-#: :meth:`IndexWriter.publish_many` and :meth:`~IndexWriter.publish_runs` prefetch both
-#: cache lines of each key's home slot, for writing (a publish writes the size at byte
-#: 120, in the second line); False: the first line only, for reading (as before). Read
+#: :meth:`IndexWriter.publish_many` and :meth:`~IndexWriter.publish_runs` prefetch each
+#: key's home slot (one cache line) for writing; False: for reading (as before). Read
 #: at import from ``KVSHM_PUBLISH_PREFETCH_W`` (``0``: off), for A/B figures.
 PUBLISH_PREFETCH_W = os.environ.get("KVSHM_PUBLISH_PREFETCH_W", "1") != "0"
 #: Keys a batch lookup answers under one look at the header's tables.
@@ -722,18 +724,54 @@ cdef struct Header:
 
 
 cdef struct Slot:
-    # what a probe reads first: in the slot's first cache line with a key of <= 40
-    # bytes (C_LINE_KEY: the key starts at byte 24)
+    # one cache line (layout 5)
     uint64_t version        # @0
-    uint64_t hash           # @8
-    uint32_t state          # @16
-    uint16_t keylen         # @20
-    uint8_t nextents        # @22
-    uint8_t flags           # @23
-    # @24: the key, then the checksum (flags & 1), then nextents x (u32, u32): unaligned
+    # @8: size (bits 0-39), hash tag (40-47: the hash's low byte), key length (48-55),
+    # state (56-57), flags (58-59), runs - 1 (60-62): read with one load, decoded by
+    # the _m_* functions below; a probe compares bits 40-57 with _m_want(hash, length)
+    uint64_t meta
+    # @16: the key, then the checksum (flags & 1), then nextents x (u32, u32): unaligned
     char key[C_DATA]
-    # @120: read by gets only (second cache line), not by exists / match_prefix
-    uint64_t size
+
+
+cdef inline uint64_t _m_size(uint64_t m) noexcept nogil:
+    return m & ((<uint64_t>1 << C_SIZE_BITS) - 1)
+
+
+cdef inline uint32_t _m_keylen(uint64_t m) noexcept nogil:
+    return <uint32_t>((m >> 48) & 0xFF)
+
+
+cdef inline uint32_t _m_state(uint64_t m) noexcept nogil:
+    return <uint32_t>((m >> 56) & 3)
+
+
+cdef inline uint32_t _m_flags(uint64_t m) noexcept nogil:
+    return <uint32_t>((m >> 58) & 3)
+
+
+cdef inline uint32_t _m_next(uint64_t m) noexcept nogil:
+    return <uint32_t>(((m >> 60) & 7) + 1)
+
+
+cdef inline uint64_t _m_want(uint64_t h, uint64_t n) noexcept nogil:
+    # bits 40-57 of the meta word of a live slot holding a key of hash h, n bytes
+    return (h & 0xFF) | ((n & 0xFF) << 8) | (<uint64_t>S_LIVE << 16)
+
+
+cdef inline bint _m_is(uint64_t m, uint64_t want) noexcept nogil:
+    return ((m >> 40) & 0x3FFFF) == want
+
+
+cdef inline uint64_t _m_make(uint64_t size, uint64_t h, uint64_t n, uint64_t state,
+                             uint64_t flags, uint64_t ne) noexcept nogil:
+    # (size < 2 ** C_SIZE_BITS, n <= 255, 1 <= ne <= 8)
+    return (size | ((h & 0xFF) << 40) | ((n & 0xFF) << 48) | (state << 56) |
+            ((flags & 3) << 58) | (((ne - 1) & 7) << 60))
+
+
+cdef inline uint64_t _m_with_state(uint64_t m, uint64_t state) noexcept nogil:
+    return (m & ~(<uint64_t>3 << 56)) | (state << 56)
 
 
 cdef struct SegWork:
@@ -771,7 +809,7 @@ cdef inline const char* _slot_key(const Slot* s, const char* wide, uint64_t wide
     and in ``room`` the bytes there; NULL when a key of ``n`` bytes cannot lie there, or
     for a wide record index past the table's (a torn read)."""
     cdef uint32_t w
-    if s.flags & SF_WIDE:
+    if _m_flags(s.meta) & SF_WIDE:
         memcpy(&w, s.key, 4)
         if w >= wide_cap or n > C_KEY_MAX:
             return NULL
@@ -787,15 +825,18 @@ cdef inline const char* _slot_key(const Slot* s, const char* wide, uint64_t wide
 STATE_OFFSET = 56
 #: The table layout this build writes and reads (the header's u32 at :data:`LAYOUT_OFFSET`;
 #: a reader refuses a table of another layout with ValueError, and its client asks the
-#: server instead). 4: a slot's key from byte 24 (:data:`SLOT_KEY_OFFSET`), its size at
-#: byte 120 (:data:`SLOT_SIZE_OFFSET`).
+#: server instead). 5: 64-byte slots, the meta word at byte 8 (:data:`SLOT_META_OFFSET`),
+#: the key from byte 16 (:data:`SLOT_KEY_OFFSET`).
 LAYOUT = _LAYOUT
 #: Byte offset of the header's layout word.
 LAYOUT_OFFSET = 8
-#: Byte offset in a slot of its 96 bytes of key, checksum and runs (or wide record index).
-SLOT_KEY_OFFSET = 24
-#: Byte offset in a slot of its value's size (u64).
-SLOT_SIZE_OFFSET = 120
+#: Byte offset in a slot of its meta word (u64: size in bits 0-39, hash tag 40-47, key
+#: length 48-55, state 56-57, flags 58-59, runs - 1 60-62).
+SLOT_META_OFFSET = 8
+#: Byte offset in a slot of its 48 bytes of key, checksum and runs (or wide record index).
+SLOT_KEY_OFFSET = 16
+#: Byte offset in a slot of the u64 whose low 40 bits are its value's size (the meta word).
+SLOT_SIZE_OFFSET = SLOT_META_OFFSET
 #: Value of the state word of a closed table.
 STATE_CLOSED = H_CLOSED
 
@@ -1148,7 +1189,8 @@ cdef class IndexWriter:
                 "max_step_cpu_s": self.max_step_cpu_s, "steps": self.steps,
                 "steps_cpu_s": self.steps_cpu_s,
                 "sync_finishes": self.sync_finishes, "phase": self._phase,
-                "skipped_records": self.skipped_records, "reads_applied": self.reads_applied}
+                "skipped_records": self.skipped_records, "reads_applied": self.reads_applied,
+                "wide_used": self._wide_next - self._wfree_n}
 
     cdef inline int _check(self) except -1:
         if self._map == NULL:
@@ -1170,21 +1212,24 @@ cdef class IndexWriter:
         """Slot (of the segment) holding the key in the table of ``nslots`` slots from
         ``base``, or -1 (``free_at``: first tombstone or empty on its way)."""
         cdef uint64_t i = kvx_home(h, nslots)
-        cdef uint64_t probes
+        cdef uint64_t probes, m, want = _m_want(h, n)
+        cdef uint32_t st
         cdef Slot* s
         cdef const char* kp
         cdef size_t room
         free_at[0] = -1
         for probes in range(nslots):
             s = self._slot(base + i)
-            if s.state == S_EMPTY:
+            m = s.meta
+            st = _m_state(m)
+            if st == S_EMPTY:
                 if free_at[0] < 0:
                     free_at[0] = base + i
                 return -1
-            if s.state == S_TOMB:
+            if st == S_TOMB:
                 if free_at[0] < 0:
                     free_at[0] = base + i
-            elif s.hash == h and s.keylen == n:
+            elif _m_is(m, want):
                 kp = _slot_key(s, self._wide, self._wide_cap, n, &room)
                 if kp != NULL and memcmp(kp, k, n) == 0:
                     return base + i
@@ -1210,25 +1255,40 @@ cdef class IndexWriter:
         is in one of them): the copy is written first, then the old slot becomes a
         tombstone, so a reader that looks in the old table, then the new one, never
         misses it. Its wide record, if any, goes along (the old slot no longer points at
-        it once the new one may change it). Returns the new slot."""
+        it once the new one may change it). Returns the new slot. (Layout 5 keeps the
+        hash's low byte only: the key's hash is computed again here, from its bytes.)"""
         cdef Slot* src = self._slot(j)
-        cdef uint64_t i = kvx_home(src.hash, self._nslots)
-        cdef uint64_t probes
+        cdef size_t room
+        cdef uint32_t kl = _m_keylen(src.meta)
+        cdef const char* kp = _slot_key(src, self._wide, self._wide_cap, kl, &room)
+        cdef uint64_t i, probes
         cdef Slot* d
+        if kp == NULL:
+            # not what the server wrote (a same-user process scribbled a wide record
+            # index past the records, or a length): no key compare could match it, so
+            # it is dropped rather than hashed from memory it does not name
+            self._begin_write(src)
+            src.meta = _m_with_state(src.meta, S_TOMB)
+            self._end_write(src)
+            self._live -= 1            # (an old table's tombstones are not counted)
+            self._h.live = self._live
+            self._work += 1
+            return -1
+        i = kvx_home(kvx_hash(kp, kl), self._nslots)
         for probes in range(self._nslots):
-            if self._slot(self._base + i).state != S_LIVE:
+            if _m_state(self._slot(self._base + i).meta) != S_LIVE:
                 break
             i += 1
             if i == self._nslots:
                 i = 0
         d = self._slot(self._base + i)
-        if d.state == S_TOMB:
+        if _m_state(d.meta) == S_TOMB:
             self._tombs -= 1
         self._begin_write(d)
         memcpy(<char*>d + 8, <char*>src + 8, C_SLOT - 8)     # all but the version
         self._end_write(d)
         self._begin_write(src)
-        src.state = S_TOMB
+        src.meta = _m_with_state(src.meta, S_TOMB)
         self._end_write(src)
         self._work += 1
         return <int64_t>(self._base + i)
@@ -1444,7 +1504,11 @@ cdef class IndexWriter:
         cdef char* rec
         cdef bint wide, was_wide, fresh
         cdef int64_t w = -1
-        cdef uint32_t w32
+        cdef uint32_t w32, st, flags
+        cdef uint64_t m
+        if size >> C_SIZE_BITS:        # past the slot's 40-bit size: the server answers it
+            self._refuse(None, k, n)
+            return -1
         if self._phase != P_IDLE:
             self._step()
         i = self._find(k, n, h, &free_at)
@@ -1468,15 +1532,17 @@ cdef class IndexWriter:
                             break
                 # (the table may have moved meanwhile: where the key goes, again)
                 i = self._find(k, n, h, &free_at)
-            if free_at < 0 or (self._slot(free_at).state == S_EMPTY and
+            if free_at < 0 or (_m_state(self._slot(free_at).meta) == S_EMPTY and
                                self._live + self._tombs >= self._limit):
                 self._unpub.add(bytes(k[:n]))
                 self._set_unpublished()
                 return -1
             i = free_at
         s = self._slot(i)
-        fresh = s.state != S_LIVE
-        was_wide = not fresh and (s.flags & SF_WIDE) != 0
+        m = s.meta
+        st = _m_state(m)
+        fresh = st != S_LIVE
+        was_wide = not fresh and (_m_flags(m) & SF_WIDE) != 0
         # a wide record for what a slot cannot hold (once wide, an entry stays wide)
         wide = was_wide or n + 8 * ne + (8 if has_sum else 0) > C_DATA
         if wide and not was_wide:
@@ -1486,12 +1552,9 @@ cdef class IndexWriter:
                 return -1
         self._begin_write(s)
         if fresh:
-            if s.state == S_TOMB:
+            if st == S_TOMB:
                 self._tombs -= 1
             self._live += 1
-            s.hash = h
-            s.keylen = n
-            s.state = S_LIVE
         if w >= 0:
             w32 = <uint32_t>w
             rec = self._wide + <uint64_t>w32 * C_WIDE
@@ -1504,15 +1567,14 @@ cdef class IndexWriter:
             rec = s.key
             if fresh:
                 memcpy(rec, k, n)
-        s.size = size
         tail = rec + n
-        s.flags = SF_WIDE if wide else 0
+        flags = SF_WIDE if wide else 0
         if has_sum:
-            s.flags |= SF_SUM
+            flags |= SF_SUM
             memcpy(tail, &csum, 8)
             tail += 8
-        s.nextents = ne
         memcpy(tail, ext, ne * 8)
+        s.meta = _m_make(size, h, n, S_LIVE, flags, ne)
         self._end_write(s)
         self._h.live = self._live
         self._h.tombs = self._tombs
@@ -1534,9 +1596,9 @@ cdef class IndexWriter:
         cdef uint32_t w
         s = self._slot(i)
         self._begin_write(s)
-        s.state = S_TOMB
+        s.meta = _m_with_state(s.meta, S_TOMB)
         self._end_write(s)
-        if s.flags & SF_WIDE:
+        if _m_flags(s.meta) & SF_WIDE:
             memcpy(&w, s.key, 4)
             self._wide_free(w)
         self._live -= 1
@@ -1704,9 +1766,9 @@ cdef class IndexWriter:
         self._finish()
         for i in range(self._nslots):
             s = self._slot(self._base + i)
-            if s.state != S_EMPTY:
+            if _m_state(s.meta) != S_EMPTY:
                 self._begin_write(s)
-                s.state = S_EMPTY
+                s.meta = 0
                 self._end_write(s)
         self._live = self._tombs = 0
         self._h.live = self._h.tombs = 0
@@ -1791,7 +1853,7 @@ cdef class IndexWriter:
         elif self._phase == P_MIGRATE:
             end = min(self._onslots, self._cursor + self._move_step)
             for j in range(self._cursor, end):
-                if self._slot(self._obase + j).state == S_LIVE:
+                if _m_state(self._slot(self._obase + j).meta) == S_LIVE:
                     self._move(self._obase + j)
             self._work += end - self._cursor
             self._cursor = end
@@ -1948,10 +2010,10 @@ cdef class IndexWriter:
                     (self._onslots and self._obase <= slot < self._obase + self._onslots)):
                 continue
             s = self._slot(slot)
-            if s.state == S_LIVE and <uint32_t>s.version == ver:
-                kp = _slot_key(s, self._wide, self._wide_cap, s.keylen, &room)
+            if _m_state(s.meta) == S_LIVE and <uint32_t>s.version == ver:
+                kp = _slot_key(s, self._wide, self._wide_cap, _m_keylen(s.meta), &room)
                 if kp != NULL:
-                    out.append(PyBytes_FromStringAndSize(kp, s.keylen))
+                    out.append(PyBytes_FromStringAndSize(kp, _m_keylen(s.meta)))
         self._tail = t
         kvx_store_rel(tailp, t)
         self.reads_applied += len(out)
@@ -2377,7 +2439,7 @@ cdef class IndexReader:
                       uint64_t h, Found* f, bint full) noexcept nogil:
         """One probe of the table of ``nslots`` slots from ``base``: R_HIT, R_MISS, or
         R_FALLBACK when a slot on the way changed (look again)."""
-        cdef uint64_t i, probes, v1, hs, ne
+        cdef uint64_t i, probes, v1, hs, ne, m, want = _m_want(h, n)
         cdef const Slot* s
         cdef const char* tail
         cdef const char* kp
@@ -2389,18 +2451,19 @@ cdef class IndexReader:
             v1 = kvx_load_acq(&s.version)
             if v1 & 1:
                 return R_FALLBACK
-            st = s.state
+            m = s.meta
+            st = _m_state(m)
             kp = NULL
-            if st == S_LIVE and s.hash == h and s.keylen == n:
+            if _m_is(m, want):
                 kp = _slot_key(s, self._wide, self._wide_cap, n, &room)
                 if kp != NULL and memcmp(kp, k, n) != 0:
                     kp = NULL
             if kp != NULL:
                 f.slot = base + i
                 if full:
-                    f.size = s.size
-                    hs = s.flags & 1
-                    ne = s.nextents
+                    f.size = _m_size(m)
+                    hs = _m_flags(m) & 1
+                    ne = _m_next(m)
                     tail = kp + n
                     f.checksum = 0
                     if ne > C_MAX_EXT or n + 8 * hs + 8 * ne > room:
@@ -2743,9 +2806,8 @@ cdef class IndexReader:
         fallback without; returns the keys looked up (the rest of ``out`` unset).
 
         Fast (``fast_batch``): the two slots from the home of the key AHEAD places on
-        are prefetched before each lookup (the first cache line of each; and the home
-        slot's second line for a key of C_LINE_KEY < n <= C_INLINE_KEY bytes, which
-        goes on into it); a key whose probe goes past them is put aside
+        are prefetched before each lookup (a cache line each); a key whose probe goes
+        past them is put aside
         with the next MORE_SLOTS slots prefetched, and finished at the end of its chunk
         of C_CHUNK keys (so that its misses overlap the next keys' instead of stalling
         the loop). The tables are read from the header once per chunk. A hit stands
@@ -2779,8 +2841,6 @@ cdef class IndexReader:
             if quick and i == 0:
                 for j in range(min(nk, AHEAD)):
                     KVX_PREFETCH_KEY(self._slots, hashes[j], base, nslots, obase, onslots)
-                    if C_LINE_KEY < offs[j + 1] - offs[j] <= C_INLINE_KEY:
-                        kvx_prefetch(self._slots + (base + kvx_home(hashes[j], nslots)) * C_SLOT + 64)
             while i < lim:
                 k = arena + offs[i]
                 n = offs[i + 1] - offs[i]
@@ -2790,9 +2850,6 @@ cdef class IndexReader:
                     j = i + AHEAD
                     if j < nk:
                         KVX_PREFETCH_KEY(self._slots, hashes[j], base, nslots, obase, onslots)
-                        if C_LINE_KEY < offs[j + 1] - offs[j] <= C_INLINE_KEY:
-                            # its key goes on into the home slot's second cache line
-                            kvx_prefetch(self._slots + (base + kvx_home(hashes[j], nslots)) * C_SLOT + 64)
                     if onslots:             # a migration: the old table, then the new one
                         r = self._probe1(k, n, hashes[i], obase, onslots)
                         if r == R_MISS:
@@ -2849,7 +2906,7 @@ cdef class IndexReader:
         ``left[0]`` slots left to the whole probe. R_HIT, R_MISS, R_FALLBACK (a slot on
         the way was being written), or R_MORE with ``pos`` and ``left`` moved past the
         slots looked at."""
-        cdef uint64_t i = pos[0], m, v1
+        cdef uint64_t i = pos[0], m, v1, mt, want = _m_want(h, n)
         cdef const Slot* s
         cdef const char* kp
         cdef size_t room
@@ -2861,8 +2918,9 @@ cdef class IndexReader:
             v1 = kvx_load_acq(&s.version)
             if v1 & 1:
                 return R_FALLBACK
-            st = s.state
-            if st == S_LIVE and s.hash == h and s.keylen == n:
+            mt = s.meta
+            st = _m_state(mt)
+            if _m_is(mt, want):
                 kp = _slot_key(s, self._wide, self._wide_cap, n, &room)
                 if kp != NULL and kvx_keyeq(kp, k, n):
                     kvx_fence_acq()
@@ -2885,7 +2943,7 @@ cdef class IndexReader:
         caller checks the table sequence once for the whole batch): R_HIT, R_MISS, or
         R_FALLBACK when a slot on the way was being written (the caller then runs the
         full :meth:`_find`)."""
-        cdef uint64_t i = kvx_home(h, nslots), probes, v1
+        cdef uint64_t i = kvx_home(h, nslots), probes, v1, mt, want = _m_want(h, n)
         cdef const Slot* s
         cdef const char* kp
         cdef size_t room
@@ -2895,8 +2953,9 @@ cdef class IndexReader:
             v1 = kvx_load_acq(&s.version)
             if v1 & 1:
                 return R_FALLBACK
-            st = s.state
-            if st == S_LIVE and s.hash == h and s.keylen == n:
+            mt = s.meta
+            st = _m_state(mt)
+            if _m_is(mt, want):
                 kp = _slot_key(s, self._wide, self._wide_cap, n, &room)
                 if kp != NULL and kvx_keyeq(kp, k, n):
                     kvx_fence_acq()
@@ -3169,12 +3228,13 @@ cdef class IndexReader:
         return done
 
 
-cdef Slot _layout_slot     # (the offsets of layout 4, which readers of other builds rely on)
+cdef Slot _layout_slot     # (the offsets of layout 5, which readers of other builds rely on)
 cdef Header _layout_header
 if (sizeof(Slot) != C_SLOT or C_KEY_MAX + 8 + 8 * C_MAX_EXT > C_WIDE or sizeof(Rec) != 16
-        or sizeof(Header) > C_HEADER
+        or sizeof(Header) > C_HEADER or C_KEY_MAX > 255 or C_MAX_EXT > 8
         or <char*>&_layout_slot.key[0] - <char*>&_layout_slot != SLOT_KEY_OFFSET
-        or <char*>&_layout_slot.size - <char*>&_layout_slot != SLOT_SIZE_OFFSET
-        or SLOT_KEY_OFFSET + C_DATA != SLOT_SIZE_OFFSET
+        or <char*>&_layout_slot.meta - <char*>&_layout_slot != SLOT_META_OFFSET
+        or SLOT_KEY_OFFSET + C_DATA != C_SLOT or C_LINE_KEY + 8 != C_DATA
+        or (1 << C_SIZE_BITS) - 1 != SLOT_SIZE_MAX
         or <char*>&_layout_header.layout - <char*>&_layout_header != LAYOUT_OFFSET):
     raise ImportError("kvshm._shmindex was built with an unexpected struct layout")

@@ -9,7 +9,7 @@ server, no pool bytes written) takes the keys (40 bytes, ``publish_runs`` in bat
 ``--batch``, as a server's PUT of a batch), then ``IndexReader.exists_batch`` (1,024-key
 batches, half present, shuffled) and ``match_prefix`` (64-key requests, all present) run
 over them. Reported per policy and count (medians): slots, load (live / slots), table
-bytes per key (slots x 128 / keys, and the segment's allocated bytes / keys), publish CPU
+bytes per key (slots x SLOT_SIZE / keys, and the segment's allocated bytes / keys), publish CPU
 ns per key (this thread's CPU time; growth steps included) and lookups in M keys/s by
 this thread's CPU time (median of ``--reps``), with the load average. The load a count
 lands on depends on where the last growth fell: run several counts. No timed asserts:

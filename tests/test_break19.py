@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from kvshm.zmq_ctrl.protocol import Op
-from kvshm._shmindex import BATCH_SEGMENT, FALLBACK, IndexReader, batch_helper_stats
+from kvshm._shmindex import (BATCH_SEGMENT, FALLBACK, HEADER_SIZE, SLOT_SIZE, IndexReader,
+                             batch_helper_stats)
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_localx_threads import EPOCH, PIECE, Tables  # noqa: E402
@@ -30,7 +31,7 @@ def _hold(m: mmap.mmap, reader: IndexReader, key: bytes):
     """Put ``key``'s slot in a write that never ends (odd version): (where, version)."""
     offs, sizes, toks = reader.locate([key])
     slot, version = toks[0]
-    where = 4096 + slot * 128                      # HEADER_SIZE, SLOT_SIZE
+    where = HEADER_SIZE + slot * SLOT_SIZE
     assert struct.unpack_from("<Q", m, where)[0] == version
     struct.pack_into("<Q", m, where, version + 1)
     return where, version

@@ -1,5 +1,6 @@
 """break20: hostile review of shared index layout 4 (01f392d), break19's batch-probe stop
-fixes (6568d9c / d525e01 / f8afcd4) and the EXISTS found-list check (7c17019)."""
+fixes (6568d9c / d525e01 / f8afcd4) and the EXISTS found-list check (7c17019). (The slot
+checks follow layout 5: 64-byte slots, a meta word @8, the key @16.)"""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import posix_ipc
 import pytest
 
 from kvshm import Pool
-from kvshm._shmindex import (HEADER_SIZE, KEY_MAX, MISS, SLOT_KEY_OFFSET, SLOT_SIZE,
-                             SLOT_SIZE_OFFSET, IndexReader, IndexWriter, default_slots)
+from kvshm._shmindex import (HEADER_SIZE, KEY_MAX, MISS, SLOT_DATA, SLOT_KEY_OFFSET,
+                             SLOT_META_OFFSET, SLOT_SIZE, SLOT_SIZE_MAX, IndexReader,
+                             IndexWriter, default_slots)
 
 BS = 4096
 EPOCH = 20
@@ -57,6 +59,10 @@ def _value(tag: int, size: int) -> bytes:
     return bytes((tag + i) % 256 for i in range(size))
 
 
+def _meta(s: bytes) -> int:
+    return struct.unpack_from("<Q", s, SLOT_META_OFFSET)[0]
+
+
 def _slot_bytes(name: str, slot: int) -> bytes:
     shm = posix_ipc.SharedMemory(name)
     m = mmap.mmap(shm.fd, shm.size, prot=mmap.PROT_READ)
@@ -71,7 +77,7 @@ def test_held_every_key_length_checksum_and_run_count_round_trips(table):
     """Keys of 1..152 bytes, with and without a checksum, in 1..8 runs: every read path
     answers the value and size written, and an overwrite of each with a different size,
     run count and checksum presence reads the new one (get, get_into, get_many_into,
-    lookup, exists_batch, match_prefix); the size word @120 never holds key/run bytes."""
+    lookup, exists_batch, match_prefix); the meta word's size never holds key/run bytes."""
     w, r, p = table.writer, table.reader, table.pool
     tag = 0
     for n, has_sum, ne in itertools.product(KEYLENS, (False, True), range(1, 9)):
@@ -85,11 +91,11 @@ def test_held_every_key_length_checksum_and_run_count_round_trips(table):
         csum = 0x0102030405060708 + tag if has_sum else None
         i = w.publish(k, size, runs, csum)
         assert i >= 0
-        inline = n + 8 * ne + (8 if has_sum else 0) <= 96
+        inline = n + 8 * ne + (8 if has_sum else 0) <= SLOT_DATA
         s = _slot_bytes(w.name, i)
-        assert struct.unpack_from("<Q", s, SLOT_SIZE_OFFSET)[0] == size
-        assert struct.unpack_from("<H", s, 20)[0] == n
-        assert bool(s[23] & 2) == (not inline), (n, has_sum, ne)
+        assert _meta(s) & SLOT_SIZE_MAX == size
+        assert (_meta(s) >> 48) & 0xFF == n and ((_meta(s) >> 60) & 7) + 1 == ne
+        assert bool((_meta(s) >> 58) & 2) == (not inline), (n, has_sum, ne)
         if inline:
             assert s[SLOT_KEY_OFFSET:SLOT_KEY_OFFSET + n] == k
         assert r.lookup(k)[1:] == (size, tuple(runs), csum)
@@ -107,7 +113,7 @@ def test_held_every_key_length_checksum_and_run_count_round_trips(table):
             p.write(b * BS, v2[j * BS:(j + 1) * BS])
         csum2 = None if has_sum else 0xFEDCBA9876543210
         assert w.publish(k, size2, runs2, csum2) == i
-        assert struct.unpack_from("<Q", _slot_bytes(w.name, i), SLOT_SIZE_OFFSET)[0] == size2
+        assert _meta(_slot_bytes(w.name, i)) & SLOT_SIZE_MAX == size2
         assert r.lookup(k)[1:] == (size2, tuple(runs2), csum2)
         assert r.get(k) == v2
         out = bytearray(size2)

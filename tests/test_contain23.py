@@ -6,7 +6,7 @@ others keep what was attacked and held (each can fail).
 
 Held (attacked, nothing found; kept so that a change that breaks them is seen):
 
-* The shared index (kvshm/_shmindex.pyx, layout 4) is a 0600 segment of the server's
+* The shared index (kvshm/_shmindex.pyx, layout 5) is a 0600 segment of the server's
   user: every same-user process (a container running as the same uid, user namespaces
   mapping its root to it included) can open it read-write, whatever the readers' own
   ``PROT_READ`` mapping. The server, its only writer, reads slots back from it; a wide
@@ -37,7 +37,7 @@ from servers import ServerProcess
 
 pytestmark = pytest.mark.timeout(120)
 
-SLOT, HEADER, WIDE_FLAG, LIVE = 128, 4096, 2, 1
+SLOT, HEADER, WIDE_FLAG, LIVE = 64, 4096, 2, 1   # layout 5
 
 
 def _index_map(srv: ServerProcess) -> mmap.mmap:
@@ -55,8 +55,8 @@ def _wide_slots(m: mmap.mmap) -> list[int]:
     out = []
     for i in range(base, base + nslots):
         off = HEADER + i * SLOT
-        state, = struct.unpack_from("<I", m, off + 16)
-        if state == LIVE and m[off + 23] & WIDE_FLAG:
+        meta, = struct.unpack_from("<Q", m, off + 8)       # state @56, flags @58
+        if (meta >> 56) & 3 == LIVE and (meta >> 58) & WIDE_FLAG:
             out.append(off)
     return out
 
@@ -70,7 +70,7 @@ def test_scribbled_wide_record_index_cannot_crash_the_server(then, index):
     the server would write the runs there or hand it out again). The server stays up,
     the keys read back right through the lock-free path and the server's, and the
     table keeps taking long keys."""
-    long_a = b"A" * 120          # over 88 bytes: kept in a wide record
+    long_a = b"A" * 120          # over 40 bytes: kept in a wide record
     long_b = b"B" * 130
     with ServerProcess("--block-size", "4") as srv, Client(srv.address) as c:
         c.put(long_a, b"first")
@@ -78,7 +78,7 @@ def test_scribbled_wide_record_index_cannot_crash_the_server(then, index):
         try:
             slots = _wide_slots(m)
             assert len(slots) == 1, slots
-            struct.pack_into("<I", m, slots[0] + 24, index)     # the scribble
+            struct.pack_into("<I", m, slots[0] + 16, index)     # the scribble
         finally:
             m.close()
         if then == "overwrite":

@@ -1,4 +1,4 @@
-"""Index memory (issue 13): the shared table's slots are 128 bytes, it takes memory for the
+"""Index memory (issue 13): the shared table's slots are 64 bytes (layout 5), it takes memory for the
 keys stored (it starts small and grows (``GROWTH``: from 13/16 full by half) up to its capacity, a bounded step per
 publish or unpublish: no call rebuilds the whole table) rather than for the pool's blocks, and entries a slot cannot hold (long keys, many runs, checksums) use wide records
 of the same segment. Readers see every size the table grows through, never a wrong value,
@@ -51,7 +51,32 @@ class Table:
 
 
 def test_slot_layout_is_small():
-    assert SLOT_SIZE == 128 and WIDE_SIZE == 256 and KEY_MAX == 152
+    assert SLOT_SIZE == 64 and WIDE_SIZE == 256 and KEY_MAX == 152
+
+
+def test_40_byte_keys_take_at_most_about_120_bytes_of_table_each(shm_name):
+    """Issue 13's bench case (40-byte keys, one run each, no checksum): each key lies in
+    its 64-byte slot (no wide record), so the segment's allocated bytes per key are the
+    slots per key (1.23 to 1.85 with GROWTH (13, 8)) x 64: at most ~118. Layout 4's
+    128-byte slots took 158 to 236."""
+    t = Table(shm_name, blocks=40_000, initial=64)
+    w = t.writer
+    try:
+        keys = [b"%040x" % (i * 0x9E3779B97F4A7C15 % (1 << 160)) for i in range(30_000)]
+        for i, k in enumerate(keys):
+            assert w.publish(k, 8, [(i, 1)]) >= 0
+        for _ in range(64):                        # the last steps give the old table back
+            if w.stats()["phase"] == 0:
+                break
+            w.publish(keys[0], 8, [(0, 1)])
+        assert w.stats()["phase"] == 0 and w.live == len(keys)
+        per_key = (_allocated(w.name) - HEADER_SIZE) / len(keys)
+        assert per_key <= 120, per_key
+        assert per_key <= SLOT_SIZE * w.nslots / len(keys) + 1
+        assert w.stats()["wide_used"] == 0
+        assert t.reader.exists_batch(keys) == [True] * len(keys)
+    finally:
+        t.close()
 
 
 def test_the_table_grows_with_the_keys_and_a_reader_made_before_sees_them_all(shm_name):

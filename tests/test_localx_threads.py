@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from kvshm import Pool
+from kvshm import Pool, _shmindex
 from kvshm._shmindex import (BATCH_SEGMENT, BATCH_THREADS_MIN, ENV_BATCH_THREADS, FALLBACK,
                              IndexReader, IndexWriter, batch_helper_stats,
                              default_batch_threads, default_slots)
@@ -352,7 +352,7 @@ def test_a_slot_held_in_a_write_in_a_later_piece_sends_the_batch_to_the_server(s
             for at in (3, 2 * PIECE + 7, BATCH_SEGMENT + 3 * PIECE + 1, len(keys) - 2):
                 offs, sizes, toks = t.readers["one"].locate([keys[at]])
                 slot, version = toks[0]
-                where = 4096 + slot * 128                      # HEADER_SIZE, SLOT_SIZE
+                where = _shmindex.HEADER_SIZE + slot * _shmindex.SLOT_SIZE
                 assert struct.unpack_from("<Q", m, where)[0] == version
                 struct.pack_into("<Q", m, where, version + 1)  # a write begun, never ended
                 try:

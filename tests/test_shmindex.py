@@ -25,8 +25,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 import kvshm
 from kvshm import Pool, segments
 from kvshm._shmindex import (FALLBACK, HEADER_SIZE, KEY_MAX, LAYOUT, LAYOUT_OFFSET, MISS,
-                             SLOT_KEY_OFFSET, SLOT_SIZE, SLOT_SIZE_OFFSET, IndexReader,
-                             IndexWriter, default_slots, key_hash)
+                             SLOT_DATA, SLOT_KEY_OFFSET, SLOT_META_OFFSET, SLOT_SIZE,
+                             SLOT_SIZE_MAX, SLOT_SIZE_OFFSET, IndexReader, IndexWriter,
+                             default_slots, key_hash)
 from kvshm.client import Client
 from kvshm.server import Server
 from kvshm.store import Store, StoreConfig
@@ -215,29 +216,104 @@ def _index_map(name: str) -> mmap.mmap:
         shm.close_fd()
 
 
-def test_a_slot_holds_its_key_from_byte_24_and_its_size_at_byte_120(table):
-    # Layout 4: a key of up to 40 bytes (a 40-byte hex chunk hash) lies in the slot's
-    # first cache line with its version, hash, state and length, so an exists or
-    # match_prefix hit reads one line; the size (read by gets only) is at the end. In
-    # layout 3 the size was at @24 and the key started at @32.
-    assert (LAYOUT, SLOT_KEY_OFFSET, SLOT_SIZE_OFFSET, SLOT_SIZE) == (4, 24, 120, 128)
-    key = b"%040x" % 0x1234567890ABCDEF                  # 40 bytes
-    assert table.writer.publish(key, 4000, [(3, 1)], checksum=0x1122334455667788) >= 0
-    _offs, _sizes, toks = table.reader.locate([key])
-    slot, version = toks[0]
+def _slot_bytes(table, slot):
     shm = posix_ipc.SharedMemory(table.writer.name)
     m = mmap.mmap(shm.fd, shm.size, prot=mmap.PROT_READ)
     shm.close_fd()
     try:
-        s = m[HEADER_SIZE + slot * SLOT_SIZE:HEADER_SIZE + (slot + 1) * SLOT_SIZE]
+        return m[HEADER_SIZE + slot * SLOT_SIZE:HEADER_SIZE + (slot + 1) * SLOT_SIZE]
     finally:
         m.close()
-    ver, h, state, keylen, ne, flags = struct.unpack_from("<QQIHBB", s, 0)
-    assert (ver, h, state, keylen, ne, flags) == (version, key_hash(key), 1, 40, 1, 1)
-    assert s[24:64] == key                               # all of it in line 1
-    assert struct.unpack_from("<QII", s, 64) == (0x1122334455667788, 3, 1)
-    assert struct.unpack_from("<Q", s, 120)[0] == 4000
-    assert table.reader.lookup(key)[1:] == (4000, ((3, 1),), 0x1122334455667788)
+
+
+def _meta(s):
+    """A layout-5 slot's meta word, split: (size, tag, keylen, state, flags, runs)."""
+    m = struct.unpack_from("<Q", s, SLOT_META_OFFSET)[0]
+    return (m & SLOT_SIZE_MAX, (m >> 40) & 0xFF, (m >> 48) & 0xFF, (m >> 56) & 3,
+            (m >> 58) & 3, ((m >> 60) & 7) + 1)
+
+
+def test_a_slot_is_one_cache_line_holding_a_40_byte_key_and_its_run(table):
+    # Layout 5: 64-byte slots (one cache line each: the table takes half the memory of
+    # layout 4's 128-byte slots). @0 the version, @8 one u64 of size (40 bits), hash
+    # tag, key length, state, flags and run count, @16 48 bytes of key and runs: a
+    # 40-byte key (a hex chunk hash) in one run lies in the slot, no wide record.
+    assert (LAYOUT, SLOT_SIZE, SLOT_META_OFFSET, SLOT_KEY_OFFSET, SLOT_DATA) == (5, 64, 8, 16, 48)
+    assert SLOT_SIZE_OFFSET == SLOT_META_OFFSET and SLOT_SIZE_MAX == (1 << 40) - 1
+    key = b"%040x" % 0x1234567890ABCDEF                  # 40 bytes
+    assert table.writer.publish(key, 4000, [(3, 1)]) >= 0
+    assert table.writer.stats()["wide_used"] == 0
+    _offs, _sizes, toks = table.reader.locate([key])
+    slot, version = toks[0]
+    s = _slot_bytes(table, slot)
+    assert struct.unpack_from("<Q", s, 0)[0] == version
+    assert _meta(s) == (4000, key_hash(key) & 0xFF, 40, 1, 0, 1)
+    assert s[16:56] == key and struct.unpack_from("<II", s, 56) == (3, 1)
+    assert table.reader.lookup(key)[1:] == (4000, ((3, 1),), None)
+    # with a checksum it no longer fits: a wide record holds key, checksum and runs
+    assert table.writer.publish(key, 4001, [(3, 1)], checksum=0x1122334455667788) == slot
+    s = _slot_bytes(table, slot)
+    assert _meta(s) == (4001, key_hash(key) & 0xFF, 40, 1, 3, 1)        # SUM | WIDE
+    assert table.writer.stats()["wide_used"] == 1
+    assert table.reader.lookup(key)[1:] == (4001, ((3, 1),), 0x1122334455667788)
+    # a short key with a checksum and two runs fits: 8 + 8 + 16 <= 48
+    assert table.writer.publish(b"k" * 8, 5, [(1, 1), (7, 2)], checksum=9) >= 0
+    assert table.writer.stats()["wide_used"] == 1
+    assert table.reader.lookup(b"k" * 8)[1:] == (5, ((1, 1), (7, 2)), 9)
+
+
+def test_a_value_past_the_slots_size_field_is_not_published(table):
+    # the size has 40 bits (1 TiB - 1): a larger value is left to the server (a reader
+    # falls back), and an older smaller value of the key is no longer visible
+    assert table.writer.publish(b"big", 10, [(0, 1)]) >= 0
+    assert table.reader.lookup(b"big")[1] == 10
+    assert table.writer.publish(b"big", SLOT_SIZE_MAX + 1, [(0, 1)]) == -1
+    assert table.reader.lookup(b"big") == FALLBACK
+    assert table.writer.unpublished == 1
+    slot = table.writer.publish(b"big", SLOT_SIZE_MAX, [(0, 1)])
+    assert slot >= 0 and table.writer.unpublished == 0
+    assert _meta(_slot_bytes(table, slot))[0] == SLOT_SIZE_MAX     # the largest it holds
+    assert table.reader.lookup(b"big") == FALLBACK    # (its one block cannot hold it)
+    assert table.writer.publish(b"big", 11, [(0, 1)]) == slot
+    assert table.reader.lookup(b"big")[1] == 11
+
+
+def test_a_growth_drops_a_slot_scribbled_to_name_no_key_and_keeps_the_rest(shm_name):
+    # layout 5 keeps one hash byte, so a growth hashes each moved key again from the
+    # key's bytes; a slot whose wide record index a same-user process scribbled past
+    # the records names no key: the growth drops it (no key compare could match it
+    # anyway) instead of hashing memory it does not name, and moves every other key
+    pool = Pool.create(shm_name, 64 * BS, BS)
+    w = IndexWriter.create(shm_name + "-index", shm_name + "-reads", 4096, epoch=EPOCH,
+                           block_size=BS, num_blocks=64, initial_slots=64, migrate_step=4)
+    try:
+        long_key = b"L" * 100                          # over 40 bytes: a wide record
+        slot = w.publish(long_key, 7, [(1, 1)])
+        assert slot >= 0 and w.stats()["wide_used"] == 1
+        shm = posix_ipc.SharedMemory(w.name)
+        m = mmap.mmap(shm.fd, shm.size)
+        shm.close_fd()
+        try:
+            struct.pack_into("<I", m, HEADER_SIZE + slot * SLOT_SIZE + SLOT_KEY_OFFSET,
+                             0xFFFFFFF0)
+        finally:
+            m.close()
+        keys = [b"%040x" % i for i in range(600)]      # several growths from 64 slots
+        for i, k in enumerate(keys):
+            assert w.publish(k, i + 1, [(i % 64, 1)]) >= 0
+        assert w.rebuilds >= 2 and w.live == len(keys)
+        r = IndexReader(w.name, w.reads_name, pool, EPOCH)
+        try:
+            assert r.exists_batch(keys) == [True] * len(keys)
+            assert all(r.lookup(k)[1] == i + 1 for i, k in enumerate(keys))
+            assert r.lookup(long_key) is None        # dropped: a miss (server's table)
+        finally:
+            r.close()
+        assert w.publish(long_key, 8, [(2, 1)]) >= 0  # it takes the key again
+    finally:
+        w.unlink()
+        pool.close()
+        pool.unlink()
 
 
 def test_reader_refuses_a_table_of_another_layout(table):
