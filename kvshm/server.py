@@ -167,9 +167,9 @@ class ServerConfig:
         Publish the index in a read-only shm table next to the pool, so same-host
         clients read without a round trip (docs/DESIGN.md). Default True.
     shared_index_slots : int
-        Most slots of that table (0: twice the pool's blocks, a power of two; 128 bytes
-        each). It starts with 4,096 and grows by half at 3/4 full: memory follows the keys
-        stored.
+        Most slots of that table (0: twice the pool's blocks, a power of two; 64 bytes
+        each). It starts with 4,096 and grows by half from 13/16 full: memory follows the
+        keys stored.
     cluster : str, optional
         ``etcd://H:P[,H:P...]``: join a cluster (docs/CLUSTER.md); needs the ``cluster``
         extra. None (default): a lone server.
