@@ -7,7 +7,8 @@ The server is the only writer (:class:`IndexWriter`); clients map the table read
 
 Index segment layout (layout 5)::
 
-    [ header: 4096 bytes | 2 x capacity slots of 64 bytes | wide records of 256 bytes ]
+    [ header: 4096 bytes | 2 x capacity slots of 64 bytes |
+      wide records: W of 64 bytes | W of 128 bytes | W of 256 bytes ]   (W = wide capacity)
 
 Header: magic ``KVSHMIX1``, layout version, epoch (the server instance, as in HELLO),
 nslots and base (the table: ``nslots`` slots from slot ``base``; it grows (:data:`GROWTH`) up
@@ -17,7 +18,7 @@ change), the count of live keys the table does not hold (too long, table full) a
 (misses are final: no tier below the pool), capacity, wide records, and old_nslots /
 old_base (the table a growth or rebuild moves the entries from; 0 slots: none). The
 segment has room for two tables of ``capacity`` slots (slots [0, capacity) and [capacity,
-2 x capacity): a growth moves the table to the other half) and 3/4 capacity wide records,
+2 x capacity): a growth moves the table to the other half) and 3/4 capacity wide records of each class,
 but only the slots in use are reserved (``posix_fallocate``) and touched, and the old
 table's are given back (punched) once moved: memory follows the keys stored, not the
 pool's blocks.
@@ -33,15 +34,19 @@ older table never matches a later entry. Slot (one 64-byte cache line)::
     @0 version u64 (seqlock: odd while the server writes the slot; only ever grows)
     @8 meta u64: size (bits 0-39: a value of at most SLOT_SIZE_MAX = 1 TiB - 1 bytes;
        a larger one is not published), hash tag (40-47: the key hash's low byte), key
-       length (48-55), state (56-57: empty/live/tombstone), flags (58-59: 1 has
-       checksum, 2 wide), extent count - 1 (60-62)
+       length (48-55), state (56-57: empty/live/tombstone), flags (58: has checksum;
+       59-60: wide record class, 0 none, 1/2/3 a record of 64/128/256 bytes), extent
+       count - 1 (61-63)
     @16 48 bytes: the key, then (flags & 1) its checksum u64, then the extents,
     (first block u32, block count u32) each; an entry whose key, checksum and extents
     do not fit in 48 bytes (a key over 40 bytes, or a 40-byte key with a checksum or
-    more than one run) has them in a wide record of 256 bytes instead (flags & 2),
-    whose index (u32) the 48 bytes then begin with. A wide record changes only while
+    more than one run) has them in a wide record instead, the smallest of 64, 128 or
+    256 bytes that holds them (a key of 41-56 bytes in one run: 64), whose index (u32)
+    in its class the 48 bytes then begin with. A wide record changes only while
     the version of the slot that points at it is odd, and is reused only after that
-    slot's version changed, so the slot's seqlock covers it too.
+    slot's version changed, so the slot's seqlock covers it too. An overwrite keeps
+    the entry's record while it holds what is written, else takes a larger one and
+    gives the old one back once the slot's version changed.
 
 A probe reads one cache line a slot: the version, then the meta word, whose bits 40-57
 (tag, length, state) it compares with the key's in one comparison before it compares
@@ -508,7 +513,8 @@ SLOT_DATA = 48
 #: Largest value size a slot holds (40 bits of its meta word: 1 TiB - 1); a larger value
 #: is not published (readers ask the server).
 SLOT_SIZE_MAX = (1 << 40) - 1
-#: Bytes of a wide record (key, checksum and runs of an entry a slot cannot hold).
+#: Bytes of the largest wide record class (key, checksum and runs of an entry a slot
+#: cannot hold; the smaller classes are 64 and 128 bytes).
 WIDE_SIZE = 256
 #: Slots a table starts with (at most its capacity); it grows as :data:`GROWTH` says.
 INITIAL_SLOTS = 4096
@@ -619,7 +625,8 @@ DEF C_SLOT = 64
 DEF C_DATA = 48
 DEF C_SIZE_BITS = 40              # (SLOT_SIZE_MAX: 2 ** 40 - 1)
 DEF C_WIDE = 256
-DEF WIDE_CHUNK = 4096        # wide records reserved at a time
+DEF C_RECS_BYTES = 448       # a record of each class (64 + 128 + 256) per wide record index
+DEF WIDE_CHUNK = 4096        # wide records of a class reserved at a time
 DEF C_HEADER = 4096
 DEF C_RING_HEADER = 256
 # growth / rebuild steps (incremental: one step per publish or unpublish)
@@ -641,7 +648,10 @@ DEF H_CLOSED = 2
 DEF F_MISSES_FINAL = 1
 # slot flags
 DEF SF_SUM = 1
-DEF SF_WIDE = 2
+# flags bits 1-2: the entry's wide record class (0: none, key and runs in the slot;
+# 1, 2, 3: a record of 64, 128, 256 bytes: REC_BYTES(c) = 32 << c)
+DEF SF_REC_SHIFT = 1
+DEF C_REC_CLASSES = 3
 
 #: Result of a read that must be asked of the server instead (busy slot, closed or dead
 #: server, key not publishable, misses not final, ring full).
@@ -747,11 +757,16 @@ cdef inline uint32_t _m_state(uint64_t m) noexcept nogil:
 
 
 cdef inline uint32_t _m_flags(uint64_t m) noexcept nogil:
-    return <uint32_t>((m >> 58) & 3)
+    return <uint32_t>((m >> 58) & 7)
+
+
+cdef inline uint32_t _m_rec(uint64_t m) noexcept nogil:
+    # the wide record class (0: none; 1, 2, 3: 64, 128, 256 bytes)
+    return <uint32_t>((m >> 59) & 3)
 
 
 cdef inline uint32_t _m_next(uint64_t m) noexcept nogil:
-    return <uint32_t>(((m >> 60) & 7) + 1)
+    return <uint32_t>(((m >> 61) & 7) + 1)
 
 
 cdef inline uint64_t _m_want(uint64_t h, uint64_t n) noexcept nogil:
@@ -767,7 +782,22 @@ cdef inline uint64_t _m_make(uint64_t size, uint64_t h, uint64_t n, uint64_t sta
                              uint64_t flags, uint64_t ne) noexcept nogil:
     # (size < 2 ** C_SIZE_BITS, n <= 255, 1 <= ne <= 8)
     return (size | ((h & 0xFF) << 40) | ((n & 0xFF) << 48) | (state << 56) |
-            ((flags & 3) << 58) | (((ne - 1) & 7) << 60))
+            ((flags & 7) << 58) | (((ne - 1) & 7) << 61))
+
+
+cdef inline uint64_t _rec_offset(uint64_t wide_cap, uint32_t c, uint32_t w) noexcept nogil:
+    # byte offset from the records' start of record w of class c (1 .. 3): the classes'
+    # regions of wide_cap records each follow one another (64-, 128-, then 256-byte)
+    return wide_cap * ((<uint64_t>32 << c) - 64) + (<uint64_t>w << (5 + c))
+
+
+cdef inline uint32_t _rec_class(uint64_t need) noexcept nogil:
+    # the smallest record class holding ``need`` bytes of key, checksum and runs
+    if need <= 64:
+        return 1
+    if need <= 128:
+        return 2
+    return 3
 
 
 cdef inline uint64_t _m_with_state(uint64_t m, uint64_t state) noexcept nogil:
@@ -809,12 +839,13 @@ cdef inline const char* _slot_key(const Slot* s, const char* wide, uint64_t wide
     and in ``room`` the bytes there; NULL when a key of ``n`` bytes cannot lie there, or
     for a wide record index past the table's (a torn read)."""
     cdef uint32_t w
-    if _m_flags(s.meta) & SF_WIDE:
+    cdef uint32_t c = _m_rec(s.meta)
+    if c:
         memcpy(&w, s.key, 4)
-        if w >= wide_cap or n > C_KEY_MAX:
+        if w >= wide_cap or n > (<size_t>32 << c) or n > C_KEY_MAX:
             return NULL
-        room[0] = C_WIDE
-        return wide + <uint64_t>w * C_WIDE
+        room[0] = <size_t>32 << c
+        return wide + _rec_offset(wide_cap, c, w)
     if n > C_DATA:
         return NULL
     room[0] = C_DATA
@@ -948,13 +979,14 @@ cdef class IndexWriter:
     cdef char* _slots
     cdef uint64_t _nslots
     cdef uint64_t _cap        # slots the segment has room for (the table grows to it)
-    cdef char* _wide          # the wide records
-    cdef uint64_t _wide_cap   # wide records the segment has room for
-    cdef uint64_t _wide_res   # reserved (posix_fallocate) so far
-    cdef uint64_t _wide_next  # never used at or above this
-    cdef uint32_t* _wfree     # freed wide records (a stack)
-    cdef uint64_t _wfree_n
-    cdef uint64_t _wfree_cap
+    cdef char* _wide          # the wide records (three classes: 64, 128, 256 bytes)
+    cdef uint64_t _wide_cap   # wide records of each class the segment has room for
+    # per class (index 1 .. 3; 0 unused)
+    cdef uint64_t _wide_res[4]    # reserved (posix_fallocate) so far
+    cdef uint64_t _wide_next[4]   # never used at or above this
+    cdef uint32_t* _wfree[4]      # freed records (a stack)
+    cdef uint64_t _wfree_n[4]
+    cdef uint64_t _wfree_cap[4]
     cdef uint64_t _live
     cdef uint64_t _tombs
     cdef uint64_t _limit      # live + tombs above this: refuse (or finish a growth first)
@@ -1008,7 +1040,10 @@ cdef class IndexWriter:
     def __cinit__(self):
         self._map = NULL
         self._ring = NULL
-        self._wfree = NULL
+        cdef int c
+        for c in range(4):
+            self._wfree[c] = NULL
+            self._wfree_n[c] = self._wfree_cap[c] = self._wide_res[c] = self._wide_next[c] = 0
         self._lock_fd = -1
         self._ring_lock_fd = -1
         self._unpub = set()
@@ -1027,7 +1062,7 @@ cdef class IndexWriter:
 
         ``nslots``: the table's capacity in slots (rounded up to a power of two; the
         segment's size is ``HEADER_SIZE + capacity * SLOT_SIZE`` bytes, and as many again
-        for 3/4 * capacity wide records of WIDE_SIZE). It starts with ``initial_slots``
+        for 3/4 * capacity wide records of each class: 64, 128 and WIDE_SIZE bytes). It starts with ``initial_slots``
         (at most the capacity) reserved and grows as ``growth`` says (``(at, by)`` in
         sixteenths: from ``at``/16 full by ``by``/16; None: :data:`ENV_GROWTH` if set,
         else :data:`GROWTH`; ValueError for one out of range), so the memory it takes
@@ -1062,7 +1097,7 @@ cdef class IndexWriter:
         self.name = _norm(name)
         self.reads_name = _norm(reads_name)
         self._pid = os.getpid()
-        self._map_size = C_HEADER + 2 * cap * C_SLOT + wcap * C_WIDE
+        self._map_size = C_HEADER + 2 * cap * C_SLOT + wcap * C_RECS_BYTES
         self._ring_size = C_RING_HEADER + nrec * sizeof(Rec)
         shm = _create_segment(self.name, self._map_size, C_HEADER + n * C_SLOT)
         try:
@@ -1190,7 +1225,9 @@ cdef class IndexWriter:
                 "steps_cpu_s": self.steps_cpu_s,
                 "sync_finishes": self.sync_finishes, "phase": self._phase,
                 "skipped_records": self.skipped_records, "reads_applied": self.reads_applied,
-                "wide_used": self._wide_next - self._wfree_n}
+                "wide_used": sum(self._wide_next[c] - self._wfree_n[c] for c in range(1, 4)),
+                "wide_by_class": {str(32 << c): self._wide_next[c] - self._wfree_n[c]
+                                  for c in range(1, 4)}}     # (str keys: sent in STATS)
 
     cdef inline int _check(self) except -1:
         if self._map == NULL:
@@ -1293,41 +1330,44 @@ cdef class IndexWriter:
         self._work += 1
         return <int64_t>(self._base + i)
 
-    cdef int64_t _wide_alloc(self) noexcept:
-        """A free wide record, reserved; -1 when none is left (or /dev/shm is full)."""
+    cdef int64_t _wide_alloc(self, uint32_t c) noexcept:
+        """A free wide record of class ``c`` (1 .. 3: 64, 128, 256 bytes), reserved; -1
+        when none is left (or /dev/shm is full)."""
         cdef uint64_t m
         cdef int rc
         cdef long off, length
-        if self._wfree_n:
-            self._wfree_n -= 1
-            return self._wfree[self._wfree_n]
-        if self._wide_next >= self._wide_cap:
+        if self._wfree_n[c]:
+            self._wfree_n[c] -= 1
+            return self._wfree[c][self._wfree_n[c]]
+        if self._wide_next[c] >= self._wide_cap:
             return -1
-        if self._wide_next >= self._wide_res:
-            m = min(<uint64_t>WIDE_CHUNK, self._wide_cap - self._wide_res)
-            off = <long>(self._wide - self._map) + self._wide_res * C_WIDE
-            length = m * C_WIDE
+        if self._wide_next[c] >= self._wide_res[c]:
+            m = min(<uint64_t>WIDE_CHUNK, self._wide_cap - self._wide_res[c])
+            off = <long>(self._wide - self._map) + \
+                <long>_rec_offset(self._wide_cap, c, <uint32_t>self._wide_res[c])
+            length = m << (5 + c)
             with nogil:
                 rc = posix_fallocate(self._lock_fd, off, length)
             if rc != 0:
                 return -1
-            self._wide_res += m
-        self._wide_next += 1
-        return <int64_t>(self._wide_next - 1)
+            self._wide_res[c] += m
+        self._wide_next[c] += 1
+        return <int64_t>(self._wide_next[c] - 1)
 
-    cdef void _wide_free(self, uint32_t w) noexcept:
-        """Give wide record ``w`` back (its slot's version has changed already)."""
+    cdef void _wide_free(self, uint32_t w, uint32_t c) noexcept:
+        """Give wide record ``w`` of class ``c`` back (its slot's version has changed
+        already)."""
         cdef uint32_t* grown
-        cdef uint64_t c
-        if self._wfree_n == self._wfree_cap:
-            c = max(<uint64_t>1024, 2 * self._wfree_cap)
-            grown = <uint32_t*>realloc(self._wfree, c * sizeof(uint32_t))
+        cdef uint64_t n
+        if self._wfree_n[c] == self._wfree_cap[c]:
+            n = max(<uint64_t>1024, 2 * self._wfree_cap[c])
+            grown = <uint32_t*>realloc(self._wfree[c], n * sizeof(uint32_t))
             if grown == NULL:
-                return                  # kept out of use: costs 256 bytes, nothing else
-            self._wfree = grown
-            self._wfree_cap = c
-        self._wfree[self._wfree_n] = w
-        self._wfree_n += 1
+                return                  # kept out of use: costs a record, nothing else
+            self._wfree[c] = grown
+            self._wfree_cap[c] = n
+        self._wfree[c][self._wfree_n[c]] = w
+        self._wfree_n[c] += 1
 
     cdef inline void _begin_write(self, Slot* s) noexcept nogil:
         # a slot of a new table (zeros) starts above every version used before: a token
@@ -1502,10 +1542,10 @@ cdef class IndexWriter:
         cdef Py_ssize_t j
         cdef char* tail
         cdef char* rec
-        cdef bint wide, was_wide, fresh
+        cdef bint fresh
         cdef int64_t w = -1
-        cdef uint32_t w32, st, flags
-        cdef uint64_t m
+        cdef uint32_t w32 = 0, nw32, st, flags, oc = 0, c = 0
+        cdef uint64_t m, need
         if size >> C_SIZE_BITS:        # past the slot's 40-bit size: the server answers it
             self._refuse(None, k, n)
             return -1
@@ -1542,11 +1582,23 @@ cdef class IndexWriter:
         m = s.meta
         st = _m_state(m)
         fresh = st != S_LIVE
-        was_wide = not fresh and (_m_flags(m) & SF_WIDE) != 0
-        # a wide record for what a slot cannot hold (once wide, an entry stays wide)
-        wide = was_wide or n + 8 * ne + (8 if has_sum else 0) > C_DATA
-        if wide and not was_wide:
-            w = self._wide_alloc()
+        if not fresh:
+            oc = _m_rec(m)             # its record class now (0: none)
+            if oc:
+                memcpy(&w32, s.key, 4)
+        # a wide record, of the smallest class that holds them, for what a slot cannot
+        # hold; once wide, an entry stays wide (its record is kept while it holds what
+        # an overwrite writes, else a larger one is taken and the old one given back
+        # after the slot's version changed)
+        need = n + 8 * ne + (8 if has_sum else 0)
+        c = oc
+        if (oc == 0 and need > C_DATA) or (oc != 0 and need > (<uint64_t>32 << oc)):
+            c = _rec_class(need)
+            while c <= C_REC_CLASSES:
+                w = self._wide_alloc(c)
+                if w >= 0:
+                    break
+                c += 1                 # none left of that class: a larger one
             if w < 0:                  # none left: as a key too long for the table
                 self._refuse(None, k, n)
                 return -1
@@ -1556,19 +1608,18 @@ cdef class IndexWriter:
                 self._tombs -= 1
             self._live += 1
         if w >= 0:
-            w32 = <uint32_t>w
-            rec = self._wide + <uint64_t>w32 * C_WIDE
+            nw32 = <uint32_t>w
+            rec = self._wide + _rec_offset(self._wide_cap, c, nw32)
             memcpy(rec, k, n)
-            memcpy(s.key, &w32, 4)
-        elif was_wide:
-            memcpy(&w32, s.key, 4)
-            rec = self._wide + <uint64_t>w32 * C_WIDE
+            memcpy(s.key, &nw32, 4)
+        elif c:
+            rec = self._wide + _rec_offset(self._wide_cap, c, w32)
         else:
             rec = s.key
             if fresh:
                 memcpy(rec, k, n)
         tail = rec + n
-        flags = SF_WIDE if wide else 0
+        flags = c << SF_REC_SHIFT
         if has_sum:
             flags |= SF_SUM
             memcpy(tail, &csum, 8)
@@ -1576,6 +1627,8 @@ cdef class IndexWriter:
         memcpy(tail, ext, ne * 8)
         s.meta = _m_make(size, h, n, S_LIVE, flags, ne)
         self._end_write(s)
+        if w >= 0 and oc:
+            self._wide_free(w32, oc)   # the smaller record it had (its version changed)
         self._h.live = self._live
         self._h.tombs = self._tombs
         return i
@@ -1598,9 +1651,9 @@ cdef class IndexWriter:
         self._begin_write(s)
         s.meta = _m_with_state(s.meta, S_TOMB)
         self._end_write(s)
-        if _m_flags(s.meta) & SF_WIDE:
+        if _m_rec(s.meta):
             memcpy(&w, s.key, 4)
-            self._wide_free(w)
+            self._wide_free(w, _m_rec(s.meta))
         self._live -= 1
         self._tombs += 1
         self._h.live = self._live
@@ -1762,6 +1815,7 @@ cdef class IndexWriter:
         under way is finished first)."""
         cdef uint64_t i
         cdef Slot* s
+        cdef int c
         self._check()
         self._finish()
         for i in range(self._nslots):
@@ -1772,8 +1826,9 @@ cdef class IndexWriter:
                 self._end_write(s)
         self._live = self._tombs = 0
         self._h.live = self._h.tombs = 0
-        self._wfree_n = 0           # every slot's version changed: all records are free
-        self._wide_next = 0
+        for c in range(1, 4):       # every slot's version changed: all records are free
+            self._wfree_n[c] = 0
+            self._wide_next[c] = 0
         self._unpub.clear()
         self._set_unpublished()
 
@@ -2058,7 +2113,10 @@ cdef class IndexWriter:
         self.unlink()
 
     def __dealloc__(self):
-        c_free(self._wfree)
+        cdef int c
+        for c in range(4):
+            c_free(self._wfree[c])
+            self._wfree[c] = NULL
         if self._map != NULL:
             munmap(self._map, self._map_size)
         if self._ring != NULL:
@@ -2210,7 +2268,7 @@ cdef class IndexReader:
         if (h.magic[:8] != _MAGIC or h.layout != _LAYOUT or h.slot_size != C_SLOT
                 or h.key_max != C_KEY_MAX or h.wide_capacity > 0xFFFFFFFF
                 or h.capacity > (<uint64_t>1 << 40)
-                or 2 * h.capacity * C_SLOT + h.wide_capacity * C_WIDE + C_HEADER > total
+                or 2 * h.capacity * C_SLOT + h.wide_capacity * C_RECS_BYTES + C_HEADER > total
                 or h.capacity == 0
                 or not self._nslots_ok(h.capacity)):
             self._unmap()
@@ -3231,6 +3289,7 @@ cdef class IndexReader:
 cdef Slot _layout_slot     # (the offsets of layout 5, which readers of other builds rely on)
 cdef Header _layout_header
 if (sizeof(Slot) != C_SLOT or C_KEY_MAX + 8 + 8 * C_MAX_EXT > C_WIDE or sizeof(Rec) != 16
+        or (32 << C_REC_CLASSES) != C_WIDE or 64 + 128 + C_WIDE != C_RECS_BYTES
         or sizeof(Header) > C_HEADER or C_KEY_MAX > 255 or C_MAX_EXT > 8
         or <char*>&_layout_slot.key[0] - <char*>&_layout_slot != SLOT_KEY_OFFSET
         or <char*>&_layout_slot.meta - <char*>&_layout_slot != SLOT_META_OFFSET

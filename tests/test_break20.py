@@ -94,8 +94,8 @@ def test_held_every_key_length_checksum_and_run_count_round_trips(table):
         inline = n + 8 * ne + (8 if has_sum else 0) <= SLOT_DATA
         s = _slot_bytes(w.name, i)
         assert _meta(s) & SLOT_SIZE_MAX == size
-        assert (_meta(s) >> 48) & 0xFF == n and ((_meta(s) >> 60) & 7) + 1 == ne
-        assert bool((_meta(s) >> 58) & 2) == (not inline), (n, has_sum, ne)
+        assert (_meta(s) >> 48) & 0xFF == n and ((_meta(s) >> 61) & 7) + 1 == ne
+        assert bool((_meta(s) >> 59) & 3) == (not inline), (n, has_sum, ne)
         if inline:
             assert s[SLOT_KEY_OFFSET:SLOT_KEY_OFFSET + n] == k
         assert r.lookup(k)[1:] == (size, tuple(runs), csum)

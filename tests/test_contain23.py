@@ -37,7 +37,7 @@ from servers import ServerProcess
 
 pytestmark = pytest.mark.timeout(120)
 
-SLOT, HEADER, WIDE_FLAG, LIVE = 64, 4096, 2, 1   # layout 5
+SLOT, HEADER, LIVE = 64, 4096, 1   # layout 5
 
 
 def _index_map(srv: ServerProcess) -> mmap.mmap:
@@ -55,8 +55,8 @@ def _wide_slots(m: mmap.mmap) -> list[int]:
     out = []
     for i in range(base, base + nslots):
         off = HEADER + i * SLOT
-        meta, = struct.unpack_from("<Q", m, off + 8)       # state @56, flags @58
-        if (meta >> 56) & 3 == LIVE and (meta >> 58) & WIDE_FLAG:
+        meta, = struct.unpack_from("<Q", m, off + 8)   # state @56, wide record class @59
+        if (meta >> 56) & 3 == LIVE and (meta >> 59) & 3:
             out.append(off)
     return out
 

@@ -227,17 +227,21 @@ def _slot_bytes(table, slot):
 
 
 def _meta(s):
-    """A layout-5 slot's meta word, split: (size, tag, keylen, state, flags, runs)."""
+    """A layout-5 slot's meta word, split: (size, tag, keylen, state, has checksum,
+    wide record bytes (0: none), runs)."""
     m = struct.unpack_from("<Q", s, SLOT_META_OFFSET)[0]
+    rec = (m >> 59) & 3
     return (m & SLOT_SIZE_MAX, (m >> 40) & 0xFF, (m >> 48) & 0xFF, (m >> 56) & 3,
-            (m >> 58) & 3, ((m >> 60) & 7) + 1)
+            (m >> 58) & 1, 32 << rec if rec else 0, ((m >> 61) & 7) + 1)
 
 
 def test_a_slot_is_one_cache_line_holding_a_40_byte_key_and_its_run(table):
     # Layout 5: 64-byte slots (one cache line each: the table takes half the memory of
     # layout 4's 128-byte slots). @0 the version, @8 one u64 of size (40 bits), hash
-    # tag, key length, state, flags and run count, @16 48 bytes of key and runs: a
-    # 40-byte key (a hex chunk hash) in one run lies in the slot, no wide record.
+    # tag, key length, state, flags (checksum, wide record class) and run count, @16
+    # 48 bytes of key and runs: a 40-byte key (a hex chunk hash) in one run lies in the
+    # slot, no wide record; what does not fit takes the smallest wide record (64, 128
+    # or 256 bytes) that holds its key, checksum and runs.
     assert (LAYOUT, SLOT_SIZE, SLOT_META_OFFSET, SLOT_KEY_OFFSET, SLOT_DATA) == (5, 64, 8, 16, 48)
     assert SLOT_SIZE_OFFSET == SLOT_META_OFFSET and SLOT_SIZE_MAX == (1 << 40) - 1
     key = b"%040x" % 0x1234567890ABCDEF                  # 40 bytes
@@ -247,15 +251,35 @@ def test_a_slot_is_one_cache_line_holding_a_40_byte_key_and_its_run(table):
     slot, version = toks[0]
     s = _slot_bytes(table, slot)
     assert struct.unpack_from("<Q", s, 0)[0] == version
-    assert _meta(s) == (4000, key_hash(key) & 0xFF, 40, 1, 0, 1)
+    assert _meta(s) == (4000, key_hash(key) & 0xFF, 40, 1, 0, 0, 1)
     assert s[16:56] == key and struct.unpack_from("<II", s, 56) == (3, 1)
     assert table.reader.lookup(key)[1:] == (4000, ((3, 1),), None)
-    # with a checksum it no longer fits: a wide record holds key, checksum and runs
+    # with a checksum it no longer fits: a 64-byte record holds key, checksum and run
     assert table.writer.publish(key, 4001, [(3, 1)], checksum=0x1122334455667788) == slot
     s = _slot_bytes(table, slot)
-    assert _meta(s) == (4001, key_hash(key) & 0xFF, 40, 1, 3, 1)        # SUM | WIDE
-    assert table.writer.stats()["wide_used"] == 1
+    assert _meta(s) == (4001, key_hash(key) & 0xFF, 40, 1, 1, 64, 1)
+    assert table.writer.stats()["wide_by_class"] == {"64": 1, "128": 0, "256": 0}
     assert table.reader.lookup(key)[1:] == (4001, ((3, 1),), 0x1122334455667788)
+    # in 8 runs (40 + 8 + 64 bytes): a 128-byte record, the 64-byte one given back
+    runs = [(10 + 2 * j, 1) for j in range(8)]
+    assert table.writer.publish(key, 4002, runs, checksum=5) == slot
+    assert _meta(_slot_bytes(table, slot))[4:] == (1, 128, 8)
+    assert table.writer.stats()["wide_by_class"] == {"64": 0, "128": 1, "256": 0}
+    assert table.reader.lookup(key)[1:] == (4002, tuple(runs), 5)
+    # back to one run: it keeps its record (once wide, an entry stays wide)
+    assert table.writer.publish(key, 4003, [(3, 1)]) == slot
+    assert _meta(_slot_bytes(table, slot))[4:] == (0, 128, 1)
+    assert table.reader.lookup(key)[1:] == (4003, ((3, 1),), None)
+    # keys past 40 bytes: 64 / 128 / 256-byte records by what they need
+    for n, rec in ((56, 64), (57, 128), (120, 128), (121, 256), (KEY_MAX, 256)):
+        k = bytes([65 + n % 26]) * n
+        i = table.writer.publish(k, n, [(1, 1)])
+        assert _meta(_slot_bytes(table, i))[5] == rec, n
+        assert table.reader.lookup(k)[1:] == (n, ((1, 1),), None)
+    assert table.writer.stats()["wide_by_class"] == {"64": 1, "128": 3, "256": 2}
+    for n in (56, 57, 120, 121, KEY_MAX):
+        assert table.writer.unpublish(bytes([65 + n % 26]) * n)
+    assert table.writer.stats()["wide_by_class"] == {"64": 0, "128": 1, "256": 0}
     # a short key with a checksum and two runs fits: 8 + 8 + 16 <= 48
     assert table.writer.publish(b"k" * 8, 5, [(1, 1), (7, 2)], checksum=9) >= 0
     assert table.writer.stats()["wide_used"] == 1
