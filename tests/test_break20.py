@@ -436,7 +436,9 @@ def ok(v):
 for it in range(n_iter):
     for k in keys:
         v = r.get(k)
-        if v is not None:
+        if type(v) is int and v == FALLBACK:   # kept changing over its tries: ask the server
+            pass
+        elif v is not None:
             seen += 1
             bad += not ok(v)
         n = r.get_into(k, buf)
