@@ -4,6 +4,7 @@
     python perf/bench_small.py [--quick] [--json FILE|-] [--reps 3] [--working-set-mib 128]
                                [--clients 1,2,4,8] [--seconds 2] [--batch 100000]
                                [--skip-redis] [--only local,remote,batch,bystander]
+                               [--only local-batch]
 
 Issue 13's "Speed and memory" figures. Every figure is printed beside the baseline that
 does the same work in this run, and every byte read is checked (outside the timed region).
@@ -33,6 +34,9 @@ batch (TCP, a server with 4 KiB blocks)
 bystander (TCP)
     p50/p99 of a client doing single 4 KiB ``get_into`` in its own process while idle and
     while this process sends --batch-key put_batch/get_batch (alternating) to the same server.
+
+``--only local-batch`` runs the local batch lookups alone (with their dict baseline), the
+part of "local" that needs no 64 KiB-block server: a quick A/B of kvshm._shmindex's lookups.
 
 Targets (issue 13) are printed beside the ratios; nothing here asserts them.
 ``--quick`` is a smoke run (tiny sizes, short phases) for tests; its figures mean nothing.
@@ -383,7 +387,7 @@ def report(res: dict[str, Any]) -> None:
           f"measured in this run; {m['cpus']} CPUs, load average {m['loadavg_start']:.1f} at "
           f"start, {m['loadavg_end']:.1f} at end)\n")
     loc = res.get("local")
-    if loc:
+    if loc and "baselines" in loc:
         b = loc["baselines"]
         print("LOCAL (shm client)")
         print(f"  baseline zmq DEALER/ROUTER echo, ipc  {fmt_lat(b['zmq_echo_ipc'])}")
@@ -418,6 +422,9 @@ def report(res: dict[str, Any]) -> None:
         print(f"    echo p50 / exists p50     {r['echo_vs_exists']:6.2f}x   "
               f"echo p50 / match_prefix p50 {r['echo_vs_match_prefix']:6.2f}x   "
               "(target: 10x faster than the 'before' round trip)")
+    elif loc:
+        print("LOCAL (shm client), batch lookups only (--only local-batch)")
+    if loc:
         bq = loc.get("batch_queries")
         if bq:
             print(f"  batch of {bq['keys']} keys: exists_batch {bq['exists_keys_per_s'] / 1e6:.2f}"
@@ -531,7 +538,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=2.0, help="seconds per request-rate phase")
     ap.add_argument("--batch", type=int, default=100_000, help="keys in a batch")
     ap.add_argument("--skip-redis", action="store_true")
-    ap.add_argument("--only", default="local,remote,batch,bystander")
+    ap.add_argument("--only", default="local,remote,batch,bystander",
+                    help="comma-separated parts; local-batch: only local's batch lookups")
     args = ap.parse_args(argv)
     if args.quick:
         args.reps, args.iters, args.working_set_mib = 1, 100, 2
@@ -605,17 +613,17 @@ def main(argv: list[str] | None = None) -> int:
                             srv.address, srv.pid, rport,
                             redis_proc.pid if redis_proc is not None else None,
                             counts, args.seconds)}
-        if only & {"batch", "bystander", "local"}:
+        if only & {"batch", "bystander", "local", "local-batch"}:
             n = args.batch
             keys = [f"batch-{i:012d}".encode() for i in range(n)]
             vals = [pattern(i, 64).tobytes() for i in range(n)]
             # 4 KiB blocks; room for the batch twice (an overwrite holds old and new) + slack
             pool = max(0.0625, round((2.5 * n * 4096 + (32 << 20)) / 2**30, 4))
             with ServerProcess("--block-size", "4", prealloc_size=pool) as srv4:
-                if "local" in only:
+                if only & {"local", "local-batch"}:
                     with kvshm.Client(srv4.address, transport="shm", timeout=120) as c:
                         c.put_batch(keys, vals)
-                        res["local"]["batch_queries"] = bench_batch_queries(c, keys, args.reps)
+                        res.setdefault("local", {})["batch_queries"] = bench_batch_queries(c, keys, args.reps)
                         # the same with 40-byte keys (a hex chunk hash, bench_index's keys):
                         # in layout 4 (key from byte 24) a hit reads only the slot's first
                         # cache line, as an 18-byte key's does (layout 3: both lines);
