@@ -228,6 +228,7 @@ cdef extern from *:
     static inline uint64_t kvx_hash_copy(const char *s, size_t n, char *d) {
         uint64_t h = 0x9e3779b97f4a7c15ULL ^ (n * 0xc2b2ae3d27d4eb4fULL);
         uint64_t w;
+        char *d0 = d;
         while (n >= 8) {
             memcpy(&w, s, 8);
             memcpy(d, &w, 8);
@@ -236,11 +237,27 @@ cdef extern from *:
             h *= 0x4cf5ad432745937fULL;
             s += 8; d += 8; n -= 8;
         }
-        w = 0;
-    #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-        for (size_t b = 0; b < n; b++) w |= (uint64_t)(unsigned char)s[b] << (8 * b);
+        #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+        /* the 0-7 bytes left as one word (byte b at bits 8b), by whole loads, not a
+           byte loop: a key of 8 bytes or more ends with them, so the 8 bytes that end
+           the key (read backwards from its end, all in it) shifted down leave them;
+           a shorter one is read in (overlapping) 4-byte or 1-byte loads */
+        if (n == 0) {
+            w = 0;
+        } else if (d != d0) {
+            memcpy(&w, s + n - 8, 8);
+            w >>= 8 * (8 - n);
+        } else if (n >= 4) {
+            uint32_t lo, hi;
+            memcpy(&lo, s, 4); memcpy(&hi, s + n - 4, 4);
+            w = (uint64_t)lo | ((uint64_t)hi << (8 * (n - 4)));
+        } else {
+            w = (uint64_t)(unsigned char)s[0] | ((uint64_t)(unsigned char)s[n >> 1] << (8 * (n >> 1)))
+                | ((uint64_t)(unsigned char)s[n - 1] << (8 * (n - 1)));
+        }
         memcpy(d, &w, 8);
     #else
+        w = 0;
         memcpy(&w, s, n);
         memcpy(d, s, n);
     #endif
@@ -257,6 +274,26 @@ cdef extern from *:
         }
         while (n--) if (*a++ != *b++) return 0;
         return 1;
+    }
+    /* kvx_keyeq(a, b, n) for a batch lookup (n >= 1): word by word with no branch per
+       word, the last word masked to the key's bytes. Both may be read up to n rounded
+       up to 8 bytes: a, a key in a batch's scratch (room for 8 bytes after every key);
+       b, a slot's key (in the slot's C_DATA bytes or a wide record, both multiples of
+       8 bytes from the key's start). */
+    static inline int kvx_keyeq_w(const char *a, const char *b, size_t n) {
+    #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+        uint64_t x, y, d;
+        size_t last = (n - 1) & ~(size_t)7;          /* where the last word starts */
+        memcpy(&x, a + last, 8); memcpy(&y, b + last, 8);
+        d = (x ^ y) & (~0ULL >> (8 * (last + 8 - n)));
+        for (size_t i = 0; i < last; i += 8) {
+            memcpy(&x, a + i, 8); memcpy(&y, b + i, 8);
+            if (x != y) return 0;
+        }
+        return d == 0;
+    #else
+        return kvx_keyeq(a, b, n);
+    #endif
     }
     /* Bumped in the child of every fork() (pthread_atfork): a reader made before a fork
        sees another generation in the child and sends its reads to the server (whose
@@ -487,6 +524,7 @@ cdef extern from *:
     uint64_t kvx_hash_copy(const char* s, size_t n, char* d) nogil
     uint64_t kvx_home(uint64_t h, uint64_t n) nogil
     int kvx_keyeq(const char* a, const char* b, size_t n) nogil
+    int kvx_keyeq_w(const char* a, const char* b, size_t n) nogil
     double kvx_now() nogil
     int kvx_key_of(PyObject* o, const char** p, Py_ssize_t* n) except -1
     double kvx_fine_now() nogil
@@ -903,6 +941,26 @@ def key_hash(key):
     if not _key_ptr(key, &p, &n):
         raise TypeError("key must be bytes or str")
     return kvx_hash(p, n)
+
+
+def _batch_key_hash(bytes key):
+    """(for tests) :func:`key_hash` as a batch lookup computes it (kvx_hash_copy, the key
+    copied to a scratch on the way): ``(hash, the bytes copied)``."""
+    cdef Py_ssize_t n = len(key)
+    cdef bytearray d = bytearray(n + 8)
+    cdef uint64_t h = kvx_hash_copy(key, n, <char*>d)
+    return h, bytes(d[:n])
+
+
+def _batch_key_equal(bytes a, bytes b):
+    """(for tests) The batch lookups' key comparison (kvx_keyeq_w) of ``a`` (as in a
+    batch's scratch) with the first ``len(a)`` bytes of ``b`` (as in a slot: ``b`` must
+    have ``len(a)`` rounded up to 8 bytes or more); ValueError otherwise."""
+    cdef Py_ssize_t n = len(a)
+    if n < 1 or len(b) < (n + 7) // 8 * 8:
+        raise ValueError("a must not be empty and b must hold len(a) rounded up to 8")
+    cdef bytearray sa = bytearray(a) + bytearray(8)
+    return bool(kvx_keyeq_w(<char*>sa, b, n))
 
 
 cdef uint64_t _pow2(uint64_t n):
@@ -2980,7 +3038,7 @@ cdef class IndexReader:
             st = _m_state(mt)
             if _m_is(mt, want):
                 kp = _slot_key(s, self._wide, self._wide_cap, n, &room)
-                if kp != NULL and kvx_keyeq(kp, k, n):
+                if kp != NULL and kvx_keyeq_w(k, kp, n):
                     kvx_fence_acq()
                     return R_HIT if kvx_load_rlx(&s.version) == v1 else R_FALLBACK
             kvx_fence_acq()
@@ -3015,7 +3073,7 @@ cdef class IndexReader:
             st = _m_state(mt)
             if _m_is(mt, want):
                 kp = _slot_key(s, self._wide, self._wide_cap, n, &room)
-                if kp != NULL and kvx_keyeq(kp, k, n):
+                if kp != NULL and kvx_keyeq_w(k, kp, n):
                     kvx_fence_acq()
                     return R_HIT if kvx_load_rlx(&s.version) == v1 else R_FALLBACK
             kvx_fence_acq()

@@ -225,6 +225,74 @@ def test_the_key_hash_is_unchanged():
     assert key_hash("ключ") == _ref_hash("ключ".encode())
 
 
+def test_the_batch_lookups_hash_is_the_key_hash():
+    """A batch lookup hashes each key as it copies it (its tail word by whole loads,
+    backwards from the key's end): the same hash as the writer's, and the same bytes."""
+    from kvshm._shmindex import _batch_key_hash, key_hash
+
+    for n in range(0, 300):
+        for key in (bytes((7 * i + n) % 256 for i in range(n)), bytes([0xFF]) * n,
+                    os.urandom(n)):
+            h, copied = _batch_key_hash(key)
+            assert h == key_hash(key) == _ref_hash(key), (n, key)
+            assert copied == key
+
+
+def test_the_batch_lookups_key_comparison():
+    """The batch lookups' word-wise key comparison: equal keys are equal whatever
+    follows them in the slot; a difference in any byte, the first, the last, the last
+    of a word or one inside the last partial word, makes them differ; the bytes after
+    the key (in the slot or in the batch's scratch) never count."""
+    from kvshm._shmindex import _batch_key_equal
+
+    for n in range(1, 97):
+        key = bytes((5 * i + n) % 251 + 1 for i in range(n))
+        room = (n + 7) // 8 * 8
+        for junk in (b"\0", b"\xff", b"k"):
+            slot = key + junk * (room - n + 16)
+            assert _batch_key_equal(key, slot), n
+            assert _batch_key_equal(key, slot[:room]), n
+            for at in sorted({0, n - 1, n // 2, min(n - 1, 7), (n - 1) // 8 * 8}):
+                other = bytearray(slot)
+                other[at] ^= 0x01
+                assert not _batch_key_equal(key, bytes(other)), (n, at)
+                assert not _batch_key_equal(bytes(other[:n]), slot), (n, at)
+    with pytest.raises(ValueError):
+        _batch_key_equal(b"abcdefghi", b"abcdefghi")      # b shorter than 16 bytes
+    with pytest.raises(ValueError):
+        _batch_key_equal(b"", b"\0" * 8)
+
+
+@pytest.mark.parametrize("n", range(1, 89))
+def test_batch_lookups_of_every_key_length(shm_name, n):
+    """Keys of every length a slot holds inline (1-88 bytes), beside keys one byte off
+    from them in the last byte and in the last word: a batch lookup (slots prefetched,
+    keys compared a word at a time) finds exactly the published ones, as one key at a
+    time does."""
+    t = Table(shm_name, blocks=300)
+    try:
+        keys = [bytes((3 * i + j + n) % 250 + 1 for j in range(n)) + b"" for i in range(120)]
+        keys = list(dict.fromkeys(keys))
+        for i, k in enumerate(keys):
+            t.writer.publish(k, 1, [(i, 1)])
+        near = []
+        for k in keys:
+            near.append(k[:-1] + bytes([k[-1] ^ 0x80]))
+            near.append(bytes([k[0] ^ 0x40]) + k[1:])
+        near = [k for k in near if k not in set(keys)]
+        batch = [x for pair in zip(keys, near) for x in pair] + near[len(keys):]
+        want = [k in set(keys) for k in batch]
+        r = t.reader
+        assert r.exists_batch(batch) == want
+        assert r.exists_batch(batch * 20) == want * 20          # 2048+: without the GIL
+        assert r.match_prefix(keys) == len(keys)
+        assert r.match_prefix(keys + near[:1] + keys) == len(keys)
+        r.fast_batch = False
+        assert r.exists_batch(batch) == want
+    finally:
+        t.close()
+
+
 def test_batch_lookups_from_threads_at_once(shm_name):
     """Batches of several threads on one reader at once (each but the first takes its
     own scratch buffers), and a batch much larger than the one before it."""
