@@ -83,6 +83,15 @@ def test_bench_index_quick(tmp_path):
     assert res["keys"] == 20_000 and res["dict_bytes_per_key"] > 0
 
 
+def test_batch_lookup_driver_quick():
+    out = run_script("batch_lookup_driver.py", "--quick")
+    for label in ("18-byte keys", "40-byte keys"):
+        line = next(x for x in out.splitlines() if label in x)
+        assert "dict" in line and "exists" in line and "match" in line, out
+    out = run_script("batch_lookup_driver.py", "--quick", "--only", "match")
+    assert "exists" not in out.split("\n", 1)[1] and "match" in out, out
+
+
 def test_bench_index_refuses_what_does_not_fit():
     proc = subprocess.run([sys.executable, os.path.join(PERF, "bench_index.py"),
                            "--keys", str(1 << 40)], capture_output=True, text=True, timeout=60)
