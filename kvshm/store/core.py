@@ -165,7 +165,8 @@ class Store(_Sessions, _Space, _Tiered, _Accounting, _Reserving):
         A request id of a grant this session committed already (one of its last
         :data:`~kvshm.store.sessions.RECENT_COMMITS`: a COMMIT re-sent after a lost
         reply) is not among them: it is committed, as the first COMMIT said (counted in
-        ``commits_again``).
+        ``commits_again``). A grant an ABORT received earlier is settling in slices
+        (:meth:`begin_settle`) is among them: it is being aborted.
         """
         session = self._as_session(session)
         grants = session.grants
@@ -178,6 +179,9 @@ class Store(_Sessions, _Space, _Tiered, _Accounting, _Reserving):
                     continue
                 failed.append(rid)
                 continue
+            if g.closing == "abort":            # an earlier ABORT is settling it
+                failed.append(rid)
+                continue
             self._settle(g, commit=True)
             self.counters["commits"] += 1
             self.counters["puts"] += g.count()
@@ -185,11 +189,14 @@ class Store(_Sessions, _Space, _Tiered, _Accounting, _Reserving):
         return failed
 
     def abort(self, session: Session | bytes, req_ids: Sequence[int]) -> None:
-        """Free the pending entries of these ALLOC grants (a failed or cancelled write)."""
+        """Free the pending entries of these ALLOC grants (a failed or cancelled write).
+        A grant a COMMIT received earlier is settling in slices (:meth:`begin_settle`)
+        is left to it: an ABORT after a COMMIT is a no-op, whether or not that COMMIT is
+        done."""
         grants = self._as_session(session).grants
         for rid in req_ids:
             g = grants.get(rid)
-            if g is not None and g.kind == _ALLOC:
+            if g is not None and g.kind == _ALLOC and g.closing != "commit":
                 self._settle(g, commit=False)
                 self.counters["aborts"] += 1
 

@@ -53,10 +53,12 @@ RECENT_COMMITS = 1024
 class _Grant:
     """One grant: ``entries[done:]`` are the entries it still holds (the first ``done``
     were settled by :meth:`_Sessions.settle_some`, which compacts the list once they are
-    half of it, so settling a grant in many small parts moves each entry O(1) times)."""
+    half of it, so settling a grant in many small parts moves each entry O(1) times).
+    ``closing``: how a request being settled in slices settles it (:meth:`_Sessions.
+    begin_settle`: "commit" or "abort"; None while none is)."""
 
     __slots__ = ("kind", "session", "rid", "entries", "deadline", "nbytes", "nblocks",
-                 "held", "done")
+                 "held", "done", "closing")
 
     def __init__(self, kind: int, session: "Session", rid: int, entries: list[Entry],
                  deadline: float, nbytes: int, nblocks: int) -> None:
@@ -70,6 +72,7 @@ class _Grant:
         self.nblocks = nblocks      # blocks held (limits)
         self.held = False        # lease ran out, but its live client may still copy
         self.done = 0            # entries at the front settled already (settle_some)
+        self.closing: str | None = None  # "commit"/"abort" of a sliced settle (begin_settle)
 
     def count(self) -> int:
         """The entries it still holds."""
@@ -222,6 +225,28 @@ class _Sessions:
         of it sent again is answered as committed."""
         return req_id in session.committed
 
+    def begin_settle(self, session: Session, how: str, req_ids: Sequence[int],
+                     end: bool = False) -> None:
+        """A request that ``how`` ("commit" or "abort") these ALLOC grants of ``session``
+        is being settled in slices (the router, :meth:`settle_some`): until it is done,
+        a later request of the other kind does not take effect between its slices. An
+        ABORT of a grant being committed is a no-op (:meth:`abort`, as it is once the
+        COMMIT is done), a COMMIT of a grant being aborted fails (:meth:`commit`, as it
+        does once the ABORT is done): the first one the server received settles it
+        whole, never half one way and half the other. A grant marked already keeps its
+        mark (the earlier request's). ``end``: that request was abandoned before it was
+        done; its marks go (a grant it left is again the client's to settle)."""
+        grants = session.grants
+        for rid in req_ids:
+            g = grants.get(rid)
+            if g is None or g.kind != _ALLOC:
+                continue
+            if end:
+                if g.closing == how:
+                    g.closing = None
+            elif g.closing is None:
+                g.closing = how
+
     def grant_entries(self, session: Session, req_ids: Sequence[int]) -> int:
         """Entries held by the grants ``req_ids`` of ``session`` (what settling them
         costs; the router settles large grants in slices)."""
@@ -240,8 +265,11 @@ class _Sessions:
         (same counters); until then it stays, smaller, with its lease started again.
         Returns the entries settled, -1 when there is no such grant (a COMMIT of it
         failed), 0 for a "commit" of a grant committed already
-        (:meth:`committed_before`: a COMMIT sent again). Linear in ``n`` (amortized), however many parts a grant is settled in.
-        Raises ValueError for ``n`` < 0."""
+        (:meth:`committed_before`: a COMMIT sent again). A grant another request is
+        settling the other way (:meth:`begin_settle`): an "abort" of one being committed
+        settles nothing (0), a "commit" of one being aborted fails (-1). Linear in ``n``
+        (amortized), however many parts a grant is settled in. Raises ValueError for
+        ``n`` < 0."""
         if n < 0:
             raise ValueError(f"settle_some: n must be >= 0, got {n!r}")
         g = session.grants.get(req_id)
@@ -251,6 +279,8 @@ class _Sessions:
                 self.counters["commits_again"] += 1
                 return 0
             return -1
+        if g.closing is not None and g.closing != how:
+            return 0 if how == "abort" else -1      # the other request came first
         k = g.count()
         if k <= n:
             if how == "commit":

@@ -166,11 +166,18 @@ class SlicesMixin(LoopState):
             self._cancel_parked(session, rel)
         if ab:
             self._cancel_parked(session, ab)
+        store = self.store
+        # the grants it aborts, then those it commits, are this request's to settle: a
+        # later request's ABORT of one being committed (or COMMIT of one being aborted)
+        # does not take effect between its slices (Store.begin_settle)
+        if ab:
+            store.begin_settle(session, "abort", ab)
+        if com:
+            store.begin_settle(session, "commit", com)
         todo = collections.deque([*(("release", r) for r in rel),
                                   *(("abort", r) for r in ab),
                                   *(("commit", r) for r in com)])
         failed: list[int] = []
-        store = self.store
         S = self.slice_keys
         inner: list[Any] = [None, None]     # the request's own attempt and cleanup
 
@@ -205,6 +212,9 @@ class SlicesMixin(LoopState):
                 return Status.INVALID_REQUEST, {"error": str(exc)}, []
 
         def cleanup() -> None:
+            if todo:        # abandoned before its grants were settled: their marks go
+                store.begin_settle(session, "abort", ab, end=True)
+                store.begin_settle(session, "commit", com, end=True)
             if inner[1] is not None:
                 inner[1]()
 

@@ -1,0 +1,317 @@
+"""breakdebts: a hostile review of main 0a7774f..2033497: linear grant settling
+(``settle_some``, ``_Grant.done``), ``sends.shut_conn`` and held UNTOLD connections
+(admission ``_hold_untold``), the client's checks of GET and LOOKUP replies
+(:mod:`kvshm.replies`, ``_batch.sizes_ok`` / ``places_ok``), and a re-sent COMMIT of a
+grant committed already answered committed (``Session.committed``, ``commits_again``).
+
+Each finding is a test that failed before its fix; what held is a test too."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+
+from kvshm import Pool
+from kvshm.store import Store, StoreConfig
+from kvshm.store import sessions as store_sessions
+from kvshm.zmq_ctrl.protocol import PROTOCOL_VERSION, Limits, Op, Status
+from servers import ServerProcess, raw_hello, unique_shm_name
+
+BS = 4096
+NBLOCKS = 64
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def st():
+    """A Store over a 64-block pool, its clock in the test's hands."""
+    p = Pool.create(unique_shm_name("bd-"), NBLOCKS * BS, BS)
+    clock = _Clock()
+    s = Store(p, StoreConfig(lease_timeout=5.0, limits=Limits(max_key_bytes=64,
+                                                              max_batch=1000)),
+              clock=clock)
+    s.test_clock = clock  # type: ignore[attr-defined]
+    try:
+        yield s
+    finally:
+        p.close()
+        p.unlink()
+
+
+def _alloc(store: Store, sess: Any, rid: int, keys: list[bytes], vals: list[bytes]) -> None:
+    offsets, sts = store.alloc_entries(sess, rid, keys, [len(v) for v in vals])
+    assert all(x == Status.OK for x in sts), sts
+    for o, v in zip(offsets, vals):
+        store.pool.write(o, v)
+
+
+def _read(store: Store, key: bytes) -> bytes | None:
+    offsets, sizes, _ = store.lookup(b"reader", 999_999, [key])
+    if offsets[0] < 0:
+        return None
+    data = store.pool.read_bytes(offsets[0], sizes[0])
+    store.release(b"reader", [999_999])
+    return data
+
+
+def _exact(store: Store, keys: dict[bytes, bytes]) -> dict[str, Any]:
+    """The store holds exactly ``keys`` (their values), no grant, no pending block, no
+    quota held, and its accounting is right."""
+    s = store.stats(verify=True)
+    assert s["accounting_ok"], s
+    assert s["pending"] == 0, s
+    assert store._ngrants == 0, store._ngrants
+    for q in store._quotas.values():
+        assert (q.pending, q.pinned, q.sending) == (0, 0, 0), (q.pending, q.pinned)
+    assert s["num_keys"] == len(keys), (s["num_keys"], sorted(keys))
+    for k, v in keys.items():
+        assert _read(store, k) == v, k
+    used = sum(-(-len(v) // BS) or 1 for v in keys.values())
+    assert s["used_bytes"] == used * BS, (s["used_bytes"], used)
+    return s
+
+
+# ------------------------------------------------------------ a COMMIT sent again
+
+def test_a_commit_sent_again_after_a_delete_or_an_overwrite_does_not_bring_back_the_old(st):
+    # held: the re-sent COMMIT finds no grant (settled by the first) and is answered
+    # committed; it installs nothing, so a key deleted or overwritten since stays so
+    sess = st.open_session(("peer", b"w"), nonce=b"n" * 16)
+    _alloc(st, sess, 7, [b"a", b"b"], [b"old-a", b"old-b"])
+    assert st.commit(sess, [7]) == []
+    st.delete([b"a"])
+    _alloc(st, sess, 8, [b"b"], [b"new-b"])
+    assert st.commit(sess, [8]) == []
+    assert st.commit(sess, [7]) == []                   # sent again: committed
+    assert st.settle_some(sess, 7, "commit", 100) == 0  # the sliced path: the same
+    _exact(st, {b"b": b"new-b"})
+    assert st.counters["commits"] == 2 and st.counters["commits_again"] == 2
+    assert st.counters["puts"] == 3
+
+
+def test_a_commit_sent_again_after_its_blocks_went_to_another_grant_touches_nothing(st):
+    # held: the first grant's key deleted, its blocks given to a new grant (same
+    # places); the first COMMIT sent again neither shows the new grant's bytes under
+    # the old key nor commits the new grant
+    sess = st.open_session(("peer", b"w"), nonce=b"n" * 16)
+    _alloc(st, sess, 7, [b"a"], [b"A" * 100])
+    assert st.commit(sess, [7]) == []
+    place = st.index.get(b"a").start
+    st.delete([b"a"])
+    _alloc(st, sess, 9, [b"z"], [b"Z" * 100])
+    assert st._pending == 1
+    assert st.commit(sess, [7]) == []
+    assert st.exists([b"a", b"z"]) == [False, False]    # the new grant still pending
+    assert st.settle_some(sess, 7, "commit", 1) == 0
+    assert st.exists([b"a", b"z"]) == [False, False]
+    assert st.commit(sess, [9]) == []
+    s = _exact(st, {b"z": b"Z" * 100})
+    assert st.index.get(b"z").start == place, "not the blocks reused: test is moot"
+    assert s["num_keys"] == 1
+
+
+def test_an_abort_after_a_commit_leaves_the_commit(st):
+    # held: ABORT of a committed grant (and RELEASE of it, a PIN's word) is a no-op:
+    # the value stays, nothing freed twice, no abort counted
+    sess = st.open_session(("peer", b"w"), nonce=b"n" * 16)
+    _alloc(st, sess, 7, [b"a", b"b"], [b"1" * 5000, b"2" * 10])
+    assert st.commit(sess, [7]) == []
+    st.abort(sess, [7])
+    st.release(sess, [7])
+    assert st.settle_some(sess, 7, "abort", 10) == -1
+    assert st.settle_some(sess, 7, "release", 10) == -1
+    assert st.counters["aborts"] == 0
+    _exact(st, {b"a": b"1" * 5000, b"b": b"2" * 10})
+    assert st.commit(sess, [7]) == []       # and a COMMIT again is still committed
+
+
+def test_a_commit_of_another_sessions_grant_ids_is_refused(st):
+    # held: grant ids (and the memory of committed ones) are per session: another
+    # client guessing ids (pending, committed, aborted) gets them all failed, and its
+    # ABORT of them touches nothing; a same-nonce replacement is the owner's only
+    a = st.open_session(("door",), nonce=b"a" * 16)
+    b = st.open_session(("door",), nonce=b"b" * 16)     # the same principal, even
+    _alloc(st, a, 1, [b"k1"], [b"v1"])
+    assert st.commit(a, [1]) == []
+    _alloc(st, a, 2, [b"k2"], [b"v2"])              # pending
+    _alloc(st, a, 3, [b"k3"], [b"v3"])
+    st.abort(a, [3])
+    assert st.commit(b, [1, 2, 3, 4]) == [1, 2, 3, 4]
+    for rid in (1, 2, 3):
+        assert st.settle_some(b, rid, "commit", 5) == -1
+    st.abort(b, [2])
+    assert st.settle_some(b, 2, "abort", 5) == -1
+    assert st.exists([b"k2"]) == [False] and 2 in a.grants
+    assert st.commit(a, [2]) == []
+    assert st.counters["commits_again"] == 0
+    _exact(st, {b"k1": b"v1", b"k2": b"v2"})
+
+
+@pytest.mark.parametrize("rest", ["abort", "expire", "close"])
+def test_interleaved_partial_settles_account_exactly(st, rest):
+    # held: a 12-entry grant committed 3 at a time by settle_some, aborted 2, committed
+    # 4 more, then the rest aborted / expired / its session closed: exactly the
+    # entries committed are visible, every other block free, no quota, no pending;
+    # counters as one settle would give. A COMMIT of it again: failed (it was not
+    # committed whole), and it brings nothing back
+    sess = st.open_session(("peer", b"w"), nonce=b"n" * 16)
+    keys = [b"k%02d" % i for i in range(12)]
+    vals = [bytes([65 + i]) * (100 + 3000 * (i % 3)) for i in range(12)]
+    _alloc(st, sess, 5, keys, vals)
+    q = sess.quota
+    blocks = [-(-len(v) // BS) for v in vals]
+    assert q.pending == sum(blocks)
+    assert st.settle_some(sess, 5, "commit", 3) == 3
+    assert st.settle_some(sess, 5, "abort", 2) == 2
+    assert st.settle_some(sess, 5, "commit", 4) == 4
+    assert q.pending == sum(blocks[9:]), (q.pending, blocks)
+    assert st.grant_entries(sess, [5]) == 3
+    committed = {k: v for i, (k, v) in enumerate(zip(keys, vals)) if i < 3 or 5 <= i < 9}
+    if rest == "abort":
+        st.abort(sess, [5])
+    elif rest == "expire":
+        st.test_clock.t += 100  # type: ignore[attr-defined]
+        st.expire()
+    else:
+        st.close_session(sess)
+    assert st.counters["puts"] == 7
+    assert st.counters["commits"] == 0      # the grant was never committed whole
+    if rest != "close":
+        assert st.commit(sess, [5]) == [5]
+        assert st.settle_some(sess, 5, "commit", 10) == -1
+    _exact(st, committed)
+
+
+def test_a_grant_committed_in_parts_then_whole_is_committed_once(st):
+    # held: settle_some commits parts, commit() the rest: puts counted once per entry,
+    # one commit, and a COMMIT again is answered committed
+    sess = st.open_session(("peer", b"w"), nonce=b"n" * 16)
+    keys = [b"p%d" % i for i in range(7)]
+    vals = [b"%d" % i * 50 for i in range(7)]
+    _alloc(st, sess, 5, keys, vals)
+    assert st.settle_some(sess, 5, "commit", 2) == 2
+    assert st.settle_some(sess, 5, "commit", 2) == 2
+    assert st.commit(sess, [5]) == []
+    assert st.commit(sess, [5]) == []
+    assert st.counters["puts"] == 7 and st.counters["commits"] == 1
+    assert st.counters["commits_again"] == 1
+    _exact(st, dict(zip(keys, vals)))
+
+
+# ------------------------------------------------------------ on the wire
+
+class _Raw:
+    """A raw DEALER with a session on ``srv``; ``call`` one request, ``send`` without
+    waiting, ``recv`` the next reply."""
+
+    def __init__(self, srv: ServerProcess) -> None:
+        self.s = zmq.Context.instance().socket(zmq.DEALER)
+        self.s.setsockopt(zmq.LINGER, 0)
+        self.s.connect(f"tcp://{srv.address}")
+        self.epoch = raw_hello(self.s, srv.address)["epoch"]
+
+    def send(self, op: int, body: dict[str, Any], rid: int) -> None:
+        self.s.send(msgpack.packb([PROTOCOL_VERSION, op, rid, self.epoch, body]))
+
+    def recv(self) -> list[Any]:
+        assert self.s.poll(20000), "no reply"
+        return msgpack.unpackb(self.s.recv_multipart()[0])
+
+    def call(self, op: int, body: dict[str, Any], rid: int) -> list[Any]:
+        self.send(op, body, rid)
+        return self.recv()
+
+    def close(self) -> None:
+        self.s.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_commit_sent_again_from_another_client_is_refused_on_the_wire():
+    # held: client B sends COMMITs (and an ABORT) of client A's request ids, committed
+    # and pending ones: all commit_failed, A's pending write stays A's to commit
+    with ServerProcess() as srv:
+        a, b = _Raw(srv), _Raw(srv)
+        try:
+            r = a.call(Op.ALLOC, {"keys": [b"x1"], "sizes": [3]}, 2)
+            assert r[1] == 0 and r[3]["st"] == [0], r
+            assert "commit_failed" not in a.call(Op.COMMIT, {"commit": [2]}, 3)[3]
+            r = a.call(Op.ALLOC, {"keys": [b"x2"], "sizes": [3]}, 4)
+            assert r[1] == 0, r
+            r = b.call(Op.COMMIT, {"commit": [2, 4]}, 2)
+            assert r[3].get("commit_failed") == [2, 4], r
+            b.call(Op.RELEASE, {"abort": [4]}, 3)
+            r = b.call(Op.EXISTS, {"keys": [b"x1", b"x2"], "commit": [4]}, 4)
+            assert r[3]["found"] == [True, False] and r[3]["commit_failed"] == [4], r
+            r = a.call(Op.EXISTS, {"keys": [b"x2"], "commit": [4]}, 5)
+            assert r[3]["found"] == [True] and "commit_failed" not in r[3], r
+        finally:
+            a.close()
+            b.close()
+
+
+@pytest.mark.timeout(120)
+def test_an_abort_pipelined_behind_a_sliced_commit_does_not_undo_it():
+    # a COMMIT of a grant larger than --slice-keys is settled over several turns; an
+    # ABORT of the same grant the client sent after it (pipelined, or a confused
+    # client) must not take effect before it: the COMMIT was first, so it commits every
+    # entry and is answered so, and the ABORT finds nothing left. Before: the ABORT,
+    # served between the COMMIT's slices, freed the entries not yet committed (the
+    # grant half in, half gone) and the COMMIT answered commit_failed (LeaseExpired
+    # for a write that is partly in)
+    with ServerProcess("--slice-keys", "2") as srv:
+        a = _Raw(srv)
+        try:
+            keys = [b"s%03d" % i for i in range(400)]
+            r = a.call(Op.ALLOC, {"keys": keys, "sizes": [5] * 400}, 2)
+            assert r[1] == 0 and r[3]["st"] == [0] * 400, r
+            a.send(Op.COMMIT, {"commit": [2]}, 3)
+            a.send(Op.RELEASE, {"abort": [2]}, 4)
+            got = {}
+            for _ in range(2):
+                m = a.recv()
+                got[m[2]] = m
+            r = a.call(Op.EXISTS, {"keys": keys}, 5)
+            assert got[3][1] == 0 and "commit_failed" not in got[3][3], (got[3], "".join("TF"[not x] for x in r[3]["found"]))
+            assert r[3]["found"] == [True] * 400, "".join("TF"[not x] for x in r[3]["found"])
+        finally:
+            a.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_commit_pipelined_behind_a_sliced_abort_does_not_half_commit_it():
+    # the other way round: an ABORT of a large grant being settled in slices, then a
+    # COMMIT of it: the ABORT was first, so every entry goes and the COMMIT fails.
+    # Before: the two interleaved (abort 2 entries, commit 2, ...): half the keys in,
+    # and the COMMIT answered committed when it took the last slice
+    with ServerProcess("--slice-keys", "2") as srv:
+        a = _Raw(srv)
+        try:
+            keys = [b"t%03d" % i for i in range(400)]
+            r = a.call(Op.ALLOC, {"keys": keys, "sizes": [5] * 400}, 2)
+            assert r[1] == 0 and r[3]["st"] == [0] * 400, r
+            a.send(Op.RELEASE, {"abort": [2]}, 3)
+            a.send(Op.COMMIT, {"commit": [2]}, 4)
+            got = {}
+            for _ in range(2):
+                m = a.recv()
+                got[m[2]] = m
+            r = a.call(Op.EXISTS, {"keys": keys}, 5)
+            found = "".join("TF"[not x] for x in r[3]["found"])
+            assert got[4][3].get("commit_failed") == [2], (got[4], found)
+            assert r[3]["found"] == [False] * 400, found
+            st = a.call(Op.STATS, {}, 6)[3]["stats"]
+            assert st["pending"] == 0 and st["num_keys"] == 0, st
+        finally:
+            a.close()
