@@ -315,3 +315,156 @@ def test_a_commit_pipelined_behind_a_sliced_abort_does_not_half_commit_it():
             assert st["pending"] == 0 and st["num_keys"] == 0, st
         finally:
             a.close()
+
+
+# ------------------------------------------------------------ hostile replies
+
+def _nan_ext() -> Any:
+    return msgpack.ExtType(5, b"\x00" * 8)
+
+
+_BIG = 10 ** 7
+
+
+def _hostile_get_cases() -> dict[str, tuple[Any, tuple[int, dict[str, Any], list[bytes]]]]:
+    nan = float("nan")
+    one = lambda c: c.get_batch([b"a", b"b"])       # noqa: E731
+    into = lambda c: c.get_batch_into([b"a", b"b"], [bytearray(8), bytearray(8)])  # noqa
+    get1 = lambda c: c.get(b"a")                    # noqa: E731 (the one-key C path)
+    ver = lambda c: c.get_batch([b"a", b"b"], verify=True)   # noqa: E731
+    return {
+        "size_minus3": (one, (0, {"sizes": [-3, -1], "counts": []}, [])),
+        "size_minus3_one": (get1, (0, {"sizes": [-3], "counts": []}, [])),
+        "size_int64_min": (one, (0, {"sizes": [-2 ** 63, -1], "counts": []}, [])),
+        "size_2_63": (into, (0, {"sizes": [2 ** 63, -1], "counts": [1]}, [b"x"])),
+        "size_u64_max_one": (get1, (0, {"sizes": [2 ** 64 - 1], "counts": [1]}, [b"x"])),
+        "size_nan": (one, (0, {"sizes": [nan, -1], "counts": [1]}, [b"x"])),
+        "size_inf_into": (into, (0, {"sizes": [float("inf"), -1], "counts": [1]}, [b"x"])),
+        "size_nested": (one, (0, {"sizes": [[1], -1], "counts": [1]}, [b"x"])),
+        "size_map": (one, (0, {"sizes": [{"n": 1}, -1], "counts": [1]}, [b"x"])),
+        "size_none": (one, (0, {"sizes": [None, -1], "counts": []}, [])),
+        "size_bytes": (one, (0, {"sizes": [b"\x01", -1], "counts": [1]}, [b"x"])),
+        "size_ext": (one, (0, {"sizes": [_nan_ext(), -1], "counts": [1]}, [b"x"])),
+        "sizes_huge_list": (one, (0, {"sizes": [1] * _BIG, "counts": [_BIG]}, [b"x" * 16])),
+        "sizes_huge_list_one": (get1, (0, {"sizes": [-1] * _BIG}, [])),
+        "sizes_huge_into": (into, (0, {"sizes": [0] * _BIG, "counts": [_BIG]}, [b""])),
+        "counts_u64_max": (one, (0, {"sizes": [1, -1], "counts": [2 ** 64 - 1]}, [b"x"])),
+        "counts_negative_into": (into, (0, {"sizes": [1, 1], "counts": [-1, 3]}, [b"x", b"y"])),
+        "counts_nan": (one, (0, {"sizes": [1, -1], "counts": [nan]}, [b"x"])),
+        "counts_nested_into": (into, (0, {"sizes": [1, -1], "counts": [[1]]}, [b"x"])),
+        "counts_huge_list": (one, (0, {"sizes": [1, -1], "counts": [0] * _BIG}, [b"x"])),
+        "counts_huge_into": (into, (0, {"sizes": [1, -1], "counts": [1] + [0] * _BIG},
+                                    [b"x"])),
+        "sums_nan": (ver, (0, {"sizes": [1, -1], "counts": [1], "sums": [nan, None]},
+                           [b"x"])),
+        "sums_nested": (ver, (0, {"sizes": [1, -1], "counts": [1], "sums": [[1], None]},
+                              [b"x"])),
+        "sums_huge_list": (ver, (0, {"sizes": [1, -1], "counts": [1], "sums": [0] * _BIG},
+                                 [b"x"])),
+        "body_nested_deep": (one, (0, {"sizes": [[[[[[[[[[1]]]]]]]]], -1], "counts": [1]},
+                                   [b"x"])),
+    }
+
+
+HOSTILE_GET = _hostile_get_cases()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", sorted(HOSTILE_GET))
+def test_a_hostile_get_reply_is_a_protocol_error(case):
+    # held: every one a ProtocolError, nothing else raised, no crash, no hang; the
+    # client reads a good reply after it
+    from kvshm import Client
+    from kvshm.errors import ProtocolError
+    from test_reply_shapes import FakeServer
+
+    fake = FakeServer()
+    c = Client(fake.address, transport="tcp", timeout=20)
+    try:
+        fn, reply = HOSTILE_GET[case]
+        fake.script(reply)
+        with pytest.raises(ProtocolError):
+            fn(c)
+        fake.script((0, {"sizes": [2, -1], "counts": [1]}, [b"ok"]))
+        assert c.get_batch([b"a", b"b"]) == [b"ok", None]
+    finally:
+        c.close()
+        fake.close()
+
+
+def _hostile_lookup_cases(pool_bytes: int) -> dict[str, tuple[Any, dict[str, Any]]]:
+    nan = float("nan")
+    get1 = lambda c: c.get(b"a")                                     # noqa: E731
+    two = lambda c: c.get_batch([b"a", b"b"])                        # noqa: E731
+    into = lambda c: c.get_batch_into([b"a", b"b"], [bytearray(8)] * 2)  # noqa: E731
+    return {
+        "size_minus3": (get1, {"offsets": [0], "sizes": [-3]}),
+        "size_2_63": (get1, {"offsets": [0], "sizes": [2 ** 63]}),
+        "size_int64_min": (get1, {"offsets": [0], "sizes": [-2 ** 63]}),
+        "size_nan": (get1, {"offsets": [0], "sizes": [nan]}),
+        "offset_nan": (get1, {"offsets": [nan], "sizes": [3]}),
+        "offset_2_63": (into, {"offsets": [2 ** 63, -1], "sizes": [3, -1]}),
+        "offset_int64_min": (get1, {"offsets": [-2 ** 63], "sizes": [3]}),
+        "offset_past_by_size": (get1, {"offsets": [pool_bytes - 2], "sizes": [3]}),
+        "offset_none": (get1, {"offsets": [None], "sizes": [3]}),
+        "offset_map": (get1, {"offsets": [{"o": 0}], "sizes": [3]}),
+        "offset_ext": (get1, {"offsets": [_nan_ext()], "sizes": [3]}),
+        "extent_nan": (get1, {"offsets": [[[nan, 3]]], "sizes": [3]}),
+        "extent_len_2_63": (get1, {"offsets": [[[0, 2 ** 63]]], "sizes": [3]}),
+        "extent_len_u64_max": (get1, {"offsets": [[[0, 2 ** 64 - 1]]], "sizes": [3]}),
+        "extent_off_plus_len_wraps": (get1, {"offsets": [[[2 ** 62, 2 ** 62],
+                                                          [2 ** 62, 2 ** 62]]],
+                                             "sizes": [3]}),
+        "extents_sum_wraps": (get1, {"offsets": [[[0, pool_bytes]] * 40], "sizes": [3]}),
+        "extent_three": (get1, {"offsets": [[[0, 1, 2]]], "sizes": [1]}),
+        "extent_nested": (get1, {"offsets": [[[[0, 1], [1, 2]]]], "sizes": [3]}),
+        "extent_str": (get1, {"offsets": [[["0", 3]]], "sizes": [3]}),
+        "extent_bool": (get1, {"offsets": [[[False, 3]]], "sizes": [3]}),
+        "extents_huge_list": (get1, {"offsets": [[[0, 0]] * _BIG], "sizes": [3]}),
+        "offsets_huge_list": (two, {"offsets": [0] * _BIG, "sizes": [3, 3]}),
+        "sizes_huge_list": (two, {"offsets": [0, 0], "sizes": [3] * _BIG}),
+        "sums_nan": (lambda c: c.get(b"a", verify=True),
+                     {"offsets": [0], "sizes": [3], "sums": [nan]}),
+    }
+
+
+@pytest.mark.timeout(120)
+def test_a_hostile_lookup_reply_is_a_protocol_error(shm_name):
+    # held: the shm path's LOOKUP replies (places read in the client's own mapping):
+    # every one a ProtocolError, the refused LOOKUP's pins released, a good reply read
+    from kvshm import Client
+    from kvshm.errors import ProtocolError
+    from test_reply_shapes import BS as FBS, POOL_BYTES, FakeServer
+
+    pool = Pool.create(shm_name, POOL_BYTES, FBS)
+    fake = FakeServer(pool)
+    c = None
+    try:
+        pool.write(0, b"0123456789")
+        c = Client(fake.address, transport="shm", timeout=20)
+        assert c._session.transport_name == "shm"
+        bad = []
+        for case, (fn, body) in sorted(_hostile_lookup_cases(POOL_BYTES).items()):
+            fake.script((0, body, []))
+            try:
+                fn(c)
+            except ProtocolError:
+                pass
+            except Exception as exc:        # noqa: BLE001 - what the test looks for
+                bad.append((case, repr(exc)[:120]))
+            else:
+                bad.append((case, "no error"))
+            op, rid, _ = fake.requests[-1]
+            assert op == Op.LOOKUP, case
+            fake.script((0, {"offsets": [0, -1], "sizes": [3, -1]}, []))
+            assert c.get_batch([b"a", b"b"]) == [b"012", None], case
+            assert any(rid in body.get("release", ()) for _, _, body in
+                       fake.requests[-2:]), (case, [(o, r, sorted(b)) for o, r, b in
+                                                    fake.requests[-3:]])
+        assert not bad, bad
+    finally:
+        if c is not None:
+            c.close()
+        fake.close()
+        pool.close()
+        pool.unlink()
