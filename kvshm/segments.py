@@ -335,16 +335,66 @@ def list_segments(prefix: str = DEFAULT_PREFIX) -> list[tuple[str, bool]]:
     return [(n, is_held(n)) for n in names if n.startswith(prefix) and _is_pool(n)]
 
 
+#: The file of a server's private ipc directory it holds an exclusive flock(2) on for its
+#: life, taken before its socket is bound (:func:`hold_ipc_dir`): what tells
+#: :func:`cleanup_ipc_dirs` that a server is behind the directory without connecting to
+#: its socket (libzmq's ipc listener aborts the server on an accept at EMFILE, so a
+#: probe's connect could kill a live server short of descriptors).
+IPC_ALIVE = "alive"
+
+
+def hold_ipc_dir(path: str) -> int:
+    """Make ``path``/:data:`IPC_ALIVE` (0600) and hold an exclusive flock on it: the
+    server's proof, for its life, that its ipc directory ``path`` is in use (call before
+    binding its socket there). Returns the descriptor (close-on-exec); closing it, or
+    the process's end, lets the lock go. Raises OSError."""
+    fd = os.open(os.path.join(path, IPC_ALIVE),
+                 os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)      # (a probe holds LOCK_SH only for a moment)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _ipc_lock_free(path: str) -> bool | None:
+    """Whether ``path``/:data:`IPC_ALIVE` is locked by no process (True), held (False),
+    or absent (None: a server of an earlier build, which made none)."""
+    try:
+        fd = os.open(os.path.join(path, IPC_ALIVE),
+                     os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return False                # (not ours to judge: kept)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return False
+    finally:
+        os.close(fd)                # (the shared lock goes with it)
+    return True
+
+
 def _ipc_dir_stale(path: str, grace: float = 60.0) -> bool:
     """True when ``path`` (a server's private ipc directory) has no server behind it: its
-    socket refuses connections, or it has none and is older than ``grace`` seconds (a
-    server binds it right after making the directory)."""
+    socket is bound but no process holds the lock on its :data:`IPC_ALIVE` file (taken
+    before the bind), or, a directory without that file (made by an earlier build), its
+    socket refuses connections; or it has no socket and is older than ``grace`` seconds
+    (a server binds it right after making the directory). A live server's socket is
+    connected to only in that last-but-one case."""
     sock_path = os.path.join(path, "service.sock")
     if not os.path.exists(sock_path):
         try:
             return time.time() - os.stat(path).st_mtime > grace
         except OSError:
             return False
+    free = _ipc_lock_free(path)
+    if free is not None:
+        return free
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         s.settimeout(1.0)

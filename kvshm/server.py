@@ -436,6 +436,7 @@ class Server:
         self._thread: threading.Thread | None = None
         self._lock_fd = -1
         self._ipc_dir: str | None = None
+        self._ipc_lock_fd = -1      # segments.hold_ipc_dir: the ipc directory in use
         self._curve: Any = None
         self._router: Any = None
         self.rdma: Any = None    # kvshm.rdma.server.ServerEndpoint with dev_name
@@ -556,6 +557,9 @@ class Server:
                 hello["shared_index"] = self.shared_index.info()
             if cfg.ipc:   # after the pool: its segment's lock marks the server alive
                 self._ipc_dir = tempfile.mkdtemp(prefix="kvshm-ipc-")
+                # held before the bind: another server's cleanup_ipc_dirs then tells
+                # this directory is in use without connecting to its socket
+                self._ipc_lock_fd = segments.hold_ipc_dir(self._ipc_dir)
                 bound.append(bind(self._router, f"ipc://{self._ipc_dir}/service.sock"))
             # The management port's own client comes in over inproc, which CURVE does
             # not apply to (and which no other process can reach); it shows the token.
@@ -814,6 +818,9 @@ class Server:
         if self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
             self._ipc_dir = None
+        if self._ipc_lock_fd >= 0:
+            os.close(self._ipc_lock_fd)
+            self._ipc_lock_fd = -1
 
     # ------------------------------------------------------------------ info
 

@@ -468,3 +468,54 @@ def test_a_hostile_lookup_reply_is_a_protocol_error(shm_name):
         fake.close()
         pool.close()
         pool.unlink()
+
+
+# ------------------------------------------------------------ the ipc probe
+
+def _nfds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+@pytest.mark.timeout(120)
+def test_cleanup_ipc_dirs_does_not_connect_to_a_live_servers_socket(tmp_path):
+    # any kvshm server starting on the host runs segments.cleanup_ipc_dirs, which told
+    # a live server's ipc directory from a stale one by connecting to its socket: a
+    # server (libzmq listener) with no descriptor free at that moment aborted inside
+    # libzmq (ipc_listener.cpp:297, EMFILE). The server now holds a lock on a file of
+    # its ipc directory and the probe looks at that lock, connecting to nothing; a
+    # killed server's directory (the lock gone with it) is still removed
+    import resource
+
+    from kvshm import Client, segments
+
+    env = {"TMPDIR": str(tmp_path)}
+    srv = ServerProcess("--hello-timeout", "1", env=env, listener="libzmq")
+    try:
+        assert srv.ipc, srv.ready_line
+        ipc_dir = os.path.dirname(srv.ipc[len("ipc://"):])
+        assert os.path.dirname(ipc_dir) == str(tmp_path), ipc_dir
+        c = Client(srv.address, transport="tcp", timeout=20)
+        try:
+            c.put(b"k", b"v")
+            pid = srv.proc.pid
+            old = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+            try:
+                resource.prlimit(pid, resource.RLIMIT_NOFILE, (_nfds(pid), old[1]))
+                assert segments.cleanup_ipc_dirs(str(tmp_path)) == []
+                time.sleep(0.5)     # (an abort is at once; a bounded look for it)
+                assert srv.proc.poll() is None, (srv.proc.returncode,
+                                                 srv.stderr_text[-300:])
+            finally:
+                if srv.proc.poll() is None:
+                    resource.prlimit(pid, resource.RLIMIT_NOFILE, old)
+            assert c.get(b"k") == b"v"
+            assert os.path.isdir(ipc_dir)
+        finally:
+            c.close()
+        srv.kill()
+        assert segments.cleanup_ipc_dirs(str(tmp_path)) == [ipc_dir]
+    finally:
+        srv.kill()
+        srv.remove_segment()
+        from kvshm.security import cleanup_tokens
+        cleanup_tokens()
