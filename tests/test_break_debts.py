@@ -519,3 +519,72 @@ def test_cleanup_ipc_dirs_does_not_connect_to_a_live_servers_socket(tmp_path):
         srv.remove_segment()
         from kvshm.security import cleanup_tokens
         cleanup_tokens()
+
+
+# ------------------------------------------------------------ EMFILE, many held
+
+def _cut_within(s: Any, timeout: float) -> bool:
+    """Whether the server ended ``s`` (end of stream or reset) within ``timeout`` s."""
+    s.settimeout(timeout)
+    try:
+        while True:
+            b = s.recv(65536)
+            if not b:
+                return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("listener", ["libzmq", "native"])
+def test_many_silent_peers_due_while_no_descriptor_is_free_are_all_cut_after(listener):
+    # 24 silent peers (ZMTP handshake done, no HELLO) accepted and held; the server's
+    # soft limit then at its descriptor count while their --hello-timeout passes (each
+    # shut_conn UNTOLD: held again, first in line), and 8 more connect meanwhile (the
+    # kernel queues them; no descriptor to accept with). The limit raised: every one
+    # of the 32 is cut, the server's descriptors come back to what they were, the
+    # client that said HELLO is answered throughout after. --no-ipc: see break24
+    import resource
+    import socket
+
+    from kvshm import Client
+    from test_idlecut import peer
+
+    with ServerProcess("--hello-timeout", "1", "--no-ipc", listener=listener) as srv:
+        c = Client(srv.address, transport="tcp", timeout=30)
+        held: list[Any] = []
+        try:
+            c.put(b"k", b"v")
+            pid = srv.proc.pid
+            base = _nfds(pid)
+            held = [peer(srv.address) for _ in range(24)]
+            for _ in range(3):
+                assert c.get(b"k") == b"v"          # their accepts read, held
+            old = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+            try:
+                resource.prlimit(pid, resource.RLIMIT_NOFILE, (_nfds(pid), old[1]))
+                host, port = srv.address.rsplit(":", 1)
+                for _ in range(8):
+                    s = socket.create_connection((host, int(port)), timeout=10)
+                    s.sendall(b"\xff" + b"\0" * 8 + b"\x7f")    # a greeting begun
+                    held.append(s)
+                time.sleep(2.5)     # the thing tested: their time up, no descriptor
+            finally:
+                resource.prlimit(pid, resource.RLIMIT_NOFILE, old)
+            left = [i for i, s in enumerate(held) if not _cut_within(s, 30)]
+            assert not left, f"peers never cut: {left}"
+            end = time.monotonic() + 30
+            while _nfds(pid) > base and time.monotonic() < end:
+                time.sleep(0.1)
+            assert _nfds(pid) <= base, (_nfds(pid), base)
+            assert c.get(b"k") == b"v"
+            assert srv.proc.poll() is None
+            errs = c.stats()["error_kinds"]
+            assert errs.get("unadmitted_cut", 0) + errs.get("unadmitted_bound", 0) >= 24, \
+                errs
+        finally:
+            for s in held:
+                s.close()
+            c.close()
