@@ -210,6 +210,32 @@ def test_a_grant_committed_in_parts_then_whole_is_committed_once(st):
     _exact(st, dict(zip(keys, vals)))
 
 
+def test_a_grant_being_settled_in_slices_is_settled_whole_one_way(st):
+    # the store side of the sliced-settle fix: a grant a sliced COMMIT marked
+    # (begin_settle) ignores ABORTs, one a sliced ABORT marked fails COMMITs; an
+    # abandoned request's marks go even after its grants moved to a new session (a
+    # same-nonce HELLO): the client may abort it again
+    sess = st.open_session(("peer", b"w"), nonce=b"n" * 16)
+    _alloc(st, sess, 5, [b"c%d" % i for i in range(6)], [b"x" * 10] * 6)
+    _alloc(st, sess, 6, [b"d%d" % i for i in range(6)], [b"y" * 10] * 6)
+    marked = st.begin_settle(sess, "commit", [5])
+    assert st.begin_settle(sess, "abort", [5]) == []        # marked already
+    marked6 = st.begin_settle(sess, "abort", [6])
+    assert st.settle_some(sess, 5, "commit", 2) == 2
+    st.abort(sess, [5])
+    assert st.settle_some(sess, 5, "abort", 10) == 0
+    assert st.commit(sess, [6]) == [6]
+    assert st.settle_some(sess, 6, "commit", 10) == -1
+    assert st.settle_some(sess, 6, "abort", 3) == 3
+    new = st.open_session(("peer", b"w"), nonce=b"n" * 16)
+    st.replace_session(sess, new)
+    st.end_settle(marked + marked6)
+    st.abort(new, [5])              # no longer being committed: the client's to abort
+    assert st.commit(new, [6]) == []    # nor being aborted: committed (what is left)
+    _exact(st, {b"c0": b"x" * 10, b"c1": b"x" * 10,
+                **{b"d%d" % i: b"y" * 10 for i in range(3, 6)}})
+
+
 # ------------------------------------------------------------ on the wire
 
 class _Raw:

@@ -225,8 +225,8 @@ class _Sessions:
         of it sent again is answered as committed."""
         return req_id in session.committed
 
-    def begin_settle(self, session: Session, how: str, req_ids: Sequence[int],
-                     end: bool = False) -> None:
+    def begin_settle(self, session: Session, how: str, req_ids: Sequence[int]
+                     ) -> list[_Grant]:
         """A request that ``how`` ("commit" or "abort") these ALLOC grants of ``session``
         is being settled in slices (the router, :meth:`settle_some`): until it is done,
         a later request of the other kind does not take effect between its slices. An
@@ -234,18 +234,25 @@ class _Sessions:
         COMMIT is done), a COMMIT of a grant being aborted fails (:meth:`commit`, as it
         does once the ABORT is done): the first one the server received settles it
         whole, never half one way and half the other. A grant marked already keeps its
-        mark (the earlier request's). ``end``: that request was abandoned before it was
-        done; its marks go (a grant it left is again the client's to settle)."""
+        mark (the earlier request's). Returns the grants it marked, for
+        :meth:`end_settle`."""
         grants = session.grants
+        marked = []
         for rid in req_ids:
             g = grants.get(rid)
-            if g is None or g.kind != _ALLOC:
-                continue
-            if end:
-                if g.closing == how:
-                    g.closing = None
-            elif g.closing is None:
+            if g is not None and g.kind == _ALLOC and g.closing is None:
                 g.closing = how
+                marked.append(g)
+        return marked
+
+    @staticmethod
+    def end_settle(marked: Sequence[_Grant]) -> None:
+        """The request that marked these grants (:meth:`begin_settle`) was abandoned
+        before it was done (its session replaced or closed, it was cancelled): their
+        marks go, and a grant it left (moved to a new session by a same-nonce HELLO,
+        say) is again its client's to settle either way."""
+        for g in marked:
+            g.closing = None
 
     def grant_entries(self, session: Session, req_ids: Sequence[int]) -> int:
         """Entries held by the grants ``req_ids`` of ``session`` (what settling them

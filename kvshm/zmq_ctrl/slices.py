@@ -170,10 +170,9 @@ class SlicesMixin(LoopState):
         # the grants it aborts, then those it commits, are this request's to settle: a
         # later request's ABORT of one being committed (or COMMIT of one being aborted)
         # does not take effect between its slices (Store.begin_settle)
-        if ab:
-            store.begin_settle(session, "abort", ab)
+        marked = store.begin_settle(session, "abort", ab) if ab else []
         if com:
-            store.begin_settle(session, "commit", com)
+            marked += store.begin_settle(session, "commit", com)
         todo = collections.deque([*(("release", r) for r in rel),
                                   *(("abort", r) for r in ab),
                                   *(("commit", r) for r in com)])
@@ -212,9 +211,8 @@ class SlicesMixin(LoopState):
                 return Status.INVALID_REQUEST, {"error": str(exc)}, []
 
         def cleanup() -> None:
-            if todo:        # abandoned before its grants were settled: their marks go
-                store.begin_settle(session, "abort", ab, end=True)
-                store.begin_settle(session, "commit", com, end=True)
+            if todo and marked:     # abandoned before its grants were settled
+                store.end_settle(marked)
             if inner[1] is not None:
                 inner[1]()
 
