@@ -236,6 +236,37 @@ def test_a_grant_being_settled_in_slices_is_settled_whole_one_way(st):
                 **{b"d%d" % i: b"y" * 10 for i in range(3, 6)}})
 
 
+def test_the_memory_of_commits_is_bounded_across_sessions_not_only_per_session(
+        st, monkeypatch):
+    # each session remembers its last RECENT_COMMITS (1024) commit ids (~70 B each:
+    # ~70 KB a session) and the router keeps up to MAX_SESSIONS (65,536) sessions
+    # without grants: one door-token holder opening sessions that each commit 1024
+    # grants made the server hold ~4.5 GB of them. Bounded in all now
+    # (RECENT_COMMITS_TOTAL, the oldest forgotten first, whichever session's); shown
+    # here with small bounds: 12 sessions x 10 commits, 8 a session, 40 in all
+    monkeypatch.setattr(store_sessions, "RECENT_COMMITS", 8)
+    monkeypatch.setattr(store_sessions, "RECENT_COMMITS_TOTAL", 40, raising=False)
+    sessions = [st.open_session(("door",), nonce=b"%016d" % i) for i in range(12)]
+    rid = 100
+    for sess in sessions:
+        for _ in range(10):
+            rid += 1
+            _alloc(st, sess, rid, [b"k"], [b"v"])
+            assert st.commit(sess, [rid]) == []
+    total = sum(len(s.committed) for s in sessions)
+    assert total <= 40, total
+    last = sessions[-1]
+    assert list(last.committed) == list(range(rid - 7, rid + 1))    # the newest kept
+    assert sessions[0].committed == {}                              # the oldest went
+    # a same-nonce HELLO carries them over within the bound too
+    new = st.open_session(("door",), nonce=last.nonce)
+    st.replace_session(last, new)
+    assert list(new.committed) == list(range(rid - 7, rid + 1))
+    assert sum(len(s.committed) for s in [*sessions, new] if not s.closed) <= 40
+    assert st.commit(new, [rid]) == []
+    assert st.commit(sessions[0], [101]) == [101]     # forgotten: failed, as before
+
+
 # ------------------------------------------------------------ on the wire
 
 class _Raw:

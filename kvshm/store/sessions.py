@@ -48,6 +48,12 @@ _PIN = 1
 #: (a dict of ints, ~100 bytes an id); a re-sent COMMIT older than that many commits of
 #: its session is reported failed, as before.
 RECENT_COMMITS = 1024
+#: ... and all sessions together remember at most this many (the oldest forgotten first,
+#: whichever session's): ~70 bytes an id, so ~40 MB at most. Without it one token holder
+#: opening the router's 65,536 sessions, each committing 1024 grants, made the server
+#: hold ~4.5 GB of ids. A client re-sends a COMMIT within its timeout (seconds): at
+#: 100 k commits/s server-wide an id is still remembered ~5 s after it was committed.
+RECENT_COMMITS_TOTAL = 1 << 19
 
 
 class _Grant:
@@ -212,11 +218,24 @@ class _Sessions:
                 done[g.rid] = None
                 if len(done) > RECENT_COMMITS:
                     del done[next(iter(done))]
+                order = self._commit_order
+                order.append((session, g.rid))
+                if len(order) > RECENT_COMMITS_TOTAL:
+                    self._forget_commits()
             else:
                 _index.free_entries(self, entries)
         else:
             q.pinned -= g.nblocks
             _index.unpin_entries(self, entries)
+
+    def _forget_commits(self) -> None:
+        """The oldest remembered commit ids forgotten until at most
+        :data:`RECENT_COMMITS_TOTAL` are (every id a session remembers has its entry in
+        ``_commit_order``, so the sessions' together are no more)."""
+        order = self._commit_order
+        while len(order) > RECENT_COMMITS_TOTAL:
+            sess, rid = order.popleft()
+            sess.committed.pop(rid, None)
 
     @staticmethod
     def committed_before(session: Session, req_id: int) -> bool:
@@ -352,11 +371,16 @@ class _Sessions:
             return
         if old.committed:       # a COMMIT re-sent on the new session: answered as done
             done = new.committed
+            order = self._commit_order
             for rid in old.committed:
                 if rid not in new.grants:
                     done[rid] = None
+                    order.append((new, rid))    # (old's entries: popped as no-ops)
             while len(done) > RECENT_COMMITS:
                 del done[next(iter(done))]
+            old.committed = {}
+            if len(order) > RECENT_COMMITS_TOTAL:
+                self._forget_commits()
         for rid, g in old.grants.items():
             g.session = new
             prev = new.grants.get(rid)
@@ -400,6 +424,7 @@ class _Sessions:
         if self.reservations is not None:      # before its quota may be dropped
             self.reservations.ended(session)
         session.closed = True
+        session.committed = {}      # (its ids' entries in _commit_order: no-ops now)
         # progress: the loop looks at the parked requests again and drops this
         # session's (a parked CLUSTER_VIEW would otherwise stay until its wait ended)
         self.progress += 1
