@@ -49,7 +49,7 @@ _PIN = 1
 #: its session is reported failed, as before.
 RECENT_COMMITS = 1024
 #: ... and all sessions together remember at most this many (the oldest forgotten first,
-#: whichever session's): ~70 bytes an id, so ~40 MB at most. Without it one token holder
+#: whichever session's): ~130 bytes an id with its order entry, so ~70 MB at most. Without it one token holder
 #: opening the router's 65,536 sessions, each committing 1024 grants, made the server
 #: hold ~4.5 GB of ids. A client re-sends a COMMIT within its timeout (seconds): at
 #: 100 k commits/s server-wide an id is still remembered ~5 s after it was committed.
