@@ -58,9 +58,9 @@ class Store(_Sessions, _Space, _Tiered, _Accounting, _Reserving):
         self._clock = clock
         self._ngrants = 0
         self._leases: deque[tuple[float, _Grant]] = deque()
-        #: (session, request id) of each commit id a session remembers, oldest first
-        #: (sessions.RECENT_COMMITS_TOTAL bounds them all together)
-        self._commit_order: deque[tuple[Session, int]] = deque()
+        #: (session id, request id) of each commit id a session remembers, oldest
+        #: first (sessions.RECENT_COMMITS_TOTAL bounds them all together)
+        self._commit_order: deque[tuple[int, int]] = deque()
         self._quotas: dict[Any, _Quota] = {}        # principal -> what it holds
         self._sessions: dict[int, Session] = {}
         self._named: dict[Any, Session] = {}         # implicit sessions (session_for)

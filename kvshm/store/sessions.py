@@ -219,7 +219,7 @@ class _Sessions:
                 if len(done) > RECENT_COMMITS:
                     del done[next(iter(done))]
                 order = self._commit_order
-                order.append((session, g.rid))
+                order.append((session.id, g.rid))
                 if len(order) > RECENT_COMMITS_TOTAL:
                     self._forget_commits()
             else:
@@ -233,9 +233,12 @@ class _Sessions:
         :data:`RECENT_COMMITS_TOTAL` are (every id a session remembers has its entry in
         ``_commit_order``, so the sessions' together are no more)."""
         order = self._commit_order
+        sessions = self._sessions
         while len(order) > RECENT_COMMITS_TOTAL:
-            sess, rid = order.popleft()
-            sess.committed.pop(rid, None)
+            sid, rid = order.popleft()
+            sess = sessions.get(sid)        # (by id: a closed session is not kept)
+            if sess is not None:
+                sess.committed.pop(rid, None)
 
     @staticmethod
     def committed_before(session: Session, req_id: int) -> bool:
@@ -375,7 +378,7 @@ class _Sessions:
             for rid in old.committed:
                 if rid not in new.grants:
                     done[rid] = None
-                    order.append((new, rid))    # (old's entries: popped as no-ops)
+                    order.append((new.id, rid))     # (old's entries: popped as no-ops)
             while len(done) > RECENT_COMMITS:
                 del done[next(iter(done))]
             old.committed = {}
