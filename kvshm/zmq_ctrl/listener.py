@@ -80,6 +80,9 @@ _READ = 262144
 #: bytes read stay unparsed (and it is not read) until the loop has taken some (a
 #: ROUTER's RCVHWM, 1000 a pipe: a peer's burst of tiny messages cannot grow the server)
 READY_MAX = 1024
+#: Bytes a frame of a message being received counts against the message bounds beside
+#: its own (the list slot and object that hold it)
+_FRAME_COST = 32
 _SIG_OK = b"\xff"
 _SOCKET_TYPES = (b"DEALER", b"ROUTER", b"REQ")
 _NO_FD_FREE = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
@@ -940,7 +943,9 @@ class NativeListener:
                     raise ProtocolError("bad_ready")
                 if size > self.max_frame_bytes:
                     raise ProtocolError("frame_too_large")
-                held = c.held + size
+                # a frame costs its bytes and _FRAME_COST (its slot, its object): a
+                # message of empty frames is bounded too
+                held = c.held + size + _FRAME_COST
                 if held > self.untrusted_message_bytes and not c.trusted:
                     tr = self.trust
                     c.trusted = tr is None or tr(c.fd, c.ident)
@@ -1028,6 +1033,11 @@ class NativeListener:
             self._flush(c)
             return
         if name == b"PING" and len(body) >= 1 + body[0] + 2:
+            if c.out:
+                # output is queued still (the peer does not read, or not yet): no PONG
+                # more, at most one pending, as libzmq (a PING flood from a peer that
+                # never reads cannot grow the queue, nor cost a sendmsg a PING)
+                return
             ctx = body[1 + body[0] + 2:][:16]
             b = b"\x04PONG" + ctx
             pong = bytes([0x04, len(b)]) + b

@@ -1,0 +1,93 @@
+"""Hostile peers against kvshm's native ZMTP listener (kvshm/zmq_ctrl/listener.py,
+``kvshm serve --listener native``): what a peer that is not a well-behaved ZMTP client
+can make the listener hold, and that the server stays up, serves a bystander, and gives
+its memory and descriptors back once such peers go.
+
+The listener-alone tests drive it in this process over plain sockets (as
+tests/test_native_listener.py's ``Pump``), each wait on what happened, never a sleep.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+
+import pytest
+
+from test_native_listener import GREETING, WAIT_S, Pump, _ready
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def pump():
+    p = Pump()
+    p.lst.trust = lambda fd, ident: False       # no peer here said HELLO
+    yield p
+    p.close()
+
+
+def _conn_of(pump: Pump, s: socket.socket):
+    """The listener's connection of the client socket ``s`` (matched by address)."""
+    name = s.getsockname()
+    for c in pump.lst._conns.values():
+        try:
+            if c.sock.getpeername() == name:
+                return c
+        except OSError:
+            pass
+    return None
+
+
+def _push(pump: Pump, s: socket.socket, wire: bytes, done=lambda: False) -> None:
+    """Send all of ``wire`` on ``s`` (non-blocking) while pumping the listener, until it
+    is all taken, the listener closed ``s`` or ``done()``."""
+    rest = memoryview(wire)
+    end = time.monotonic() + WAIT_S
+    while rest and not done():
+        assert time.monotonic() < end, f"{len(rest)} bytes not taken"
+        try:
+            rest = rest[s.send(rest):]
+        except BlockingIOError:
+            pass
+        except (BrokenPipeError, ConnectionResetError):
+            return
+        pump.turn(2)
+
+
+def test_a_ping_flood_from_a_peer_that_never_reads_holds_no_queue(pump):
+    """A peer that sends PINGs and never reads its PONGs: the listener queued one PONG
+    a PING without any bound (the bound on unread output was checked for replies only),
+    ~13x the bytes sent in server memory (measured: 29 MB of PINGs, +390 MB RSS), one
+    sendmsg(2) a PING. At most one PONG is pending now (as libzmq keeps one)."""
+    s = pump.connect()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.sendall(GREETING + _ready())
+    pump.until(lambda: _conn_of(pump, s) is not None
+               and _conn_of(pump, s).state == 2, "the handshake")
+    c = _conn_of(pump, s)
+    c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    ping = b"\x04PING" + b"\x00\x64" + b"x" * 16
+    n = 100_000
+    _push(pump, s, (bytes([0x04, len(ping)]) + ping) * n, lambda: c.state == 3)
+    pump.turn(2)
+    assert len(c.out) <= 2, f"{len(c.out)} PONGs queued for {n} PINGs"
+    assert c.out_bytes <= 64 + 2 * 64, c.out_bytes
+    s.close()
+
+
+@pytest.mark.parametrize("size", [0, 1])
+def test_a_message_of_many_tiny_frames_is_bounded_for_an_untrusted_peer(pump, size):
+    """An unended message of empty (or 1-byte) MORE frames: each counted as its bytes
+    only, so 0-byte frames were never bounded (measured: 21 MB of them, +105 MB RSS in a
+    server, the peer unadmitted). A frame now counts its overhead too: the untrusted
+    bound closes the connection."""
+    s = pump.peer()
+    c = _conn_of(pump, s)
+    frame = b"\x01" + bytes([size]) + b"x" * size
+    n = 2_000_000 // (size + 2) * (size + 2) // len(frame)
+    _push(pump, s, frame * n, lambda: c.state == 3)
+    assert pump.closed(s), "the connection was not closed"
+    assert pump.lst.counts.get("message_too_large"), pump.lst.counts
+    assert len(c.frames) == 0
