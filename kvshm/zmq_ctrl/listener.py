@@ -954,7 +954,14 @@ class NativeListener:
                 if held > self.max_message_bytes:
                     raise ProtocolError("message_too_large")
                 if n - at < hl + size:
-                    if size >= BIG:
+                    if size >= BIG and not c.trusted:
+                        # read in place (a buffer of its whole size, made at once) only
+                        # for a connection trust vouches for: an untrusted one's frame
+                        # grows with the bytes it sent (its read buffer), so peers that
+                        # declare a large frame and stall hold only what they sent
+                        tr = self.trust
+                        c.trusted = tr is None or tr(c.fd, c.ident)
+                    if size >= BIG and c.trusted:
                         # its own buffer, read into directly from here on
                         have = n - at - hl
                         big = bytearray(size)
