@@ -141,3 +141,57 @@ def test_a_trusted_peers_large_frame_is_still_read_in_place():
         s.close()
     finally:
         p.close()
+
+
+def test_a_closed_connections_message_names_no_descriptor(pump):
+    """A peer sends a message ending in a large frame, then closes: the listener reads
+    the message and the end in one go and closes the connection; the next connection
+    accepted gets the same fd number. The message's header still answered that number
+    for ``zmq.SRCFD``, so :func:`~kvshm.zmq_ctrl.sends.conn_of` named the new peer's
+    socket (admission's ``_admit`` of a HELLO, ``_cut`` of unread replies would act on
+    the other peer). Once its connection is closed a header names no descriptor (-1)."""
+    import zmq
+
+    from kvshm.zmq_ctrl.sends import conn_of
+
+    a = pump.peer()
+    ca = _conn_of(pump, a)
+    b = socket.socket()     # made now: its own number is not the one A's end frees
+    a.setblocking(True)
+    a.sendall(_frame_more(b"HELLO") + b"\x02" + struct.pack(">Q", 100_000) + b"h" * 100_000)
+    a.shutdown(socket.SHUT_WR)
+    pump.until(lambda: pump.got and ca.state == 3, "the message and the close")
+    m = pump.got[0]
+    host, port = pump.tcp[len("tcp://"):].rsplit(":", 1)
+    b.settimeout(WAIT_S)
+    b.connect((host, int(port)))
+    b.setblocking(False)
+    b.sendall(GREETING + _ready())
+    pump.until(lambda: _conn_of(pump, b) is not None, "the new connection")
+    cb = _conn_of(pump, b)
+    assert cb is not None
+    if cb.fd != ca.fd:
+        pytest.skip("the kernel gave the new connection another number")
+    assert m[1].get(zmq.SRCFD) == -1
+    assert conn_of(m[1]) is None
+    a.close()
+    b.close()
+
+
+def _frame_more(data: bytes) -> bytes:
+    return bytes([1, len(data)]) + data
+
+
+def test_a_malformed_ready_property_is_counted_as_a_bad_ready(pump):
+    """A READY whose property is malformed closed the connection counted under the
+    parse error's text ("malformed property value"), not one of the reasons
+    :attr:`NativeListener.counts` documents: ``bad_ready`` now."""
+    import struct as st
+
+    s = pump.connect()
+    s.sendall(GREETING)
+    body = b"\x05READY\x0bSocket-Type" + st.pack(">I", 999) + b"DEALER"
+    s.sendall(bytes([0x04, len(body)]) + body)
+    assert pump.closed(s)
+    assert pump.lst.counts == {"bad_ready": 1}, pump.lst.counts
+    s.close()

@@ -137,14 +137,16 @@ class Header(bytes):
     """A request's first frame, with the facts of the connection it came on:
     ``get(zmq.SRCFD)`` its descriptor, ``get("Peer-Address")``, ``get("User-Id")`` (""
     under NULL), ``get("Socket-Type")``, ``get("Identity")`` (as ``zmq.Frame.get``;
-    unknown names raise ``zmq.ZMQError(EINVAL)``). ``buffer`` and ``bytes`` as a frame's."""
+    unknown names raise ``zmq.ZMQError(EINVAL)``; ``SRCFD`` is -1 once the connection is
+    closed). ``buffer`` and ``bytes`` as a frame's."""
 
     _conn: "_Conn"
 
     def get(self, option: Any) -> Any:
         c = self._conn
         if option == zmq.SRCFD:
-            return c.fd
+            # -1 once its connection is closed: the number may be another peer's by now
+            return c.fd if c.state != _CLOSED else -1
         if isinstance(option, bytes):
             option = option.decode()
         if option == "Peer-Address":
@@ -1009,7 +1011,10 @@ class NativeListener:
         if c.state == _READY:
             if name != b"READY":
                 raise ProtocolError("bad_ready")
-            props = parse_props(body, 1 + body[0])
+            try:
+                props = parse_props(body, 1 + body[0])
+            except ProtocolError:
+                raise ProtocolError("bad_ready") from None
             st = props.get(b"socket-type", b"")
             if st not in _SOCKET_TYPES:
                 raise ProtocolError("bad_ready")
