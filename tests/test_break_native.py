@@ -9,12 +9,15 @@ tests/test_native_listener.py's ``Pump``), each wait on what happened, never a s
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import time
 
 import pytest
 
+from kvshm import Client
+from servers import ServerProcess
 from test_native_listener import GREETING, WAIT_S, Pump, _ready
 
 pytestmark = pytest.mark.timeout(120)
@@ -195,3 +198,91 @@ def test_a_malformed_ready_property_is_counted_as_a_bad_ready(pump):
     assert pump.closed(s)
     assert pump.lst.counts == {"bad_ready": 1}, pump.lst.counts
     s.close()
+
+
+def _rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def _nfd(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _send_for(s: socket.socket, wire: bytes, total: int) -> None:
+    """Send ``wire`` over and over on ``s`` until ``total`` bytes went or the server
+    stopped taking them (closed, or not reading for 5 s)."""
+    s.settimeout(5)
+    sent = 0
+    try:
+        while sent < total:
+            sent += s.send(wire)
+    except (TimeoutError, OSError):
+        pass
+
+
+def test_hostile_peers_leave_the_server_serving_and_give_back_fds_and_memory():
+    """A server under ``--listener native`` through peers that never say HELLO: a PING
+    flood that never reads, an unended message of empty frames, 200 peers stalled in a
+    ~0.5 MiB frame, 500 silent connects, bad greetings, a slowloris handshake. A
+    bystander client is answered between each; once they go, the server's descriptors
+    are back to the baseline and its RSS near it (before the fixes: +~100 MB from the
+    PINGs, +~100 MB from the stalled frames, kept after they went)."""
+    with ServerProcess("--hello-timeout", "60", listener="native") as srv:
+        pid = srv.pid
+        c = Client(srv.address, transport="tcp", timeout=20)
+        try:
+            c.put(b"k", b"v" * 100)
+            assert c.get(b"k") == b"v" * 100
+            host, port = srv.address.rsplit(":", 1)
+            addr = (host, int(port))
+            base_fd, base_rss = _nfd(pid), _rss_kb(pid)
+            held: list[socket.socket] = []
+
+            def peer() -> socket.socket:
+                s = socket.create_connection(addr, timeout=WAIT_S)
+                held.append(s)
+                return s
+
+            s = peer()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.sendall(GREETING + _ready())
+            ping = b"\x04PING" + b"\x00\x64" + b"x" * 16
+            _send_for(s, (bytes([0x04, len(ping)]) + ping) * 10_000, 8 << 20)
+            assert c.get(b"k") == b"v" * 100
+            s = peer()
+            s.sendall(GREETING + _ready())
+            _send_for(s, b"\x01\x00" * 100_000, 4 << 20)
+            assert c.get(b"k") == b"v" * 100
+            for _ in range(200):
+                peer().sendall(GREETING + _ready() + b"\x02" + struct.pack(">Q", 1 << 19)
+                               + b"x" * 70_000)
+            assert c.get(b"k") == b"v" * 100
+            for _ in range(500):
+                peer()
+            for bad in (b"\xfe" + GREETING[1:], GREETING[:10] + b"\x02\x00" + GREETING[12:],
+                        GREETING[:12] + b"CURVE".ljust(20, b"\0") + GREETING[32:],
+                        GREETING + b"\x06" + struct.pack(">Q", 1 << 63),
+                        GREETING + _ready() + b"\x02" + struct.pack(">Q", 1 << 63)):
+                peer().sendall(bad)
+            slow = peer()
+            for b in GREETING[:40]:
+                slow.send(bytes([b]))
+                assert c.exists(b"k")
+            c.put(b"k2", b"w" * 4096)
+            assert c.get(b"k2") == b"w" * 4096
+            for s in held:
+                s.close()
+            end = time.monotonic() + WAIT_S
+            while _nfd(pid) > base_fd:
+                assert time.monotonic() < end, f"{_nfd(pid)} fds, {base_fd} before"
+                assert c.exists(b"k")       # a turn of the loop, and it still answers
+            grown = _rss_kb(pid) - base_rss
+            assert grown < 48 << 10, f"RSS +{grown} KB after the peers went"
+            assert c.get(b"k") == b"v" * 100
+            assert srv.alive(), srv.stderr_text
+        finally:
+            c.close()
