@@ -286,3 +286,74 @@ def test_hostile_peers_leave_the_server_serving_and_give_back_fds_and_memory():
             assert srv.alive(), srv.stderr_text
         finally:
             c.close()
+
+
+_NS_CLIENT = r"""
+import json, os, sys
+from kvshm import Client
+c = Client(sys.argv[1], transport=sys.argv[2], timeout=20)
+s = c._session
+out = {"local": s.hello.get("local"), "shm": s.local is not None}
+c.put(b"ns-" + sys.argv[3].encode(), b"v" * 70000)
+out["get"] = c.get(b"ns-" + sys.argv[3].encode()) == b"v" * 70000
+out["exists"] = c.exists(b"ns-" + sys.argv[3].encode())
+try:
+    c.purge()
+    out["purge"] = "ok"
+except Exception as e:
+    out["purge"] = type(e).__name__
+st = c.stats()
+out["kind"] = st["listener"]["kind"] if isinstance(st.get("listener"), dict) else "libzmq"
+c.close()
+print(json.dumps(out), flush=True)
+"""
+
+_NS = {"host": [],
+       "userns": ["unshare", "--user", "--map-root-user", "--pid", "--fork"],
+       "netns": ["unshare", "--net", "--pid", "--fork"]}
+
+
+def _ns_runs() -> list[str]:
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None:
+        return ["host"]
+    got = ["host"]
+    for name in ("userns", "netns"):
+        r = subprocess.run([*_NS[name], sys.executable, "-c", "pass"], capture_output=True)
+        if r.returncode == 0:
+            got.append(name)
+    return got
+
+
+def test_clients_in_namespaces_over_ipc_get_the_same_answers_from_both_listeners():
+    """Clients in their own user+pid or net+pid namespace (containers sharing /dev/shm
+    and the ipc path) through the ipc endpoint: the answers (local proof, shm reads,
+    put/get, an operator's PURGE) are the same under ``--listener native`` as under
+    libzmq's ROUTER."""
+    import json
+    import subprocess
+    import sys
+
+    runs = _ns_runs()
+    if len(runs) == 1:
+        pytest.skip("unshare --user / --net is not available here")
+    answers: dict[str, dict[str, dict]] = {}
+    for kind in ("libzmq", "native"):
+        with ServerProcess(listener=kind) as srv:
+            assert srv.ipc
+            for name in runs:
+                for transport in ("shm", "tcp"):
+                    r = subprocess.run([*_NS[name], sys.executable, "-c", _NS_CLIENT,
+                                        srv.ipc, transport, f"{name}-{transport}"],
+                                       capture_output=True, text=True, timeout=90)
+                    assert r.returncode == 0, (kind, name, r.stderr[-2000:])
+                    a = json.loads(r.stdout.strip().splitlines()[-1])
+                    assert a.pop("kind") == kind
+                    answers.setdefault(f"{name}/{transport}", {})[kind] = a
+            assert srv.alive(), srv.stderr_text
+    for where, by in answers.items():
+        assert by["libzmq"] == by["native"], (where, by)
+        assert by["native"]["get"] and by["native"]["exists"], (where, by)
