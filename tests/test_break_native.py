@@ -357,3 +357,136 @@ def test_clients_in_namespaces_over_ipc_get_the_same_answers_from_both_listeners
     for where, by in answers.items():
         assert by["libzmq"] == by["native"], (where, by)
         assert by["native"]["get"] and by["native"]["exists"], (where, by)
+
+
+_READER = r"""
+import os, sys, json, time
+os.environ['KVSHM_NO_LOCAL_READS'] = '1'
+from kvshm import Client
+c = Client(sys.argv[1], transport='tcp', timeout=5)
+big = bytes(range(256)) * (16 << 12)
+res = {}
+print('ready', flush=True)
+for line in sys.stdin:
+    if line.strip() == 'stop':
+        break
+    try:
+        v = c.get(b'big')
+        k = 'ok' if v == big else 'WRONG'
+    except KeyError:
+        k = 'miss'
+        c.put(b'big', big)
+    except Exception as e:
+        k = type(e).__name__
+    res[k] = res.get(k, 0) + 1
+    print(k, flush=True)
+print(json.dumps(res), flush=True)
+"""
+
+
+def test_a_server_restarted_while_a_client_reads_gives_no_wrong_bytes():
+    """A client reading a 16 MiB value over tcp in a loop while its native server is
+    killed (-9) and started again on the same port: an error for the read cut, then a
+    miss on the new server, its put, and right bytes; never other bytes (held)."""
+    import subprocess
+    import sys
+
+    big = bytes(range(256)) * (16 << 12)
+    srv = ServerProcess("--prealloc-size", "0.25", listener="native")
+    srv2 = None
+    p = subprocess.Popen([sys.executable, "-c", _READER, srv.address], text=True,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        c = Client(srv.address, transport="tcp", timeout=20)
+        c.put(b"big", big)
+        c.close()
+        assert p.stdout.readline().strip() == "ready"
+        for _ in range(3):
+            p.stdin.write("get\n")
+            p.stdin.flush()
+            assert p.stdout.readline().strip() == "ok"
+        p.stdin.write("get\n" * 4)      # reads queued: the kill lands among them
+        p.stdin.flush()
+        assert p.stdout.readline().strip() == "ok"
+        srv.kill()
+        srv.remove_segment()
+        srv2 = ServerProcess("--prealloc-size", "0.25", listener="native",
+                             service_port=srv.port)
+        seen = []
+        while "ok" not in seen[1:] or len(seen) < 3:
+            p.stdin.write("get\n")
+            p.stdin.flush()
+            seen.append(p.stdout.readline().strip())
+            assert "WRONG" not in seen, seen
+            assert len(seen) < 50, seen
+        p.stdin.write("stop\n")
+        p.stdin.flush()
+        assert p.wait(30) == 0
+        assert srv2.alive(), srv2.stderr_text
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        for f in (p.stdin, p.stdout):
+            f.close()
+        srv.kill()
+        srv.remove_segment()
+        if srv2 is not None:
+            srv2.stop()
+            srv2.remove_segment()
+
+
+@pytest.mark.parametrize("what", ["read", "write", "stopped-read"])
+def test_a_client_killed_mid_transfer_leaves_the_native_server_whole(what):
+    """A client SIGKILLed while it reads a 32 MiB value, while it writes a 64 MiB one,
+    or stopped (SIGSTOP) mid-read and then killed: the server keeps answering a
+    bystander, and its descriptors come back to the baseline (held)."""
+    import signal
+    import subprocess
+    import sys
+
+    code = (f"import os\nos.environ['KVSHM_NO_LOCAL_READS'] = '1'\n"
+            f"from kvshm import Client\nimport sys\n"
+            f"c = Client(sys.argv[1], transport='tcp', timeout=60)\n"
+            f"print('ready', flush=True)\n"
+            f"while True:\n"
+            + ("    c.put(b'w', os.urandom(64 << 20))\n" if what == "write"
+               else "    c.get(b'big')\n"))
+    with ServerProcess("--prealloc-size", "0.25", listener="native") as srv:
+        c = Client(srv.address, transport="tcp", timeout=20)
+        try:
+            c.put(b"big", os.urandom(32 << 20))
+            c.put(b"k", b"v")
+            base = _nfd(srv.pid)
+            p = subprocess.Popen([sys.executable, "-c", code, srv.address],
+                                 stdout=subprocess.PIPE, text=True)
+            try:
+                assert p.stdout.readline().strip() == "ready"
+                # mid-transfer: the server's connections count its transfer going on
+                end = time.monotonic() + WAIT_S
+                while c.stats()["listener"]["connections"] < 2:
+                    assert time.monotonic() < end
+                for _ in range(20):
+                    assert c.get(b"k") == b"v"
+                if what == "stopped-read":
+                    os.kill(p.pid, signal.SIGSTOP)
+                    for _ in range(20):
+                        assert c.get(b"k") == b"v"
+                os.kill(p.pid, signal.SIGKILL)
+                if what == "stopped-read":
+                    os.kill(p.pid, signal.SIGCONT)
+                p.wait(30)
+            finally:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+                p.stdout.close()
+            end = time.monotonic() + WAIT_S
+            while _nfd(srv.pid) > base:
+                assert time.monotonic() < end, f"{_nfd(srv.pid)} fds, {base} before"
+                assert c.get(b"k") == b"v"
+            c.put(b"k2", b"w" * 70000)
+            assert c.get(b"k2") == b"w" * 70000
+            assert srv.alive(), srv.stderr_text
+        finally:
+            c.close()
