@@ -490,3 +490,73 @@ def test_a_client_killed_mid_transfer_leaves_the_native_server_whole(what):
             assert srv.alive(), srv.stderr_text
         finally:
             c.close()
+
+
+def test_a_routing_id_the_listener_made_cannot_be_guessed_to_take_a_session():
+    """A peer without a routing id of its own (a raw DEALER) says HELLO with the
+    operator token and goes; its session stays open. The native listener made its id
+    ``b"\\0n"`` + a counter from 1 (libzmq's: a random start), so a peer with no token
+    that claimed ``b"\\0n" + 1`` at its READY was served in that session: STATS and even
+    PURGE answered OK. The listener's ids are random now; every guess is refused (as a
+    peer of no session)."""
+    import msgpack
+    import zmq
+
+    from kvshm.zmq_ctrl.protocol import PROTOCOL_VERSION, Op, Status, decode_reply
+    from servers import raw_hello
+    from test_idlecut import peer
+
+    with ServerProcess("--hello-timeout", "5", listener="native") as srv:
+        a = zmq.Context.instance().socket(zmq.DEALER)
+        a.setsockopt(zmq.LINGER, 0)
+        a.connect(f"tcp://{srv.address}")
+        try:
+            epoch = raw_hello(a, srv.address)["epoch"]
+            a.send(msgpack.packb([PROTOCOL_VERSION, Op.STATS, 7, epoch, {}],
+                                 use_bin_type=True))
+            assert a.poll(int(WAIT_S * 1000))
+            assert decode_reply(a.recv_multipart()[0])[0] == Status.OK
+        finally:
+            a.close()
+        c = Client(srv.address, transport="tcp", timeout=20)
+        try:
+            end = time.monotonic() + WAIT_S
+            while c.stats()["listener"]["connections"] > 1:     # A's end read
+                assert time.monotonic() < end
+        finally:
+            c.close()
+        served = []
+        for k in range(1, 9):
+            try:
+                s = peer(srv.address, identity=b"\0n" + struct.pack(">Q", k))
+            except (EOFError, OSError):
+                continue
+            try:
+                s.settimeout(WAIT_S)
+                body = msgpack.packb([PROTOCOL_VERSION, Op.STATS, 9, epoch, {}],
+                                     use_bin_type=True)
+                s.sendall(bytes([0, len(body)]) + body)
+                if decode_reply(_read_frame(s))[0] == Status.OK:
+                    served.append(k)
+            except (OSError, EOFError):
+                pass
+            finally:
+                s.close()
+        assert not served, f"guessed ids {served} were served in another peer's session"
+        assert srv.alive(), srv.stderr_text
+
+
+def _read_frame(s: socket.socket) -> bytes:
+    """One whole frame from a blocking socket (EOFError at its end)."""
+    def n(k: int) -> bytes:
+        got = b""
+        while len(got) < k:
+            d = s.recv(k - len(got))
+            if not d:
+                raise EOFError
+            got += d
+        return got
+
+    flags = n(1)[0]
+    size = struct.unpack(">Q", n(8))[0] if flags & 2 else n(1)[0]
+    return n(size)

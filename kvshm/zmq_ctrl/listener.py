@@ -20,7 +20,7 @@ non-blocking socket in one ``epoll`` set, in the loop's thread:
   ``--hello-timeout``); a bad signature, a version before 3, a mechanism other than NULL,
   a malformed READY or a socket type a ROUTER does not take closes the connection;
 - routing ids: the peer's ``Identity`` property, else one assigned here (``b"\\0n"`` and
-  8 bytes); no handover: a connection claiming the routing id of a connected peer is
+  14 random bytes: not to be guessed, a session outliving its connection); no handover: a connection claiming the routing id of a connected peer is
   closed at its READY;
 - receive: a message of ``[routing id, header, *frames]`` once its last frame came; the
   header a :class:`Header` (``bytes`` with ``get(zmq.SRCFD)``: the connection's own
@@ -284,7 +284,6 @@ class NativeListener:
         self._ready: collections.deque[list[Any]] = collections.deque()
         # connections whose bytes read wait to be parsed (READY_MAX reached)
         self._backlog: dict[int, _Conn] = {}
-        self._next_id = 0
         self._accept_retry = 0.0        # monotonic time the listeners come back; 0: in
         self._accept_warned = 0.0
         self._inner: zmq.Socket | None = None
@@ -1031,9 +1030,11 @@ class NativeListener:
                              "peer (%s): closed", c.fd, ident.hex())
                     raise ProtocolError("id_taken")
             else:
+                # random, not a count: a session outlives its connection, and an id
+                # a peer could guess (b"\0n" + 1, 2, ...) would let another peer claim
+                # it at its READY and be served in that session
                 while True:
-                    self._next_id += 1
-                    ident = b"\0n" + struct.pack(">Q", self._next_id)
+                    ident = b"\0n" + os.urandom(14)
                     if ident not in self._by_ident:
                         break
             c.ident = ident
