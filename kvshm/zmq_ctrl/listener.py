@@ -78,7 +78,9 @@ BIG = 65536
 _READ = 262144
 #: Messages parsed and not yet received by the loop at most: past it, a connection's
 #: bytes read stay unparsed (and it is not read) until the loop has taken some (a
-#: ROUTER's RCVHWM, 1000 a pipe: a peer's burst of tiny messages cannot grow the server)
+#: ROUTER's RCVHWM, 1000 a pipe: a peer's burst of tiny messages cannot grow the server);
+#: and commands parsed at most in one go of a connection (a flood of PINGs cannot hold
+#: the loop's turn)
 READY_MAX = 1024
 #: Bytes a frame of a message being received counts against the message bounds beside
 #: its own (the list slot and object that hold it)
@@ -897,9 +899,10 @@ class NativeListener:
         at = 0
         n = len(buf)
         ready = self._ready
+        cmds = 0        # commands parsed in this call: as many at most as messages
         try:
             while c.state != _CLOSED:
-                if len(ready) >= READY_MAX and at < n:
+                if (len(ready) >= READY_MAX or cmds >= READY_MAX) and at < n:
                     self._backlog[c.fd] = c     # parsed later (recv_message)
                     break
                 if c.state == _GREETING:
@@ -938,6 +941,7 @@ class NativeListener:
                         break
                     body = bytes(buf[at + hl:at + hl + size])
                     at += hl + size
+                    cmds += 1
                     self._command(c, body)
                     continue
                 if c.state != _OPEN:
