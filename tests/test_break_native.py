@@ -566,10 +566,10 @@ def test_a_command_flood_is_parsed_a_bounded_share_a_turn(pump):
     """A peer sending ZMTP commands only (PINGs, SUBSCRIBEs: no message): every command
     of every read was parsed in the turn that read it (~40,000 a turn, 4 reads of
     256 KiB), in the loop's one thread, so a bystander waited behind it (measured: a
-    get of 58 ms-1.6 s under a PING flood; libzmq's ROUTER 0.5 ms). At most READY_MAX
+    get of 58 ms-1.6 s under a PING flood; libzmq's ROUTER 0.5 ms). At most CMDS_MAX
     commands are parsed in one go now (two a turn); the rest wait in the connection's read buffer (and
     it unread) as a burst of messages does."""
-    from kvshm.zmq_ctrl.listener import READY_MAX
+    from kvshm.zmq_ctrl.listener import CMDS_MAX
 
     s = pump.peer()
     c = _conn_of(pump, s)
@@ -582,7 +582,7 @@ def test_a_command_flood_is_parsed_a_bounded_share_a_turn(pump):
 
     pump.lst._command = counting
     try:
-        _flood_commands(pump, s, c, calls, READY_MAX)
+        _flood_commands(pump, s, c, calls, CMDS_MAX)
     finally:
         s.close()
 
@@ -602,7 +602,7 @@ def _flood_commands(pump: Pump, s: socket.socket, c, calls: list[int],
         pump.turn(5)
         most = max(most, calls[0])
     assert bytes(pump.got[0][1]) == b"after"
-    # READY_MAX a parse: a turn parses what was left unparsed, then what it reads
+    # CMDS_MAX a parse: a turn parses what was left unparsed, then what it reads
     assert most <= 2 * ready_max, f"{most} commands parsed in one turn"
     assert c.state == 2
 

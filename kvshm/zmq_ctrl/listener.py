@@ -78,10 +78,12 @@ BIG = 65536
 _READ = 262144
 #: Messages parsed and not yet received by the loop at most: past it, a connection's
 #: bytes read stay unparsed (and it is not read) until the loop has taken some (a
-#: ROUTER's RCVHWM, 1000 a pipe: a peer's burst of tiny messages cannot grow the server);
-#: and commands parsed at most in one go of a connection (a flood of PINGs cannot hold
-#: the loop's turn)
+#: ROUTER's RCVHWM, 1000 a pipe: a peer's burst of tiny messages cannot grow the server)
 READY_MAX = 1024
+#: Commands (PING, SUBSCRIBE...) parsed at most in one go of a connection, the rest left
+#: unparsed as past READY_MAX (a peer's flood of commands cannot hold the loop's turn:
+#: a well-behaved peer sends a PING in seconds)
+CMDS_MAX = 64
 #: Bytes a frame of a message being received counts against the message bounds beside
 #: its own (the list slot and object that hold it)
 _FRAME_COST = 32
@@ -902,7 +904,7 @@ class NativeListener:
         cmds = 0        # commands parsed in this call: as many at most as messages
         try:
             while c.state != _CLOSED:
-                if (len(ready) >= READY_MAX or cmds >= READY_MAX) and at < n:
+                if (len(ready) >= READY_MAX or cmds >= CMDS_MAX) and at < n:
                     self._backlog[c.fd] = c     # parsed later (recv_message)
                     break
                 if c.state == _GREETING:
