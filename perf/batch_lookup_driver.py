@@ -42,7 +42,7 @@ def run(r: IndexReader, keys: list[bytes], reps: int, only: str | None) -> dict[
             dt = time.thread_time() - t
             if label == "match" and out != len(keys):
                 raise RuntimeError(f"match_prefix said {out} of {len(keys)}")
-            if label != "match" and (out is None or not all(out)):
+            if label != "match" and not (isinstance(out, list) and all(out)):
                 raise RuntimeError(f"{label} missed keys that are there")
             res.setdefault(label, []).append(dt / len(keys) * 1e9)
     return res
