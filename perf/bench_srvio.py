@@ -162,35 +162,10 @@ def _store() -> tuple[Any, Any]:
     return pool, Store(pool, StoreConfig(limits=Limits()))
 
 
-def serve_zmq_store(stop_fd: int) -> None:
-    """kvshm's own loop (ServiceLoop.run, its fast path and lean turns, libzmq ROUTER) over
-    a Store, no door (an implicit session per peer, as in-process tests serve); returns
-    when ``stop_fd`` is readable."""
-    import threading
-
-    from kvshm.zmq_ctrl import router
-    from kvshm.zmq_ctrl.protocol import PROTOCOL_VERSION
-
-    pool, store = _store()
-    loop = router.ServiceLoop(store, ["tcp://127.0.0.1:0"], {"version": PROTOCOL_VERSION}, 7)
-    try:
-        print(loop.endpoints[0].rsplit(":", 1)[1], flush=True)
-        t = threading.Thread(target=loop.run, daemon=True)
-        t.start()
-        select.select([stop_fd], [], [])
-        loop.stop()
-        t.join(30)
-    finally:
-        loop.close()
-        pool.close()
-        pool.unlink()
-
-
-def serve_native_store(stop_fd: int) -> None:
-    """``zmq+store`` (ServiceLoop.run over a Store, no door) with kvshm's own ZMTP
-    listener (:class:`kvshm.zmq_ctrl.listener.NativeListener`, the server's
-    ``--listener native``) in place of libzmq's ROUTER; returns when ``stop_fd`` is
-    readable."""
+def _serve_loop_store(stop_fd: int, native: bool) -> None:
+    """kvshm's own loop (ServiceLoop.run, its fast path and lean turns) over a Store, no
+    door (an implicit session per peer, as in-process tests serve), on libzmq's ROUTER or
+    (``native``) kvshm's own ZMTP listener; returns when ``stop_fd`` is readable."""
     import threading
 
     from kvshm.zmq_ctrl import router
@@ -199,7 +174,7 @@ def serve_native_store(stop_fd: int) -> None:
 
     pool, store = _store()
     loop = router.ServiceLoop(store, ["tcp://127.0.0.1:0"], {"version": PROTOCOL_VERSION}, 7,
-                              sock=NativeListener())
+                              sock=NativeListener() if native else None)
     try:
         print(loop.endpoints[0].rsplit(":", 1)[1], flush=True)
         t = threading.Thread(target=loop.run, daemon=True)
@@ -211,6 +186,18 @@ def serve_native_store(stop_fd: int) -> None:
         loop.close()
         pool.close()
         pool.unlink()
+
+
+def serve_zmq_store(stop_fd: int) -> None:
+    """:func:`_serve_loop_store` on libzmq's ROUTER."""
+    _serve_loop_store(stop_fd, native=False)
+
+
+def serve_native_store(stop_fd: int) -> None:
+    """``zmq+store`` with kvshm's own ZMTP listener
+    (:class:`kvshm.zmq_ctrl.listener.NativeListener`, the server's ``--listener native``)
+    in place of libzmq's ROUTER."""
+    _serve_loop_store(stop_fd, native=True)
 
 
 def serve_zmtp_store(stop_fd: int) -> None:
