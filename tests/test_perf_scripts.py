@@ -92,6 +92,18 @@ def test_batch_lookup_driver_quick():
     assert "exists" not in out.split("\n", 1)[1] and "match" in out, out
 
 
+def test_batch_lookup_driver_breakdown_quick():
+    # where 40-byte keys lose to 18-byte ones: key length, table size, or the slots a key
+    # lies past its home (each table's keys' share by displacement, from its segment)
+    out = run_script("batch_lookup_driver.py", "--quick", "--breakdown")
+    for label in ("18 alone", "40 alone", "18 in 18+40", "40 in 18+40"):
+        line = next(x for x in out.splitlines() if x.strip().startswith(label))
+        assert "displacement mean" in line and "at home" in line and "exists" in line, out
+    for cohort in ("displaced 0", "displaced 1", "displaced 2+"):
+        line = next(x for x in out.splitlines() if cohort in x)
+        assert "exists" in line and "keys" in line, out
+
+
 def test_bench_index_refuses_what_does_not_fit():
     proc = subprocess.run([sys.executable, os.path.join(PERF, "bench_index.py"),
                            "--keys", str(1 << 40)], capture_output=True, text=True, timeout=60)
