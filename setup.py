@@ -13,6 +13,7 @@ extensions = [
     Extension("kvshm._gcutil", ["kvshm/_gcutil.pyx"], extra_compile_args=["-O3"]),
     Extension("kvshm.zmq_ctrl._zmqc", ["kvshm/zmq_ctrl/_zmqc.pyx"], extra_compile_args=["-O3"]),
     Extension("kvshm.zmq_ctrl._zmtp", ["kvshm/zmq_ctrl/_zmtp.pyx"], extra_compile_args=["-O3"]),
+    Extension("kvshm.zmq_ctrl._zmtpsrv", ["kvshm/zmq_ctrl/_zmtpsrv.pyx"], extra_compile_args=["-O3"]),
     Extension("kvshm.zmq_ctrl._fastpath", ["kvshm/zmq_ctrl/_fastpath.pyx"], extra_compile_args=["-O3"]),
     Extension("kvshm.zmq_ctrl._batchq", ["kvshm/zmq_ctrl/_batchq.pyx"], extra_compile_args=["-O3"]),
     # -ffp-contract=off: placement scores must round alike on every host (no fused multiply-add)

@@ -134,3 +134,4 @@ def test_a_long_size_of_2_63_or_more_is_too_large(pump):
     s.sendall(b"\x02" + struct.pack(">Q", (1 << 63) + 5) + b"x")
     assert pump.closed(s)
     assert pump.lst.counts.get("frame_too_large") == 1, pump.lst.counts
+    s.close()
