@@ -21,6 +21,7 @@ pytest.importorskip("mypy.api")
 ROOT = Path(__file__).resolve().parents[1]
 CHECKED = ["kvshm/_bitmap.pyi", "kvshm/_pool.pyi", "kvshm/_shmindex.pyi", "kvshm/localread.py",
            "kvshm/zmq_ctrl/_zmqc.pyi", "kvshm/zmq_ctrl/_zmtp.pyi", "kvshm/zmq_ctrl/_fastpath.pyi",
+           "kvshm/zmq_ctrl/_zmtpsrv.pyi",
            "kvshm/_index.pyi",
            "kvshm/_batch.pyi",
            "kvshm/errors.py", "kvshm/__init__.py"]
