@@ -135,3 +135,35 @@ def test_a_long_size_of_2_63_or_more_is_too_large(pump):
     assert pump.closed(s)
     assert pump.lst.counts.get("frame_too_large") == 1, pump.lst.counts
     s.close()
+
+
+def test_the_inner_inproc_router_is_served_beside_connections(pump):
+    """The inner libzmq ROUTER (``inproc://``: the management port's own client) is
+    received from only when its descriptor was readable (or a send on it may have taken
+    a message in): its messages still come, between and after a connection's, and its
+    replies go back."""
+    import zmq
+
+    name = f"inproc://zmtpsrv-{id(pump)}"
+    pump.lst.bind(name)
+    d = pump.lst.context.socket(zmq.DEALER)
+    d.setsockopt(zmq.LINGER, 0)
+    d.connect(name)
+    try:
+        s = pump.peer(identity=b"tcp")
+        for i in range(20):
+            s.sendall(_message(b"t%d" % i))
+            d.send(b"i%d" % i)
+            want = {b"t%d" % i, b"i%d" % i}
+            pump.until(lambda: want <= {bytes(m[1]) for m in pump.got}, f"both messages {i}")
+            inner = next(m for m in pump.got if bytes(m[1]) == b"i%d" % i)
+            pump.lst.send_message([inner[0], b"r%d" % i])
+            assert d.poll(10_000) and d.recv() == b"r%d" % i
+            pump.got.clear()
+        # a message to the inner socket alone, the connections quiet
+        d.send(b"alone")
+        pump.until(lambda: pump.got, "the inner socket's message")
+        assert bytes(pump.got[0][1]) == b"alone"
+        s.close()
+    finally:
+        d.close(0)

@@ -90,6 +90,8 @@ MAX_OUT_MESSAGES = 4096
 # bytes a frame counts against the message bounds beside its own: kvshm.zmq_ctrl._zmtpsrv)
 
 _CLOSED = 3
+_EPOLLOUT = select.EPOLLOUT
+_EPOLL_READ = select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR
 
 
 class NativeListener(Endpoints, Handshake):
@@ -320,7 +322,9 @@ class NativeListener(Endpoints, Handshake):
             self._events()
             if ready:
                 return ready.popleft()
-        if self._inner is not None:
+        if self._inner_more and self._inner is not None:
+            # (only when its descriptor was readable or a call on it may have taken in
+            # a message: a libzmq call a request costs ~1 us otherwise)
             return self._inner_recv()
         return None
 
@@ -336,6 +340,8 @@ class NativeListener(Endpoints, Handshake):
         if c is None:
             inner = self._inner
             if inner is not None:
+                # a call on it may take in a message its descriptor then says nothing of
+                self._inner_more = True
                 try:
                     if _zmqc is not None:
                         return _zmqc.send_parts(inner, parts, 0, track_from)
@@ -420,12 +426,14 @@ class NativeListener(Endpoints, Handshake):
             if c is None:
                 if fd in self._listeners:
                     self._accept(fd)
+                elif fd == self._inner_fd:
+                    self._inner_more = True
                 continue
-            if ev & select.EPOLLOUT:
+            if ev & _EPOLLOUT:
                 c.flush()
                 if c.state == _CLOSED:
                     continue
-            if ev & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR):
+            if ev & _EPOLL_READ:
                 c.read()
 
 
