@@ -36,8 +36,17 @@ non-blocking socket in one ``epoll`` set, in the loop's thread:
   peer that does not read) is closed, as a ROUTER drops past its high-water mark.
 
 ``inproc://`` (the management port's own client) is served by an inner libzmq ROUTER the
-listener owns and polls beside its connections; CURVE is libzmq's alone (kvshm.server
-keeps the libzmq ROUTER then).
+listener owns and polls beside its connections (received from when its descriptor was
+readable); CURVE is libzmq's alone (kvshm.server keeps the libzmq ROUTER then).
+
+Where. This module is the socket-like facade and the loop's calls (``poll_in``,
+``recv_message``, ``send_message``); what runs per request, each connection's frames read,
+parsed and assembled and its replies framed and written, is C
+(:mod:`kvshm.zmq_ctrl._zmtpsrv`: :class:`Header`, :class:`Tracker`, the bounds); binding,
+accepting and closing are :mod:`kvshm.zmq_ctrl.listener_endpoints`; the greeting, READY
+and PING are :mod:`kvshm.zmq_ctrl.listener_handshake`. Its names (``NativeListener``,
+``Header``, ``Tracker``, ``ProtocolError``, ``parse_props``, the bounds' defaults,
+``READY_MAX``, ``CMDS_MAX``) are importable from here as before.
 """
 
 from __future__ import annotations
