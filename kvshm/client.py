@@ -105,6 +105,7 @@ from kvshm.errors import (
     WriteRefused,
     WritesLost,
 )
+from kvshm.replies import MAX_SIZE as _MAX_SIZE
 from kvshm.replies import count_of, found_of, places_of, prefix_of, sizes_of, sums_of
 from kvshm.movers import Layout, OneSidedMover, ShmMover, placed
 from kvshm.zmq_ctrl.channel import CALL1 as _CALL1, NOT_SENT as _NOT_SENT, _pid
@@ -2304,15 +2305,28 @@ class Client:
                 view = view.cast("B")
             views = (view,)
         keys = [bkey]
+        # no value is larger than the server's pool: a reply saying so is refused
+        # (sizes_of, below), never copied or returned (0: not known, as sizes_of)
+        cap = s.capacity if s.capacity > 0 else _MAX_SIZE
         r = _NOT_SENT
         if _CALL1 and not verify:
-            r = self._fast1(s, _GET1 if views is None else _GET1_INTO, _OP_GET, bkey, None,
-                            None, None if views is None else views[0])
+            if views is None:
+                r = self._fast1(s, _GET1, _OP_GET, bkey, None, None, None)
+            else:
+                # the C copy takes at most the pool's bytes of out: a larger size is
+                # handed back unread (the reply's parts), for sizes_of to refuse
+                v = views[0]
+                r = self._fast1(s, _GET1_INTO, _OP_GET, bkey, None, None,
+                                v if v.nbytes <= cap else v[:cap])
             if type(r) is int:
                 if r < 0:
                     return [-1], [None]
                 return [r], [None]          # (get_into reads the size only)
             if type(r) is bytes:
+                if len(r) > cap:
+                    raise ProtocolError(f"GET reply for 1 key has a size {len(r)} (an int "
+                                        f"in [-2, {cap}] wanted) (from "
+                                        f"{s.hello.get('server')})")
                 return [len(r)], [r]
         if r is _NOT_SENT:
             st, rbody, frames = self._call1(Op.GET, {"keys": keys})
@@ -2323,7 +2337,8 @@ class Client:
             # the usual replies, as got() reads them: a hit in one frame, or a miss
             n = sizes[0]
             counts = rbody.get("counts")
-            if type(n) is int and n >= 0 and len(frames) == 1 and counts == _ONE_FRAME:
+            if type(n) is int and 0 <= n <= cap and len(frames) == 1 and \
+                    counts == _ONE_FRAME:
                 f = frames[0]
                 if len(f) == n:
                     if views is None:

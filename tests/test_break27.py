@@ -1,0 +1,110 @@
+"""Findings of the last reviews left unfixed, each reproduced first:
+
+1. The one-key GET path (``Client.get`` / ``get_into``, the C reading of the usual reply
+   in ``kvshm.zmq_ctrl._zmqc.recv1`` and its Python twin in ``Client._get1``) took a
+   reply whose size is past the server's pool (a frame that large did arrive): the
+   batch paths refuse it (``replies.sizes_of``), the one-key path returned it. Now a
+   ProtocolError, and the client goes on.
+
+The server is test_reply_shapes' FakeServer: a raw ROUTER answering HELLO as a server
+does and each GET / LOOKUP with the next scripted reply.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvshm import Client
+from kvshm.errors import ProtocolError
+from kvshm.zmq_ctrl import channel
+from kvshm.zmq_ctrl.protocol import Op
+from test_reply_shapes import POOL_BYTES, FakeServer
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(params=["zmtp", "libzmq"])
+def tcp_fake(request, monkeypatch):
+    """A client of a FakeServer over each one-key wire: the client's own ZMTP
+    (``_zmtp``) and libzmq (``_zmqc``)."""
+    if request.param == "libzmq":
+        monkeypatch.setattr(channel, "ZMTP", False)
+    elif not channel.ZMTP:
+        pytest.skip("the ZMTP transport is off (KVSHM_ZMTP=0)")
+    fake = FakeServer()
+    c = Client(fake.address, transport="tcp", timeout=5)
+    assert c._chan.zmtp == (request.param == "zmtp")
+    try:
+        yield fake, c
+    finally:
+        c.close()
+        fake.close()
+
+
+BIG = POOL_BYTES + 1          # one byte past the pool the HELLO named
+
+
+# one-key GET replies of a bad server whose size does not fit the pool, the frame or
+# the caller's buffer: (call, reply); each is a ProtocolError (or, for a buffer too
+# small for a value that fits the pool, the ValueError get_into documents)
+ONE_KEY_CASES = {
+    # the usual form (one frame of exactly the stated size), read by the C path
+    "past_pool_get": (lambda c: c.get(b"a"),
+                      (0, {"sizes": [BIG], "counts": [1]}, [b"x" * BIG])),
+    "past_pool_get_into": (lambda c: c.get_into(b"a", bytearray(BIG)),
+                           (0, {"sizes": [BIG], "counts": [1]}, [b"x" * BIG])),
+    # past the pool and over the C path's copy threshold (a zmq Frame, Python path)
+    "far_past_pool_get": (lambda c: c.get(b"a"),
+                          (0, {"sizes": [1 << 17], "counts": [1]}, [b"x" * (1 << 17)])),
+    "far_past_pool_get_into": (lambda c: c.get_into(b"a", bytearray(1 << 17)),
+                               (0, {"sizes": [1 << 17], "counts": [1]},
+                                [b"x" * (1 << 17)])),
+    # a size larger than the frame that came
+    "past_frame_get": (lambda c: c.get(b"a"), (0, {"sizes": [100], "counts": [1]}, [b"x"])),
+    "past_frame_get_into": (lambda c: c.get_into(b"a", bytearray(100)),
+                            (0, {"sizes": [100], "counts": [1]}, [b"x"])),
+    # a size with no frame at all
+    "no_frame_get": (lambda c: c.get(b"a"), (0, {"sizes": [10], "counts": [1]}, [])),
+    "no_frame_get_into": (lambda c: c.get_into(b"a", bytearray(10)),
+                          (0, {"sizes": [10], "counts": [1]}, [])),
+    # a frame longer than the size stated
+    "short_size_get": (lambda c: c.get(b"a"), (0, {"sizes": [1], "counts": [1]}, [b"xyz"])),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ONE_KEY_CASES))
+def test_a_one_key_get_reply_past_the_pool_or_frame_is_a_protocol_error(tcp_fake, case):
+    fake, c = tcp_fake
+    fn, reply = ONE_KEY_CASES[case]
+    fake.script(reply)
+    with pytest.raises(ProtocolError):
+        fn(c)
+    assert fake.requests[-1][0] == Op.GET
+    # the client goes on: a well-formed reply is read as ever, by both calls
+    fake.script((0, {"sizes": [2], "counts": [1]}, [b"ok"]))
+    assert c.get(b"a") == b"ok"
+    out = bytearray(4)
+    fake.script((0, {"sizes": [2], "counts": [1]}, [b"ok"]))
+    assert c.get_into(b"a", out) == 2
+    assert out == b"ok\0\0"
+
+
+def test_a_one_key_get_into_a_buffer_too_small_is_a_value_error_and_writes_nothing(
+        tcp_fake):
+    fake, c = tcp_fake
+    out = bytearray(b"....")
+    fake.script((0, {"sizes": [8], "counts": [1]}, [b"12345678"]))
+    with pytest.raises(ValueError):
+        c.get_into(b"a", out)
+    assert out == b"...."
+    fake.script((0, {"sizes": [2], "counts": [1]}, [b"ok"]))
+    assert c.get(b"a") == b"ok"
+
+
+def test_a_one_key_get_into_past_the_pool_writes_nothing_into_out(tcp_fake):
+    fake, c = tcp_fake
+    out = bytearray(b"." * BIG)
+    fake.script((0, {"sizes": [BIG], "counts": [1]}, [b"x" * BIG]))
+    with pytest.raises(ProtocolError):
+        c.get_into(b"a", out)
+    assert out == b"." * BIG
