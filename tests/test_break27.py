@@ -6,8 +6,17 @@
    batch paths refuse it (``replies.sizes_of``), the one-key path returned it. Now a
    ProtocolError, and the client goes on.
 
-The server is test_reply_shapes' FakeServer: a raw ROUTER answering HELLO as a server
-does and each GET / LOOKUP with the next scripted reply.
+3. A HELLO with a session's nonce (the same client again) arriving while that
+   session's large COMMIT was being settled in slices (``--slice-keys``) replaced the
+   session, and the sliced settle, seeing its session closed, was abandoned: the COMMIT
+   was never answered (the client waited its timeout) and the grants not yet committed
+   stayed pending in the new session. Now the settle follows the session that took the
+   grants over (``Session.live``) and the COMMIT is answered; the HELLO is answered at
+   once as before.
+
+For 1 the server is test_reply_shapes' FakeServer: a raw ROUTER answering HELLO as a server
+does and each GET / LOOKUP with the next scripted reply; for 3 test_slices' Bed (a
+Store and its ServiceLoop driven one turn at a time: the orderings are exact).
 """
 
 from __future__ import annotations
@@ -108,3 +117,55 @@ def test_a_one_key_get_into_past_the_pool_writes_nothing_into_out(tcp_fake):
     with pytest.raises(ProtocolError):
         c.get_into(b"a", out)
     assert out == b"." * BIG
+
+
+# ------------------------------------------------------------------ 3. HELLO mid-settle
+
+@pytest.mark.parametrize("who", ["same", "other"])
+def test_a_hello_while_the_sessions_large_commit_is_settled_in_slices_is_answered(
+        shm_name, who):
+    """A HELLO with the session's nonce (the same connection saying it again, as a
+    client does after a timeout, or a new connection of that client) that arrives
+    between the slices of its session's large COMMIT gets its reply, and the COMMIT is
+    answered too."""
+    from test_slices import BS as SBS, SLICE, Bed, keys_of
+
+    bed = Bed(shm_name)
+    try:
+        n = 1_000
+        keys = keys_of(n)
+        big = bed.client()
+        nonce = b"n" * 16
+        bed.send(big, Op.HELLO, {"nonce": nonce})
+        bed.until(big)
+        assert bed.recv(big)[0] == 0
+        rid = bed.send(big, Op.ALLOC, {"keys": keys, "sizes": [SBS] * n})
+        bed.until(big)
+        assert bed.recv(big)[2]["st"] == [0] * n
+        crid = bed.send(big, Op.COMMIT, {"commit": [rid]})
+        bed.turn()
+        bed.turn()
+        assert not bed.arrived(big)         # the commit is being settled, in slices
+        again = big if who == "same" else bed.client()
+        hrid = bed.send(again, Op.HELLO, {"nonce": nonce})
+        got = {}
+        for _ in range(10 * n // SLICE):
+            bed.turn()
+            for s in {big, again}:
+                while bed.arrived(s):
+                    st, r, body, _ = bed.recv(s)
+                    got[r] = (st, body)
+            if len(got) == 2:
+                break
+        assert hrid in got, f"the HELLO was never answered (replies: {sorted(got)})"
+        assert got[hrid][0] == 0 and "epoch" in got[hrid][1]
+        assert crid in got, f"the COMMIT was never answered (replies: {sorted(got)})"
+        # settled in full for the session that took the grants over: every key is in
+        assert got[crid][0] == 0 and "commit_failed" not in got[crid][1]
+        bed.settle()
+        stats = bed.store.stats(verify=True)
+        assert stats["accounting_ok"]
+        assert (stats["num_keys"], stats["pending"], stats["grants"]) == (n, 0, 0)
+        assert all(k in bed.store.index for k in keys)
+    finally:
+        bed.close()

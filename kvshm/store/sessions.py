@@ -120,7 +120,7 @@ class Session:
 
     __slots__ = ("id", "principal", "nonce", "proof", "grants", "quota", "closed",
                  "label", "local", "sending", "operator", "seen", "conn", "committed",
-                 "__weakref__")
+                 "successor", "__weakref__")
 
     def __init__(self, sid: int, principal: Any, nonce: bytes, proof: Any,
                  quota: _Quota, label: str = "") -> None:
@@ -140,9 +140,20 @@ class Session:
         self.quota = quota
         self.closed = False
         self.label = label
+        #: the session that took this one's grants over (a new HELLO of the same
+        #: client: :meth:`_Sessions.replace_session`), else None
+        self.successor: Session | None = None
 
     def __repr__(self) -> str:
         return f"<Session {self.id} {self.label or self.principal!r}>"
+
+    def live(self) -> "Session | None":
+        """This session, or the open one that took its grants over (through any number
+        of new HELLOs of the same client); None when it was closed for good."""
+        s: Session | None = self
+        while s is not None and s.closed:
+            s = s.successor
+        return s
 
 
 class _Sessions:
@@ -399,6 +410,7 @@ class _Sessions:
                     old.quota.pinned -= n
                     new.quota.pinned += n
         old.grants = {}
+        old.successor = new     # (work the router does for old goes on for new: live())
         if self.reservations is not None:      # kvshm.store.reserve
             self.reservations.moved(old, new)
         self._end(old)

@@ -69,7 +69,13 @@ class _Sliced(_Defer):
     """Raised by a handler: serve the request in slices. ``attempt(force)`` does one
     slice and returns ``_MORE``, the reply (status, body, frames) after the last one, or
     None to wait for the store's progress (as :class:`_Defer`); ``cleanup()`` runs if the
-    request is abandoned (cancelled, its session gone, the server stops)."""
+    request is abandoned (cancelled, its session gone, the server stops).
+
+    ``follows()``, when set, says whether the request goes on for the session that took
+    its session's grants over (a new HELLO of the same client, ``Session.live``) instead
+    of being abandoned with it: its attempt then acts on the live session."""
+
+    follows: Callable[[], bool] | None = None
 
 
 def _list(body: dict[str, Any], name: str, *, ints: bool = False, optional: bool = False

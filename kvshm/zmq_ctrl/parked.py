@@ -32,7 +32,7 @@ log = logging.getLogger("kvshm.zmq_ctrl.router")
 class _Parked:
     __slots__ = ("ident", "session", "req_id", "op", "attempt", "cleanup", "extra",
                  "on_sent", "t0", "deadline", "cancelled", "src", "on_poke", "sliced",
-                 "forced")
+                 "forced", "follows")
 
     def __init__(self, ident: bytes, session: Session, req_id: int, op: int, d: _Defer,
                  extra: dict[str, Any], on_sent: list[Any], t0: float,
@@ -54,6 +54,7 @@ class _Parked:
         self.deadline = deadline
         self.sliced = isinstance(d, _Sliced)
         self.forced = False         # a slice was forced: the later ones are too
+        self.follows = d.follows if isinstance(d, _Sliced) else None   # (_Sliced's)
 
 
 class ParkedMixin(LoopState):

@@ -116,6 +116,9 @@ class SlicesMixin(LoopState):
         """One slice of each large request in progress, in turn."""
         for _ in range(len(self._runnable)):
             p = self._runnable.popleft()
+            if p.session.closed and not p.cancelled and p.follows is not None \
+                    and p.follows():
+                self._follow(p)
             if p.cancelled or p.session.closed:
                 self._abandon(p)
                 continue
@@ -136,6 +139,17 @@ class SlicesMixin(LoopState):
             status, rbody, frames = r
             self._reply(p.ident, p.session, p.req_id, p.op, status, rbody, frames, p.extra,
                         p.on_sent, p.t0, p.src)
+
+    def _follow(self, p: _Parked) -> None:
+        """``p`` (a sliced settle whose session a new HELLO of the same client replaced:
+        the grants it settles moved over) goes on for the live session, its reply to the
+        connection it came on; nothing when the session was closed for good."""
+        live = p.session.live()
+        if live is None:
+            return
+        self._parked_by.pop((p.session.id, p.req_id), None)
+        p.session = live
+        self._parked_by[(live.id, p.req_id)] = p
 
     def _settle_is_large(self, session: Session, body: dict[str, Any]) -> bool:
         """Whether the grants this request's commit/abort/release lists name hold more
@@ -183,24 +197,27 @@ class SlicesMixin(LoopState):
         def step(force: bool) -> Any:
             if inner[0] is not None:
                 return inner[0](force)
+            # the session whose grants these are now: a new HELLO of the same client
+            # (same nonce) between two slices moved them over (follows, _follow)
+            cur = session.live() or session
             left = S
             while todo and left > 0:
                 how, rid = todo[0]
-                k = store.settle_some(session, rid, how, left)
+                k = store.settle_some(cur, rid, how, left)
                 if k < 0:
                     if how == "commit":
                         failed.append(rid)
                     todo.popleft()
                     continue
                 left -= k
-                if session.grants.get(rid) is None or k == 0:
+                if cur.grants.get(rid) is None or k == 0:
                     todo.popleft()
             if todo:
                 return _MORE
             if failed:
                 extra["commit_failed"] = failed
             try:
-                return handler(session, req_id, body, frames, on_sent)
+                return handler(cur, req_id, body, frames, on_sent)
             except _Defer as d:
                 inner[0], inner[1] = d.attempt, d.cleanup
                 return None if not isinstance(d, _Sliced) else _MORE
@@ -216,7 +233,11 @@ class SlicesMixin(LoopState):
             if inner[1] is not None:
                 inner[1]()
 
-        raise _Sliced(step, cleanup)
+        d = _Sliced(step, cleanup)
+        # while settling, the grants follow a new HELLO of the client; the request's own
+        # attempt (inner) was made for one session and is abandoned with it
+        d.follows = lambda: inner[0] is None
+        raise d
 
     def _run_decodes(self) -> None:
         """One step of each large header being decoded; a request decoded is dispatched,
