@@ -6,10 +6,11 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from kvshm.index import Entry
+from kvshm.store.parts import _StoreParts
 from kvshm.store.sessions import _ALLOC, Session
 
 
-class _Accounting:
+class _Accounting(_StoreParts):
     """Budgets, counters and :meth:`stats`."""
 
     def _limit_blocks(self, nbytes: int) -> int:

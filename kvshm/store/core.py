@@ -211,8 +211,9 @@ class Store(_Sessions, _Space, _Tiered, _Accounting, _Reserving):
 
         Returns a Status per key (None: deferred, as :meth:`alloc_entries`).
         """
-        packed = type(values) is PackedValues
-        sizes = values.sizes() if packed else _index.value_sizes(values)
+        pv = values if type(values) is PackedValues else None
+        packed = pv is not None
+        sizes = pv.sizes() if pv is not None else _index.value_sizes(values)
         if packed and sums is None and FAST_PUT and self.tier is None:
             st = _index.put_packed(self, keys, values, sizes, Outcome.OK)
             if st is not None:
@@ -225,9 +226,9 @@ class Store(_Sessions, _Space, _Tiered, _Accounting, _Reserving):
         if ok:
             # the bytes of each value into its run(s): packed values in one C loop
             # (values of several runs go the general way)
-            offs = _index.value_offsets(entries, self.block_size) if packed else None
-            if offs is not None:
-                self.pool.write_values(offs, values)
+            offs = _index.value_offsets(entries, self.block_size) if pv is not None else None
+            if offs is not None and pv is not None:
+                self.pool.write_values(offs, pv)
             else:
                 offs, srcs = _index.write_layout(entries, values, self.block_size)
                 self.pool.write_many(offs, srcs)

@@ -44,6 +44,7 @@ from typing import Any, Sequence
 
 from kvshm.index import Entry
 from kvshm.store.outcome import Outcome
+from kvshm.store.parts import _StoreParts
 from kvshm.store.sessions import _PIN
 
 __all__ = ["Reservations", "Reservation", "PlaceOutcome", "DEFAULT_MAX_SESSION_SHARE"]
@@ -55,7 +56,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_SESSION_SHARE = 16
 
 
-class _Reserving:
+class _Reserving(_StoreParts):
     """The store's side of reservations (mixed into :class:`kvshm.store.Store`): blocks
     taken from free space and given back, budgets, and installing values whose blocks
     are already theirs."""
@@ -63,32 +64,32 @@ class _Reserving:
     def take_runs(self, nblocks: int) -> tuple[tuple[int, int], ...] | None:
         """Runs of ``nblocks`` blocks taken from free space, evicting as an ALLOC would;
         None when there is no room. The caller owns them (:meth:`give_back_runs`)."""
-        ext = self._allocate([nblocks])[0]  # type: ignore[attr-defined]
-        if self.tier is not None:  # type: ignore[attr-defined]
-            self.tier.submit()  # type: ignore[attr-defined]
-        return ext  # type: ignore[no-any-return]
+        ext = self._allocate([nblocks])[0]
+        if self.tier is not None:
+            self.tier.submit()
+        return ext
 
     def give_back_runs(self, runs: Sequence[tuple[int, int]]) -> None:
         """Free runs taken with :meth:`take_runs` that hold no entry."""
         if runs:
-            self._free_runs(tuple(runs))  # type: ignore[attr-defined]
-            self.progress += 1  # type: ignore[attr-defined]
+            self._free_runs(tuple(runs))
+            self.progress += 1
 
     def valid_key(self, key: Any) -> bool:
-        return self._check_key(key) == Outcome.OK  # type: ignore[attr-defined,no-any-return]
+        return self._check_key(key) == Outcome.OK
 
     def pending_budget(self, session: Any) -> int | None:
         """Blocks ``session``'s principal may still hold pending (None: no limit)."""
-        limit = self._limit_blocks(self.config.max_client_pending_bytes)  # type: ignore[attr-defined]
+        limit = self._limit_blocks(self.config.max_client_pending_bytes)
         return max(0, limit - session.quota.pending) if limit else None
 
     def pin_budget(self, session: Any) -> int | None:
         """Blocks ``session``'s principal may still pin (None: no limit)."""
-        limit = self._limit_blocks(self.config.max_client_pinned_bytes)  # type: ignore[attr-defined]
+        limit = self._limit_blocks(self.config.max_client_pinned_bytes)
         if not limit:
             return None
         q = session.quota
-        return max(0, limit - q.pinned - q.sending)  # type: ignore[no-any-return]
+        return max(0, limit - q.pinned - q.sending)
 
     def install_entries(self, session: Any, req_id: int, entries: list[Entry],
                         pin: bool = False) -> None:
@@ -96,10 +97,10 @@ class _Reserving:
         written); with ``pin`` also hold them under a pin grant ``req_id`` of
         ``session`` (RELEASE drops it)."""
         nbytes = 0
-        c = self.counters  # type: ignore[attr-defined]
-        self.index.sync()  # type: ignore[attr-defined]  # reads recorded before go first
+        c = self.counters
+        self.index.sync()  # reads recorded before go first
         for e in entries:
-            self._install(e)  # type: ignore[attr-defined]
+            self._install(e)
             nbytes += e.size
             if len(e.extents) > 1:
                 c["split_values"] += 1
@@ -108,8 +109,8 @@ class _Reserving:
         c["bytes_in"] += nbytes
         if pin and entries:
             for e in entries:
-                self._pin(e)  # type: ignore[attr-defined]
-            self._add_grant(_PIN, session, req_id, entries, nbytes)  # type: ignore[attr-defined]
+                self._pin(e)
+            self._add_grant(_PIN, session, req_id, entries, nbytes)
 
 
 class PlaceOutcome:

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 from kvshm import _index
 from kvshm.index import Entry
+from kvshm.store.parts import _StoreParts
 
 __all__ = ["Session"]
 
@@ -156,7 +157,7 @@ class Session:
         return s
 
 
-class _Sessions:
+class _Sessions(_StoreParts):
     """Open, replace and close sessions; make, settle and expire grants."""
 
     def _as_session(self, session: "Session | bytes") -> Session:
@@ -164,7 +165,7 @@ class _Sessions:
         drive a Store without a HELLO): principal = that id, no liveness proof."""
         if type(session) is Session:
             return session
-        return self.session_for(session)  # type: ignore[arg-type]
+        return self.session_for(session)
 
     def session_for(self, name: Any) -> Session:
         """The implicit session named ``name`` (made on first use; principal ``name``)."""
@@ -324,11 +325,11 @@ class _Sessions:
         k = g.count()
         if k <= n:
             if how == "commit":
-                self.commit(session, [req_id])      # type: ignore[attr-defined]
+                self.commit(session, [req_id])
             elif how == "abort":
-                self.abort(session, [req_id])       # type: ignore[attr-defined]
+                self.abort(session, [req_id])
             else:
-                self.release(session, [req_id])     # type: ignore[attr-defined]
+                self.release(session, [req_id])
             return k
         d = g.done
         part = g.entries[d:d + n]

@@ -13,6 +13,7 @@ from kvshm import _index
 from kvshm._pool import Pool
 from kvshm.index import DEAD, LIVE, Entry
 from kvshm.store.outcome import Outcome
+from kvshm.store.parts import _StoreParts
 
 log = logging.getLogger("kvshm.store")
 
@@ -46,7 +47,7 @@ def _copy_runs(pool: Pool, src: tuple[tuple[int, int], ...],
         size -= k
 
 
-class _Space:
+class _Space(_StoreParts):
     """Blocks in and out: allocate (one run, extents, compaction), evict, free."""
 
     def _nblocks(self, size: int) -> int:

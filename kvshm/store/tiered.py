@@ -11,6 +11,7 @@ import time
 from typing import Any, Sequence
 
 from kvshm.index import LIVE, Entry
+from kvshm.store.parts import _StoreParts
 from kvshm.store.space import _EVICTED, _NOTHING, _WAIT
 from kvshm.tiers.api import MAX_JOB_BYTES, SPILL_BUSY, SPILL_REFUSED, SPILL_STARTED, WRITING
 
@@ -46,7 +47,7 @@ class _Promotion:
         self.holds: list[ReadHold] = []
 
 
-class _Tiered:
+class _Tiered(_StoreParts):
     """The pool's side of a tier below it."""
 
     def attach_tier(self, tier: Any, clean_target: int = 0) -> None:
