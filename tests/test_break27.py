@@ -6,6 +6,12 @@
    batch paths refuse it (``replies.sizes_of``), the one-key path returned it. Now a
    ProtocolError, and the client goes on.
 
+2. (What held, kept as a regression test) a reply header claiming a container of 2**32
+   items (array, map) or a 4 GiB bin in a few bytes is a ProtocolError on both wires:
+   msgpack's unpackb bounds every container by the frame's bytes. Not done here: a
+   bound on the frame itself (libzmq's MAXMSGSIZE, the ZMTP reader) and limits sized
+   from the request asked.
+
 3. A HELLO with a session's nonce (the same client again) arriving while that
    session's large COMMIT was being settled in slices (``--slice-keys``) replaced the
    session, and the sliced settle, seeing its session closed, was abandoned: the COMMIT
@@ -26,7 +32,7 @@ import pytest
 from kvshm import Client
 from kvshm.errors import ProtocolError
 from kvshm.zmq_ctrl import channel
-from kvshm.zmq_ctrl.protocol import Op
+from kvshm.zmq_ctrl.protocol import Op, encode_reply
 from test_reply_shapes import POOL_BYTES, FakeServer
 
 pytestmark = pytest.mark.timeout(120)
@@ -169,3 +175,85 @@ def test_a_hello_while_the_sessions_large_commit_is_settled_in_slices_is_answere
         assert all(k in bed.store.index for k in keys)
     finally:
         bed.close()
+
+
+# ------------------------------------------------------------------ 2. huge claims
+
+class RawFake(FakeServer):
+    """FakeServer whose scripted GET replies are raw header frames (``bytes``, with the
+    request id packed in by ``make(rid)``), to claim what msgpack cannot be asked to
+    pack: an array of 2**32 items in a few bytes."""
+
+    def _run(self) -> None:
+        import zmq
+
+        from kvshm.zmq_ctrl.protocol import decode_request
+
+        s = zmq.Context.instance().socket(zmq.ROUTER)
+        s.setsockopt(zmq.LINGER, 0)
+        try:
+            port = s.bind_to_random_port("tcp://127.0.0.1")
+            self.address = f"127.0.0.1:{port}"
+            self._ready.set()
+            while not self._stop.is_set():
+                if not s.poll(50):
+                    continue
+                msg = s.recv_multipart()
+                ident = msg[0]
+                _, op, rid, _, body = decode_request(msg[1])
+                if op == Op.HELLO:
+                    s.send_multipart([ident, encode_reply(0, rid, self._hello(body))])
+                    continue
+                self.requests.append((op, rid, body))
+                if op != Op.GET:
+                    s.send_multipart([ident, encode_reply(0, rid, {})])
+                    continue
+                try:
+                    make = self.replies.get_nowait()
+                except Exception:
+                    continue
+                s.send_multipart([ident, *make(rid)])   # type: ignore[operator]
+        except BaseException as exc:
+            self.error = exc
+            self._ready.set()
+        finally:
+            s.close(0)
+
+
+def _head(rid: int, body_tail: bytes) -> bytes:
+    """A reply header [2, 0, rid, {"sizes": <body_tail>}] with the raw msgpack bytes
+    of the sizes' value."""
+    import msgpack
+
+    return b"\x94\x02\x00" + msgpack.packb(rid) + b"\x81\xa5sizes" + body_tail
+
+
+@pytest.mark.parametrize("wire", ["zmtp", "libzmq"])
+@pytest.mark.parametrize("claim", [
+    b"\xdd\xff\xff\xff\xff" + b"\x01" * 8,          # an array of 2**32 - 1 sizes
+    b"\x91\xc6\xff\xff\xff\xff" + b"x" * 8,         # a bin of 4 GiB
+    b"\x91\xdf\xff\xff\xff\xff" + b"\x01" * 8,      # a map of 2**32 - 1 pairs
+])
+def test_a_reply_header_claiming_a_huge_container_is_a_protocol_error(monkeypatch, wire,
+                                                                       claim):
+    """What held: the header is decoded by msgpack's unpackb, which bounds every
+    container by the bytes of the frame, so a claim of 2**32 items in a few bytes is
+    refused before anything is allocated for it."""
+    if wire == "libzmq":
+        monkeypatch.setattr(channel, "ZMTP", False)
+    elif not channel.ZMTP:
+        pytest.skip("the ZMTP transport is off (KVSHM_ZMTP=0)")
+    fake = RawFake()
+    c = Client(fake.address, transport="tcp", timeout=5)
+    try:
+        for fn in (lambda: c.get(b"a"), lambda: c.get_batch([b"a", b"b"])):
+            fake.script(lambda rid: [_head(rid, claim)])
+            with pytest.raises(ProtocolError):
+                fn()
+        # the client goes on: a well-formed reply is read as ever
+        fake.script(lambda rid: [encode_reply(0, rid, {"sizes": [2], "counts": [1]}),
+                                 b"ok"])
+        assert c.get(b"a") == b"ok"
+    finally:
+        c.close()
+        fake.close()
