@@ -1,0 +1,83 @@
+"""A session is bound to the connection its HELLO came on (docs/RELIABILITY.md,
+"Sessions and routing ids").
+
+Before: a session was found by the ZeroMQ routing id alone, so once its client's
+connection ended without BYE, a peer that claimed that routing id on a connection of its
+own was served as that session (its grants, its pins, its operator rights) until the
+session ended. Now any request on another connection is answered "say HELLO"
+(STALE_EPOCH), the session's grants stay under it, and the client itself (same nonce,
+a valid token) still takes them over with a HELLO.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from kvshm import Client
+from kvshm.zmq_ctrl.protocol import PROTOCOL_VERSION, Op, Status, decode_reply
+from servers import ServerProcess
+from test_trust2 import _call, _dealer, _tokens
+
+LISTENERS = ["libzmq", "native"]
+
+
+def _served(s: zmq.Socket, op: int, body: dict, rid: int, epoch: int,
+            within: float = 30.0) -> tuple[int, dict]:
+    """Send until a reply comes: a connection claiming a routing id whose old connection
+    libzmq has not let go of yet is not served at all (ROUTER_HANDOVER off), and the
+    DEALER connects again by itself; waits on the reply, never on a fixed sleep."""
+    end = time.monotonic() + within
+    while True:
+        s.send(msgpack.packb([PROTOCOL_VERSION, op, rid, epoch, body], use_bin_type=True))
+        if s.poll(500):
+            st, _, rbody = decode_reply(s.recv_multipart()[0])
+            return st, rbody
+        assert time.monotonic() < end, f"no reply to op {op} within {within} s"
+
+
+@pytest.mark.parametrize("listener", LISTENERS)
+def test_a_routing_id_claimed_after_its_connection_ended_names_no_session(listener):
+    with ServerProcess(listener=listener) as srv, \
+            Client(srv.address, transport="tcp") as admin:
+        door, optok = _tokens(srv.address)
+        admin.put("k", b"v" * 100)
+        ident, nonce = os.urandom(16), os.urandom(16)
+        victim = _dealer(srv.address, ident)
+        thief = victim2 = None
+        try:
+            st, hello = _call(victim, Op.HELLO, {"nonce": nonce, "token": door,
+                                                 "operator_token": optok}, 1, 0)
+            assert st == Status.OK, hello
+            ep = hello["epoch"]
+            st, body = _call(victim, Op.LOOKUP, {"keys": [b"k"]}, 2, ep)
+            assert st == Status.OK, body             # a pin held by the session
+            victim.close()                           # gone without BYE
+            thief = _dealer(srv.address, ident)
+            st, body = _served(thief, Op.EXISTS, {"keys": [b"k"]}, 3, ep)
+            assert st == Status.STALE_EPOCH and "HELLO" in body["error"], (st, body)
+            st, body = _call(thief, Op.DELETE, {"keys": [b"k"]}, 4, ep)
+            assert st == Status.STALE_EPOCH and "HELLO" in body["error"], (st, body)
+            # an operator op of the session's is refused the same way
+            st, body = _call(thief, Op.PURGE, {}, 5, ep)
+            assert st == Status.STALE_EPOCH and "HELLO" in body["error"], (st, body)
+            # nor may it settle the session's pin
+            st, body = _call(thief, Op.EXISTS, {"keys": [b"k"], "release": [2]}, 6, ep)
+            assert st == Status.STALE_EPOCH, (st, body)
+            assert admin.get("k") == b"v" * 100
+            # the client itself, on a new connection (new routing id, same nonce, its
+            # token) takes its session's grants over: it releases the pin
+            victim2 = _dealer(srv.address, os.urandom(16))
+            st, hello2 = _call(victim2, Op.HELLO, {"nonce": nonce, "token": door}, 7, 0)
+            assert st == Status.OK, hello2
+            st, body = _call(victim2, Op.EXISTS, {"keys": [b"k"], "release": [2]}, 8, ep)
+            assert st == Status.OK and body["found"] == [True], (st, body)
+            assert "errors" not in body and "settle_errors" not in body, body
+        finally:
+            for s in (victim, thief, victim2):
+                if s is not None:
+                    s.close()
