@@ -121,7 +121,7 @@ class Session:
 
     __slots__ = ("id", "principal", "nonce", "proof", "grants", "quota", "closed",
                  "label", "local", "sending", "operator", "seen", "conn", "committed",
-                 "successor", "__weakref__")
+                 "successor", "bound", "__weakref__")
 
     def __init__(self, sid: int, principal: Any, nonce: bytes, proof: Any,
                  quota: _Quota, label: str = "") -> None:
@@ -133,6 +133,9 @@ class Session:
         self.operator = False
         self.seen = time.perf_counter()   # its last request (the router stamps it)
         self.conn: Any = None             # the router's name of its connection
+        #: the connection its HELLO came on (kvshm.zmq_ctrl.sessions.conn_key), or None:
+        #: requests on any other connection are not this session's
+        self.bound: Any = None
         self.sending = 0            # blocks of this session's GET replies not yet sent
         self.grants: dict[int, _Grant] = {}
         #: request ids of its most recently committed ALLOC grants, oldest first (at

@@ -188,7 +188,7 @@ cdef class BatchQuery:
         The loop's ``_MORE`` (a slice step's "more to come").
     """
 
-    cdef object loop, store, index, d, by_ident, more
+    cdef object loop, store, index, d, by_ident, more, bound_ok
     cdef int version
     cdef bint exists_on, prefix_on
     cdef public Py_ssize_t c_slice
@@ -203,6 +203,9 @@ cdef class BatchQuery:
         self.index = loop.store.index
         self.d = loop.store.index.mapping
         self.by_ident = loop._by_ident
+        # a session serves only the connection its HELLO came on (kvshm.zmq_ctrl.sends)
+        from kvshm.zmq_ctrl.sends import bound_ok
+        self.bound_ok = bound_ok
         self.version = version
         ops = set(ops)
         self.exists_on = OP_EXISTS in ops
@@ -241,6 +244,9 @@ cdef class BatchQuery:
         sess = <object>p
         if sess.closed:
             return self._decline()
+        b = sess.bound
+        if b is not None and not self.bound_ok(b, <object>PyList_GET_ITEM(msg, 1)):
+            return self._decline()      # another connection's: "say HELLO" (Python path)
         job = _Job()
         PyObject_GetBuffer(<object>PyList_GET_ITEM(msg, 1), &job.fb, PyBUF_SIMPLE)
         job.held = True

@@ -108,7 +108,7 @@ cdef class FastPath:
         The ops to serve (those whose handler is still the loop's own).
     """
 
-    cdef object loop, store, index, pool, by_ident, held, latency, latency_sum, d, pending
+    cdef object loop, store, index, pool, by_ident, held, latency, latency_sum, d, pending, bound_ok
     # per request, looked up once here (the store's own objects, for its life; methods
     # of extension types, which cannot be replaced on an instance): the allocator's
     # alloc_many, the pool's write, the index's sync, the store's config and counters
@@ -140,6 +140,9 @@ cdef class FastPath:
         self.d = store.index.mapping
         self.pool = store.pool
         self.by_ident = loop._by_ident
+        # a session serves only the connection its HELLO came on (kvshm.zmq_ctrl.sends)
+        from kvshm.zmq_ctrl.sends import bound_ok
+        self.bound_ok = bound_ok
         self.held = loop._held
         # connections held without HELLO (kvshm.zmq_ctrl.admission): while there are
         # any, a request of an open session admits the connection it came on
@@ -432,6 +435,9 @@ cdef class FastPath:
         sess = <object>p
         if sess.closed:
             return self._decline()
+        b = sess.bound
+        if b is not None and not self.bound_ok(b, <object>PyList_GET_ITEM(msg, 1)):
+            return self._decline()      # another connection's: "say HELLO" (Python path)
         if self.pending:
             self.loop._admit_live(ident, <object>PyList_GET_ITEM(msg, 1))
         if op == OP_PUT:

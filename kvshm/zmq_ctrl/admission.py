@@ -11,9 +11,10 @@ connection's descriptor, ``ZMQ_EVENT_DISCONNECTED`` its end) and holds every acc
 connection as *unadmitted* until it is admitted:
 
 - by a HELLO answered OK on it (the request frame's ``zmq.SRCFD``), or
-- by a request on it of a routing id whose session is open (a client's connection made
-  again under the same routing id, as libzmq and the ZMTP client do after a drop, goes on
-  with its session without a new HELLO).
+- by a request on it of a session bound to it (:func:`~kvshm.zmq_ctrl.sends.bound_ok`:
+  a session serves only the connection its HELLO came on, so a client's connection made
+  again under the same routing id, as libzmq and the ZMTP client do after a drop, is
+  answered "say HELLO" and admitted by that HELLO).
 
 An unadmitted connection is shut down ``hello_timeout`` seconds after it was accepted
 (default :data:`HELLO_TIMEOUT_S`), and when more than ``max_unadmitted`` are held
@@ -50,9 +51,9 @@ from typing import Any
 
 import zmq
 
-from kvshm.zmq_ctrl.listener import NativeListener
+from kvshm.zmq_ctrl.listener import _CLOSED, NativeListener
 from kvshm.zmq_ctrl.loopstate import LoopState
-from kvshm.zmq_ctrl.sends import SHUT, UNTOLD, conn_of, shut_any, shut_conn
+from kvshm.zmq_ctrl.sends import SHUT, UNTOLD, bound_ok, conn_of, shut_any, shut_conn
 
 __all__ = ["AdmissionMixin", "shut_conn", "HELLO_TIMEOUT_S", "MAX_UNADMITTED"]
 
@@ -284,7 +285,11 @@ class AdmissionMixin(LoopState):
         if fd in self._admitted and fd not in self._unadmitted:
             return True
         sess = self._by_ident.get(ident)
-        return sess is not None and not sess.closed
+        if sess is None or sess.closed:
+            return False
+        b = sess.bound
+        # a session's routing id vouches only on the connection its HELLO came on
+        return b is None or (b[3] is not None and b[3].fd == fd and b[3].state != _CLOSED)
 
     def _hold_untold(self, fd: int, dev: int, ino: int) -> None:
         """A connection to be shut down that could not be checked (no descriptor free):
@@ -316,6 +321,8 @@ class AdmissionMixin(LoopState):
         sess = self._by_ident.get(ident)
         if sess is None or sess.closed:
             return
+        if sess.bound is not None and not bound_ok(sess.bound, src):
+            return                          # another connection: its own HELLO admits it
         if type(src) is not tuple:
             try:
                 fd = src.get(zmq.SRCFD)

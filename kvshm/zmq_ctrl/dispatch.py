@@ -120,13 +120,14 @@ class DispatchMixin(LoopState):
         status: int
         rbody: dict[str, Any]
         frames: list[Any]
-        session = self._session_of(ident)
+        session = self._session_of(ident, src)
         if op == _HELLO:
             try:
                 carried = fresh and session is not None
                 if carried:
                     self._piggyback(session, body, reply_extra)
-                status, rbody, frames, session = self._hello(ident, msg[1], body, session)
+                status, rbody, frames, session = self._hello(ident, msg[1], body, session,
+                                                              src)
                 if status == Status.OK and self._admitting:
                     self._admit(src)        # its connection is not shut down
                 if fresh and not carried and status == Status.OK and session is not None:

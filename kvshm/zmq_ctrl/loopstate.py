@@ -83,7 +83,7 @@ class LoopState:
     _fast_internal: Callable[..., None]
     _unanswered: Callable[..., None]
     _sends: int
-    _session_of: Callable[[bytes], Session | None]
+    _session_of: Callable[..., Session | None]
     _hello: Callable[..., tuple[int, dict[str, Any], list[Any], Session | None]]
     _attempt: Callable[..., Any]
     _abandon: Callable[[Any], None]

@@ -20,6 +20,7 @@ from typing import Any
 import zmq
 
 from kvshm.store import Session
+from kvshm.zmq_ctrl.listener import _CLOSED, Header
 from kvshm.zmq_ctrl.loopstate import LoopState
 
 #: the loop's one logger: its records keep the name they had before the loop was
@@ -54,6 +55,72 @@ def conn_of(frame: Any) -> tuple[int, int, int] | None:
     except OSError:
         return None
     return fd, st.st_dev, st.st_ino
+
+
+#: the binding of a session whose HELLO's connection had ended before the HELLO was
+#: served: no request matches it (:func:`bound_ok`)
+DEAD: tuple[int, int, int, Any] = (-1, -1, -1, None)
+
+
+def conn_key(src: Any) -> tuple[int, int, int, Any] | None:
+    """The connection a HELLO came on, as its session is bound to it
+    (:attr:`Session.bound`): ``(fd, st_dev, st_ino, conn)``, ``conn`` the native
+    listener's own connection object (:class:`~kvshm.zmq_ctrl.listener.Header`'s, one
+    per connection, never reused while a session names it) or None under libzmq, where
+    the fd and the inode fstat gives are the connection (:func:`conn_of`). ``src``: the
+    request's header frame, or a connection :func:`conn_of` took when it came (a tuple).
+    Returns None where there is no connection to bind to (inproc: no fd), :data:`DEAD`
+    where it has ended already."""
+    if type(src) is Header:
+        c = src._conn
+        if c.state == _CLOSED:
+            return DEAD
+        try:
+            st = os.fstat(c.fd)
+        except OSError:
+            return DEAD
+        return c.fd, st.st_dev, st.st_ino, c
+    if type(src) is tuple:
+        return src[0], src[1], src[2], None
+    try:
+        fd = src.get(zmq.SRCFD)
+    except (zmq.ZMQError, AttributeError, TypeError):
+        return None
+    if type(fd) is not int or fd < 0:
+        return None
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return DEAD
+    return fd, st.st_dev, st.st_ino, None
+
+
+def bound_ok(bound: tuple[int, int, int, Any], src: Any) -> bool:
+    """Whether a request whose header frame (or :func:`conn_of` tuple) is ``src`` came
+    on the connection ``bound`` (:func:`conn_key` of its session's HELLO). Native
+    listener: the header's connection object is the bound one (no system call).
+    libzmq: the frame's ``ZMQ_SRCFD`` is the bound fd and that fd is still the bound
+    socket (fstat: the same ``st_dev``/``st_ino``; the kernel gives a closed fd's
+    number to the next socket, so the number alone would take a later connection for
+    the old one). A message libzmq read before its connection closed carries that fd
+    number; once closed, fstat fails or names another socket: not the session's."""
+    if type(src) is Header:
+        return src._conn is bound[3]
+    if type(src) is tuple:
+        return src[0] == bound[0] and src[1] == bound[1] and src[2] == bound[2]
+    if bound[3] is not None:
+        return False                        # a native session's id on libzmq's inproc
+    try:
+        fd = src.get(zmq.SRCFD)
+    except (zmq.ZMQError, AttributeError, TypeError):
+        return False
+    if fd != bound[0]:
+        return False
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return False
+    return st.st_ino == bound[2] and st.st_dev == bound[1]
 
 
 #: what :func:`shut_conn` answers: the socket was shut down

@@ -30,6 +30,7 @@ from kvshm.store import Session
 from kvshm.zmq_ctrl.handling import _Malformed
 from kvshm.zmq_ctrl.loopstate import LoopState
 from kvshm.zmq_ctrl.protocol import Status
+from kvshm.zmq_ctrl.sends import bound_ok, conn_key
 
 #: the loop's one logger: its records keep the name they had before the loop was
 #: split into modules (as kvshm.store's modules share "kvshm.store")
@@ -62,10 +63,17 @@ class SessionsMixin(LoopState):
         for sid in [sid for sid, v in self._order.items() if v.closed]:
             del self._order[sid]
 
-    def _session_of(self, ident: bytes) -> Session | None:
+    def _session_of(self, ident: bytes, src: Any = None) -> Session | None:
+        """The session of a request of routing id ``ident`` whose header frame (or the
+        connection :func:`~kvshm.zmq_ctrl.sends.conn_of` took) is ``src``: the one whose
+        HELLO came on that same connection (:func:`~kvshm.zmq_ctrl.sends.bound_ok`), or
+        None (answered "say HELLO"). A session bound to another connection is left as it
+        is, grants and all, for its client's HELLO (same nonce) or its end."""
         sess = self._by_ident.get(ident)
         if sess is not None and sess.closed:
             del self._by_ident[ident]
+            sess = None
+        if sess is not None and sess.bound is not None and not bound_ok(sess.bound, src):
             sess = None
         if sess is None and self.door_token is None:
             # no door (a Store served in-process, tests): an implicit session per peer
@@ -108,9 +116,13 @@ class SessionsMixin(LoopState):
         self._forget_closed()
 
     def _hello(self, ident: bytes, frame: zmq.Frame, body: dict[str, Any],
-               current: Session | None
+               current: Session | None, src: Any = None
                ) -> tuple[int, dict[str, Any], list[Any], Session | None]:
-        """HELLO: who is this (proven), is it on this host (proven), open its session."""
+        """HELLO: who is this (proven), is it on this host (proven), open its session,
+        bound to the connection the HELLO came on (``src``: its header frame or the
+        :func:`~kvshm.zmq_ctrl.sends.conn_of` tuple taken when it came; ``frame`` when
+        None): :meth:`_session_of` serves that session's requests on that connection
+        only."""
         nonce = body.get("nonce")
         if type(nonce) is not bytes or not 8 <= len(nonce) <= 64:
             if self.door_token is not None or nonce is not None:
@@ -147,6 +159,7 @@ class SessionsMixin(LoopState):
             label = f"{principal[0]}:{principal[-1].hex()[:12]}"
         sess = self._open(ident, principal, nonce, proof, label)
         sess.operator = self._is_operator(principal, proof, body)
+        sess.bound = conn_key(frame if src is None else src)
         reply = dict(self.hello)
         reply["epoch"] = self.epoch
         reply["session"] = sess.id
