@@ -244,8 +244,8 @@ cdef class BatchQuery:
         sess = <object>p
         if sess.closed:
             return self._decline()
-        b = sess.bound
-        if b is not None and not self.bound_ok(b, <object>PyList_GET_ITEM(msg, 1)):
+        sbound = sess.bound
+        if sbound is not None and not self.bound_ok(sbound, <object>PyList_GET_ITEM(msg, 1)):
             return self._decline()      # another connection's: "say HELLO" (Python path)
         job = _Job()
         PyObject_GetBuffer(<object>PyList_GET_ITEM(msg, 1), &job.fb, PyBUF_SIMPLE)

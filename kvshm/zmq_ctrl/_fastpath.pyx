@@ -435,8 +435,8 @@ cdef class FastPath:
         sess = <object>p
         if sess.closed:
             return self._decline()
-        b = sess.bound
-        if b is not None and not self.bound_ok(b, <object>PyList_GET_ITEM(msg, 1)):
+        sbound = sess.bound
+        if sbound is not None and not self.bound_ok(sbound, <object>PyList_GET_ITEM(msg, 1)):
             return self._decline()      # another connection's: "say HELLO" (Python path)
         if self.pending:
             self.loop._admit_live(ident, <object>PyList_GET_ITEM(msg, 1))

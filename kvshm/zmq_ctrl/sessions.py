@@ -10,6 +10,27 @@ door token or a CURVE key a HELLO is refused and no other request is served. A n
 HELLO with the same client ``nonce`` replaces the old session (its grants move over);
 a session whose liveness proof is gone is closed and its grants reclaimed at once.
 
+Bound to a connection. A session serves the connection its HELLO came on and no other
+(``Session.bound``, :func:`~kvshm.zmq_ctrl.sends.conn_key` at HELLO,
+:func:`~kvshm.zmq_ctrl.sends.bound_ok` at each request, here and in the C fast paths,
+which decline to this path): once that connection ended, its routing id names no
+session; a request claiming it on a new connection is answered "say HELLO"
+(STALE_EPOCH) and the session's grants stay under it (its client's HELLO with the same
+nonce takes them over; liveness or the idle expiry end it). Races, and which are closed:
+
+- fd reuse (libzmq): the kernel gives a closed connection's fd number to the next
+  socket. Closed: the request's ``ZMQ_SRCFD`` must be the bound fd *and* fstat of it must
+  give the HELLO's ``(st_dev, st_ino)``; a socket's inode is its own while it is open,
+  and a message libzmq read before its connection closed names a fd that is closed
+  (fstat fails) or another socket by the time it is served.
+- a monitor's DISCONNECTED read after the new connection's first request: closed by not
+  depending on the monitor at all (the check is of the kernel's state at the request).
+- native listener: each message carries the listener's connection object; a closed one
+  is never the session's again (object identity, no system call).
+- not closed (libzmq): the HELLO binds what its fd names when it is served; a HELLO whose
+  connection ended after libzmq read it, its number taken by a new connection of a peer
+  that knew the routing id in the meantime, binds that new connection.
+
 Handshakes that failed (a CURVE key not allowed, no key) are counted as ``auth_refused``
 and logged when the loop was made with ``log_handshakes``
 (:meth:`~kvshm.zmq_ctrl.admission.AdmissionMixin._on_monitor`, which also holds the
