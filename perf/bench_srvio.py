@@ -287,6 +287,16 @@ def client_main(port: int, seconds: float, ident: bytes) -> None:
     c.handshake(ident, TIMEOUT_MS)
     value = os.urandom(VALUE_BYTES)
     header = _zmqc.encode1(6, 1, 7, b"remote-key", VALUE_BYTES, None)
+    if os.environ.get("KVSHM_BENCH_HELLO") == "1":
+        # a session opened by HELLO, bound to this connection (kvshm.zmq_ctrl.sends.
+        # bound_ok checked on every request), instead of the door-less implicit one
+        import msgpack
+
+        from kvshm.zmq_ctrl.protocol import PROTOCOL_VERSION, Op
+        c.send(msgpack.packb([PROTOCOL_VERSION, Op.HELLO, 1, 0, {"nonce": os.urandom(16)}],
+                             use_bin_type=True), (), TIMEOUT_MS)
+        if c.recv(TIMEOUT_MS) is None:
+            raise RuntimeError("no reply to HELLO")
     print("ready", flush=True)
     sys.stdin.readline()
     n = 0

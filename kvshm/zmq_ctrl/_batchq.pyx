@@ -50,6 +50,36 @@ from libc.string cimport memcpy, memcmp
 from libc.stdlib cimport malloc, free
 from kvshm.zmq_ctrl._mpint cimport Reader, _int, _one, _pack_int, _pack_array_head, _array_head, _be, U32_END, I32_MIN, U64_ALL
 
+
+from posix.stat cimport struct_stat, fstat as _fstat
+
+
+cdef object _Header = None      # kvshm.zmq_ctrl.listener.Header (set at the first init)
+cdef object _bound_ok_py = None  # kvshm.zmq_ctrl.sends.bound_ok
+
+
+cdef inline bint _bound_ok(object bound, object hdr) except -1:
+    """kvshm.zmq_ctrl.sends.bound_ok in C for the usual cases (no Python fstat): the
+    native listener's Header (its connection object is the bound one), a libzmq frame
+    (ZMQ_SRCFD is the bound fd and fstat(2) gives the bound st_dev/st_ino)."""
+    cdef struct_stat st
+    cdef tuple b = <tuple>bound
+    cdef long fd
+    if type(hdr) is _Header:
+        return hdr._conn is b[3]
+    if b[3] is not None or type(hdr) is tuple:
+        return _bound_ok_py(bound, hdr)
+    try:
+        fd = hdr.get(2)                 # zmq.SRCFD
+    except Exception:
+        return False
+    if fd < 0 or fd != <long>b[0]:
+        return False
+    if _fstat(<int>fd, &st) != 0:
+        return False
+    return <long long>st.st_ino == <long long>b[2] and <long long>st.st_dev == <long long>b[1]
+
+
 __all__ = ["BatchQuery", "SLICE_MULT", "PARSE_MAX", "pack_keys_request", "unpack_found_reply"]
 
 #: C keys a slice per Python key a slice (``slice_keys``): an EXISTS key costs the
@@ -188,7 +218,7 @@ cdef class BatchQuery:
         The loop's ``_MORE`` (a slice step's "more to come").
     """
 
-    cdef object loop, store, index, d, by_ident, more, bound_ok
+    cdef object loop, store, index, d, by_ident, more
     cdef int version
     cdef bint exists_on, prefix_on
     cdef public Py_ssize_t c_slice
@@ -204,8 +234,10 @@ cdef class BatchQuery:
         self.d = loop.store.index.mapping
         self.by_ident = loop._by_ident
         # a session serves only the connection its HELLO came on (kvshm.zmq_ctrl.sends)
+        global _Header, _bound_ok_py
+        from kvshm.zmq_ctrl.listener import Header
         from kvshm.zmq_ctrl.sends import bound_ok
-        self.bound_ok = bound_ok
+        _Header, _bound_ok_py = Header, bound_ok
         self.version = version
         ops = set(ops)
         self.exists_on = OP_EXISTS in ops
@@ -245,7 +277,7 @@ cdef class BatchQuery:
         if sess.closed:
             return self._decline()
         sbound = sess.bound
-        if sbound is not None and not self.bound_ok(sbound, <object>PyList_GET_ITEM(msg, 1)):
+        if sbound is not None and not _bound_ok(sbound, <object>PyList_GET_ITEM(msg, 1)):
             return self._decline()      # another connection's: "say HELLO" (Python path)
         job = _Job()
         PyObject_GetBuffer(<object>PyList_GET_ITEM(msg, 1), &job.fb, PyBUF_SIMPLE)

@@ -54,6 +54,36 @@ from kvshm import _index
 from kvshm.store.outcome import Outcome
 from kvshm.zmq_ctrl.protocol import encode_reply
 
+
+from posix.stat cimport struct_stat, fstat as _fstat
+
+
+cdef object _Header = None      # kvshm.zmq_ctrl.listener.Header (set at the first init)
+cdef object _bound_ok_py = None  # kvshm.zmq_ctrl.sends.bound_ok
+
+
+cdef inline bint _bound_ok(object bound, object hdr) except -1:
+    """kvshm.zmq_ctrl.sends.bound_ok in C for the usual cases (no Python fstat): the
+    native listener's Header (its connection object is the bound one), a libzmq frame
+    (ZMQ_SRCFD is the bound fd and fstat(2) gives the bound st_dev/st_ino)."""
+    cdef struct_stat st
+    cdef tuple b = <tuple>bound
+    cdef long fd
+    if type(hdr) is _Header:
+        return hdr._conn is b[3]
+    if b[3] is not None or type(hdr) is tuple:
+        return _bound_ok_py(bound, hdr)
+    try:
+        fd = hdr.get(2)                 # zmq.SRCFD
+    except Exception:
+        return False
+    if fd < 0 or fd != <long>b[0]:
+        return False
+    if _fstat(<int>fd, &st) != 0:
+        return False
+    return <long long>st.st_ino == <long long>b[2] and <long long>st.st_dev == <long long>b[1]
+
+
 _make_entries = _index.make_entries
 _install_entries = _index.install_entries
 _pin_for_send = _index.pin_for_send
@@ -108,7 +138,7 @@ cdef class FastPath:
         The ops to serve (those whose handler is still the loop's own).
     """
 
-    cdef object loop, store, index, pool, by_ident, held, latency, latency_sum, d, pending, bound_ok
+    cdef object loop, store, index, pool, by_ident, held, latency, latency_sum, d, pending
     # per request, looked up once here (the store's own objects, for its life; methods
     # of extension types, which cannot be replaced on an instance): the allocator's
     # alloc_many, the pool's write, the index's sync, the store's config and counters
@@ -141,8 +171,10 @@ cdef class FastPath:
         self.pool = store.pool
         self.by_ident = loop._by_ident
         # a session serves only the connection its HELLO came on (kvshm.zmq_ctrl.sends)
+        global _Header, _bound_ok_py
+        from kvshm.zmq_ctrl.listener import Header
         from kvshm.zmq_ctrl.sends import bound_ok
-        self.bound_ok = bound_ok
+        _Header, _bound_ok_py = Header, bound_ok
         self.held = loop._held
         # connections held without HELLO (kvshm.zmq_ctrl.admission): while there are
         # any, a request of an open session admits the connection it came on
@@ -436,7 +468,7 @@ cdef class FastPath:
         if sess.closed:
             return self._decline()
         sbound = sess.bound
-        if sbound is not None and not self.bound_ok(sbound, <object>PyList_GET_ITEM(msg, 1)):
+        if sbound is not None and not _bound_ok(sbound, <object>PyList_GET_ITEM(msg, 1)):
             return self._decline()      # another connection's: "say HELLO" (Python path)
         if self.pending:
             self.loop._admit_live(ident, <object>PyList_GET_ITEM(msg, 1))
