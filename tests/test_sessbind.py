@@ -81,3 +81,38 @@ def test_a_routing_id_claimed_after_its_connection_ended_names_no_session(listen
             for s in (victim, thief, victim2):
                 if s is not None:
                     s.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("listener", LISTENERS)
+def test_a_client_whose_connection_was_cut_goes_on_with_a_hello(listener, monkeypatch):
+    """The client's own connection cut (a relay in between drops it): libzmq's DEALER
+    connects again under the same routing id, which is not its session's connection,
+    so its next request is told "say HELLO"; it says it (same nonce: its session's
+    grants move over) and goes on. (The ZMTP client, ``channel.ZMTP``, is left out: cut
+    this way, its next call waits out its timeout before and after sessions were bound;
+    tests/test_break24.py covers it after an idle pause.)"""
+    zmtp = False
+    import kvshm.zmq_ctrl.channel as channel
+    from kvshm.security import find_token
+    from kvshm.zmq_ctrl.channel import endpoint_of
+    from test_break24 import _Proxy
+
+    with ServerProcess(listener=listener) as srv:
+        px = _Proxy(srv.address)
+        monkeypatch.setattr(channel, "ZMTP", zmtp)
+        c = Client(px.address, transport="tcp", timeout=20,
+                   token=find_token(endpoint_of(srv.address)))
+        try:
+            c.put(b"k", b"v" * 100)
+            assert c.get(b"k") == b"v" * 100
+            px.cut()
+            assert c.get(b"k") == b"v" * 100
+            c.put(b"k2", b"w" * 100)
+            assert c.get(b"k2") == b"w" * 100
+            # its new connection was told to say HELLO (not served as its session)
+            assert c.stats()["error_kinds"].get("no_session", 0) >= 1
+            assert srv.alive()
+        finally:
+            c.close()
+            px.close()
