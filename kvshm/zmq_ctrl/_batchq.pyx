@@ -66,7 +66,7 @@ cdef inline bint _bound_ok(object bound, object hdr) except -1:
     cdef tuple b = <tuple>bound
     cdef long fd
     if type(hdr) is _Header:
-        return hdr._conn is b[3]
+        return hdr.conn is b[3]
     if b[3] is not None or type(hdr) is tuple:
         return _bound_ok_py(bound, hdr)
     try:

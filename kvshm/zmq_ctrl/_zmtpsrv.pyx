@@ -136,6 +136,12 @@ class Header(bytes):
         raise _zmq.ZMQError(_errno.EINVAL)
 
     @property
+    def conn(self):
+        """The :class:`Conn` it came on: one object per accepted connection, never
+        another connection's (a session is bound to it: kvshm.zmq_ctrl.sends.bound_ok)."""
+        return self._conn
+
+    @property
     def buffer(self):
         return memoryview(self)
 
@@ -237,6 +243,11 @@ cdef class Conn:
     cdef unsigned char *rb
     cdef Py_ssize_t rlen, rcap
     cdef object __weakref__
+
+    @property
+    def is_open(self):
+        """Whether the connection is still open (not closed by either end)."""
+        return self.state != _CLOSED
 
     def __init__(self, owner, Wire wire, sock, str peer):
         self.owner = owner

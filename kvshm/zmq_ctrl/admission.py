@@ -51,7 +51,7 @@ from typing import Any
 
 import zmq
 
-from kvshm.zmq_ctrl.listener import _CLOSED, NativeListener
+from kvshm.zmq_ctrl.listener import NativeListener
 from kvshm.zmq_ctrl.loopstate import LoopState
 from kvshm.zmq_ctrl.sends import SHUT, UNTOLD, bound_ok, conn_of, shut_any, shut_conn
 
@@ -289,7 +289,7 @@ class AdmissionMixin(LoopState):
             return False
         b = sess.bound
         # a session's routing id vouches only on the connection its HELLO came on
-        return b is None or (b[3] is not None and b[3].fd == fd and b[3].state != _CLOSED)
+        return b is None or (b[3] is not None and b[3].fd == fd and b[3].is_open)
 
     def _hold_untold(self, fd: int, dev: int, ino: int) -> None:
         """A connection to be shut down that could not be checked (no descriptor free):

@@ -20,7 +20,7 @@ from typing import Any
 import zmq
 
 from kvshm.store import Session
-from kvshm.zmq_ctrl.listener import _CLOSED, Header
+from kvshm.zmq_ctrl.listener import Header
 from kvshm.zmq_ctrl.loopstate import LoopState
 
 #: the loop's one logger: its records keep the name they had before the loop was
@@ -72,8 +72,8 @@ def conn_key(src: Any) -> tuple[int, int, int, Any] | None:
     Returns None where there is no connection to bind to (inproc: no fd), :data:`DEAD`
     where it has ended already."""
     if type(src) is Header:
-        c = src._conn
-        if c.state == _CLOSED:
+        c = src.conn
+        if not c.is_open:
             return DEAD
         try:
             st = os.fstat(c.fd)
@@ -105,7 +105,7 @@ def bound_ok(bound: tuple[int, int, int, Any], src: Any) -> bool:
     the old one). A message libzmq read before its connection closed carries that fd
     number; once closed, fstat fails or names another socket: not the session's."""
     if type(src) is Header:
-        return src._conn is bound[3]
+        return src.conn is bound[3]
     if type(src) is tuple:
         return src[0] == bound[0] and src[1] == bound[1] and src[2] == bound[2]
     if bound[3] is not None:
