@@ -116,3 +116,47 @@ def test_a_client_whose_connection_was_cut_goes_on_with_a_hello(listener, monkey
         finally:
             c.close()
             px.close()
+
+
+class _Frame:
+    """A received frame as bound_ok reads it: ``get(zmq.SRCFD)``."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def get(self, option: int) -> int:
+        assert option == zmq.SRCFD
+        return self.fd
+
+
+def test_a_closed_connections_fd_number_given_to_a_later_socket_is_not_bound():
+    """libzmq: the fd number is not the connection (the kernel gives it to the next
+    socket once closed); the bound check asks fstat for the socket's inode."""
+    import socket
+
+    from kvshm.zmq_ctrl.sends import DEAD, bound_ok, conn_key
+
+    a, b = socket.socketpair()
+    fd = a.fileno()
+    key = conn_key(_Frame(fd))
+    assert key is not None and key[0] == fd and bound_ok(key, _Frame(fd))
+    assert not bound_ok(key, _Frame(b.fileno()))        # another connection's fd
+    a.close()
+    assert not bound_ok(key, _Frame(fd))                # ended
+    c, d = socket.socketpair()
+    extra = None
+    try:
+        if c.fileno() != fd:                            # (the kernel's lowest free one
+            os.dup2(c.fileno(), fd)                     # is usually fd itself)
+            extra = fd
+        # the number, another socket's
+        assert not bound_ok(key, _Frame(fd))
+        assert bound_ok(conn_key(_Frame(fd)), _Frame(fd))
+    finally:
+        if extra is not None:
+            os.close(extra)
+        for s in (b, c, d):
+            s.close()
+    assert conn_key(_Frame(-1)) is None                 # inproc: nothing to bind to
+    assert conn_key(_Frame(fd)) == DEAD                 # a HELLO whose fd is closed
+    assert not bound_ok(DEAD, _Frame(fd)) and not bound_ok(DEAD, _Frame(-1))
