@@ -37,6 +37,9 @@ one TCP connection, as ``kvshm.Client`` does on ``tcp://``, and sends 4 KiB PUT 
 reply is the same small header. Printed per N: requests/s, server CPU per request (all its
 threads, and the I/O thread's share for ``zmq``), client CPU per request, and the load
 average; the two servers take turns (``--reps`` pairs, the first server alternating).
+With ``KVSHM_BENCH_HELLO=1`` in the environment each client says HELLO first, so its
+requests are those of a session bound to its connection (the per-request check of
+:func:`kvshm.zmq_ctrl.sends.bound_ok`) instead of a door-less implicit session's.
 
 Run: ``python perf/bench_srvio.py [--clients 1,2,4,8] [--seconds 2] [--reps 2]
 [--modes zmq,zmtp,zmq+store,zmtp+store] [--json F]`` (``--quick`` for the test's smoke
