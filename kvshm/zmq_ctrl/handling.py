@@ -75,7 +75,11 @@ class _Sliced(_Defer):
     its session's grants over (a new HELLO of the same client, ``Session.live``) instead
     of being abandoned with it: its attempt then acts on the live session."""
 
-    follows: Callable[[], bool] | None = None
+    def __init__(self, attempt: Callable[[bool], Any],
+                 cleanup: Callable[[], None] | None = None,
+                 follows: Callable[[], bool] | None = None) -> None:
+        super().__init__(attempt, cleanup)
+        self.follows = follows
 
 
 def _list(body: dict[str, Any], name: str, *, ints: bool = False, optional: bool = False
