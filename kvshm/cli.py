@@ -83,8 +83,8 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
                         "server closes it (default 5; 0: never)")
     p.add_argument("--listener", choices=("libzmq", "native"), default=None,
                    help="what serves the tcp:// and ipc:// endpoints: libzmq's ROUTER or "
-                        "kvshm's own ZMTP listener (native; not with CURVE) (default "
-                        "$KVSHM_LISTENER, else libzmq)")
+                        "kvshm's own ZMTP listener (native; not with CURVE: libzmq then) "
+                        "(default $KVSHM_LISTENER, else native)")
     p.add_argument("--max-unadmitted", type=pos_int, default=256, metavar="N",
                    help="connections without HELLO held at most; beyond, the oldest are "
                         "closed (default 256, at most a quarter of the descriptor limit)")

@@ -105,7 +105,7 @@ class ServerConfig:
         What serves the tcp:// and ipc:// endpoints: ``"libzmq"`` (its ROUTER socket)
         or ``"native"`` (kvshm's own ZMTP listener, :mod:`kvshm.zmq_ctrl.listener`; not
         with CURVE, which keeps libzmq's). None (default): ``$KVSHM_LISTENER``, else
-        libzmq.
+        native (about half libzmq's server CPU per request: README, ``--listener``).
     max_client_pending_bytes, max_client_pinned_bytes : int, optional
         Per-client limits in bytes: uncommitted writes, and pinned reads. None (the
         default): 3/4 of the pool each; 0: no limit.
@@ -238,8 +238,8 @@ class ServerConfig:
 
     @property
     def listener_kind(self) -> str:
-        """``listener``, else ``$KVSHM_LISTENER``, else ``"libzmq"``."""
-        return self.listener or os.environ.get("KVSHM_LISTENER") or "libzmq"
+        """``listener``, else ``$KVSHM_LISTENER``, else ``"native"``."""
+        return self.listener or os.environ.get("KVSHM_LISTENER") or "native"
 
     @property
     def pool_bytes(self) -> int:
