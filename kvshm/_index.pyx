@@ -12,7 +12,7 @@ methods for what a tier adds (``_touch``, ``_tier_leave``, ``discard_key``).
 """
 
 cimport cython
-from cpython.dict cimport PyDict_Contains, PyDict_GetItem
+from cpython.dict cimport PyDict_Contains, PyDict_GetItem, PyDict_SetDefault
 from cpython.ref cimport PyObject
 from cpython cimport array
 from cpython.long cimport PyLong_AsLongLongAndOverflow
@@ -583,7 +583,16 @@ cdef class Index:
         cdef dict d = self._d
         cdef object key = entry.key
         cdef PyObject* p
-        if type(key) is bytes:
+        if type(key) is bytes and not entry._linked:
+            # one dict lookup for a new key (setdefault inserts it), two for an old one
+            # (found, then replaced): a batch of new keys no longer looks each up twice
+            p = PyDict_SetDefault(d, key, entry)
+            if p == <PyObject*>entry:
+                self._link_tail(entry)
+                self._version += 1
+                return None
+            old = <object>p
+        elif type(key) is bytes:
             p = PyDict_GetItem(d, key)
             old = None if p is NULL else <object>p
         else:

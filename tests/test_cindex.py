@@ -81,6 +81,27 @@ def test_index_keeps_lru_order_and_replaces():
     assert set(ix.clear()) == {a2, c} and len(ix) == 0
 
 
+def test_insert_new_key_one_lookup_keeps_the_refusal_of_a_linked_entry():
+    # Index.insert of a new bytes key takes one dict lookup (setdefault); an entry already
+    # in an index is still refused before anything changes, under a new key as under an
+    # old one, and a str key (not the bytes path) still goes in
+    ix, other = Index(), Index()
+    a, b = Entry(b"a", 0, 1, 1), Entry(b"b", 1, 1, 1)
+    assert ix.insert(a) is None and other.insert(b) is None
+    for key in (b"new", b"a"):
+        linked = Entry(key, 2, 1, 1)
+        other.insert(linked)
+        with pytest.raises(ValueError, match="in an index already"):
+            ix.insert(linked)
+        assert ix.get(b"new") is None and ix.get(b"a") is a
+        assert [e.key for e in ix.lru()] == [b"a"] and len(ix) == 1
+    s = Entry("s", 3, 1, 1)
+    assert ix.insert(s) is None and ix.get("s") is s
+    n = Entry(b"n", 4, 1, 1)
+    assert ix.insert(n) is None and ix.get(b"n") is n
+    assert [e.key for e in ix.lru()] == [b"a", "s", b"n"]
+
+
 def test_publish_many_equals_publish(shm_name):
     blocks = 64
     pool = Pool.create(shm_name, blocks * BS, BS)
