@@ -2,12 +2,14 @@
 """In-process Store.put of a 100 k-key batch in the server's 2048-key slices (no wire).
 
     python perf/bench_putpath.py [--keys 100000] [--reps 10] [--slice 2048]
-                                 [--ab kvshm._index:PUT_PREFETCH]
+                                 [--ab kvshm._index:PUT_PREFETCH] [--new-keys]
 
 Thread CPU ns per key of ``Store.put`` (``kvshm._index.put_packed``: alloc, dict and LRU,
 copy, shared-table publish, old values freed) for an overwrite of --keys keys of 64 bytes
 with 4 KiB blocks and a shared table, fresh key objects each batch (as the server's
-decoder gives them). ``--ab MODULE:FLAG`` sets that module flag False / True in turn, rep
+decoder gives them). ``--new-keys``: each batch a key set not stored before instead
+(the previous batch's keys deleted, untimed), the first put of a chunk's keys as an
+engine's prefill gives it, rather than an overwrite. ``--ab MODULE:FLAG`` sets that module flag False / True in turn, rep
 by rep (the order swapped every other rep): an A/B in one process, on one store. The
 load average is printed beside each figure: read them against each other, not alone.
 """
@@ -46,6 +48,8 @@ def main() -> int:
     ap.add_argument("--slice", type=int, default=2048, help="keys a Store.put (the server's "
                     "slice of a large PUT)")
     ap.add_argument("--ab", default=None, metavar="MODULE:FLAG")
+    ap.add_argument("--new-keys", action="store_true",
+                    help="each batch new keys (the last batch's deleted, untimed)")
     args = ap.parse_args()
     n, s = args.keys, args.slice
     blocks = int(2.5 * n) + 8192
@@ -61,9 +65,19 @@ def main() -> int:
         sizes, frames, counts = _batch.pack_values(keys, vals, 1 << 30, 0, byte_view,
                                                    ValueError)
         packed_keys = msgpack.packb(keys)
+        batches = [0]
+        stored: list[list[bytes]] = []
 
         def one_batch() -> float:
-            ks = msgpack.unpackb(packed_keys)       # fresh key objects, as decoded
+            if args.new_keys:
+                b = batches[0] = batches[0] + 1
+                ks = msgpack.unpackb(msgpack.packb([b"n%d-" % b + k for k in keys]))
+                for old in stored:                  # room for the new set, untimed
+                    for a in range(0, n, s):
+                        store.delete(old[a:a + s])
+                stored[:] = [ks]
+            else:
+                ks = msgpack.unpackb(packed_keys)   # fresh key objects, as decoded
             pv = PackedValues.of(frames, counts, list(sizes))
             assert pv is not None, "the layout pack_values made is not a plain one"
             t0 = time.thread_time()
@@ -73,7 +87,7 @@ def main() -> int:
             return time.thread_time() - t0
 
         def line(label: str, ts: list[float]) -> str:
-            return (f"{label}put slices of {s}: median {statistics.median(ts) / n * 1e9:.0f} "
+            return (f"{label}put{' (new keys)' if args.new_keys else ''} slices of {s}: median {statistics.median(ts) / n * 1e9:.0f} "
                     f"ns/key  best {min(ts) / n * 1e9:.0f} ns/key  "
                     f"load {os.getloadavg()[0]:.2f}")
 
