@@ -600,6 +600,14 @@ cdef class Index:
         if entry._linked and old is not entry:
             raise ValueError(f"{entry!r} is in an index already (under another key, or "
                              "in another index)")
+        if old is not None and old is not entry and type(key) is bytes \
+                and type((<Entry>old).key) is bytes:
+            # the key object the dict holds (the first put's, kept by the dict on a
+            # replace): one bytes object per key, not the dict's and the newest put's
+            # (a request's key is dropped with the request), and the store below finds
+            # it by identity, with no compare of the bytes
+            key = (<Entry>old).key
+            entry.key = key
         d[key] = entry
         if old is not None:
             self._unlink(<Entry>old)

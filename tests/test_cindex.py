@@ -5,6 +5,7 @@ and malformed input refused per key, never a crash."""
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 
@@ -100,6 +101,34 @@ def test_insert_new_key_one_lookup_keeps_the_refusal_of_a_linked_entry():
     n = Entry(b"n", 4, 1, 1)
     assert ix.insert(n) is None and ix.get(b"n") is n
     assert [e.key for e in ix.lru()] == [b"a", "s", b"n"]
+
+
+def test_overwrite_keeps_one_key_object_per_key(rig):
+    # an overwrite's entry takes the key object the dict already holds: the index keeps
+    # one bytes object per key, and a request's (decoded, fresh) key objects go with it
+    store, writer, reader = rig
+    first = [b"k-%03d" % i for i in range(40)]
+    assert store.put(first, [b"v1"] * 40) == [Outcome.OK] * 40
+    again = [bytes(bytearray(k)) for k in first]      # equal, other objects
+    assert all(a == b and a is not b for a, b in zip(first, again))
+    refs = [sys.getrefcount(k) for k in again]
+    assert store.put(again, _index_packed([b"v2"] * 40)) == [Outcome.OK] * 40   # C pass
+    assert [sys.getrefcount(k) for k in again] == refs      # none kept by the index
+    single = bytes(bytearray(first[0]))
+    assert store.put([single], [b"v3"]) == [Outcome.OK]     # the general path
+    assert sys.getrefcount(single) == 2
+    for k in first:
+        e = store.index.get(k)
+        assert e.key is k and e.state == LIVE
+    assert [e.key for e in store.index.lru()] == first[1:] + first[:1]
+    assert reader.get(first[0]) == b"v3" and reader.get(first[1]) == b"v2"
+
+
+def _index_packed(values):
+    from kvshm._pool import PackedValues
+    pv = PackedValues.of([b"".join(values)], [len(values)], [len(v) for v in values])
+    assert pv is not None
+    return pv
 
 
 def test_publish_many_equals_publish(shm_name):
