@@ -202,7 +202,7 @@ def test_cut_of_a_request_whose_header_was_decoded_over_turns() -> None:
                 return 0, {}, [b"x" * 65536]
             self._handlers = {5: handler}
 
-        def _session_of(self, ident: bytes) -> Any:
+        def _session_of(self, ident: bytes, src: Any = None) -> Any:
             return self.sess
 
         def _settle_is_large(self, session: Any, body: Any) -> bool:
@@ -352,7 +352,7 @@ def test_cut_of_a_request_held_behind_its_peers_large_header() -> None:
                 return 0, {}, [b"x" * 65536]
             self._handlers = {5: big, 6: small}
 
-        def _session_of(self, ident: bytes) -> Any:
+        def _session_of(self, ident: bytes, src: Any = None) -> Any:
             return self.sess
 
         def _settle_is_large(self, session: Any, body: Any) -> bool:

@@ -148,7 +148,7 @@ def test_dispatch_bug_outside_the_handlers_is_answered(bed: Bed,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """A bug in the Python dispatch before the handler (here: finding the session) is
     answered INTERNAL, once."""
-    def boom(ident: bytes) -> Any:
+    def boom(ident: bytes, src: Any = None) -> Any:
         raise RuntimeError("injected")
 
     monkeypatch.setattr(bed.loop, "_session_of", boom)
