@@ -19,8 +19,8 @@ if TYPE_CHECKING:
     from kvshm._pool import Pool
     from kvshm.index import Entry, Index
     from kvshm.store.config import StoreConfig
-    from kvshm.store.sessions import Session, _Grant, _Quota
-    from kvshm.store.tiered import _Promotion
+    from kvshm.store.grants import Session, _Grant, _Quota
+    from kvshm.store.holds import _Promotion
 
 class _StoreParts:
     """Attributes (set by ``Store.__init__``) and methods (defined by the mixins) that

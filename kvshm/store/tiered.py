@@ -11,6 +11,7 @@ import time
 from typing import Any, Sequence
 
 from kvshm.index import LIVE, Entry
+from kvshm.store.holds import ReadHold, _Promotion
 from kvshm.store.parts import _StoreParts
 from kvshm.store.space import _EVICTED, _NOTHING, _WAIT
 from kvshm.tiers.api import MAX_JOB_BYTES, SPILL_BUSY, SPILL_REFUSED, SPILL_STARTED, WRITING
@@ -21,30 +22,6 @@ log = logging.getLogger("kvshm.store")
 
 #: Dirty entries an eviction may pass over (write queue full) looking for a clean one.
 _SCAN_LIMIT = 64
-
-
-class ReadHold:
-    """Pins a parked read holds on the entries of its request while others are promoted
-    (so a long wait cannot evict what is already there). Made by :meth:`Store.read_hold`,
-    dropped by :meth:`Store.release_hold`."""
-
-    __slots__ = ("entries", "keys", "ssd_keys", "active", "waiting")
-
-    def __init__(self) -> None:
-        self.entries: list[Entry] = []
-        self.keys: set[bytes] = set()
-        self.ssd_keys: set[bytes] = set()    # keys this read waited for a promotion of
-        self.active = True
-        self.waiting = 0                     # promotions it waits for, not yet done
-
-
-class _Promotion:
-    __slots__ = ("entry", "sentry", "holds")
-
-    def __init__(self, entry: Entry, sentry: Any) -> None:
-        self.entry = entry          # allocated, unpublished pool entry being filled
-        self.sentry = sentry        # the tier's entry being read
-        self.holds: list[ReadHold] = []
 
 
 class _Tiered(_StoreParts):
