@@ -486,7 +486,8 @@ def report(res: dict[str, Any]) -> None:
                   f"{row.get('redis_put_client_us', 0):.0f}, get "
                   f"{row.get('kvshm_get_client_us', 0):.0f} / {row.get('redis_get_client_us', 0):.0f}"
                   for row in rem["rows"]))
-        print("  of the kvshm server's CPU per request, libzmq's I/O thread (us, put / get): "
+        print(f"  of the kvshm server's CPU per request ({rem.get('listener', 'libzmq')} listener), "
+              "libzmq's I/O thread (us, put / get; 0 under the native listener, which has none): "
               + "; ".join(f"N={row['clients']} {row.get('kvshm_put_io_us', 0):.0f} / "
                           f"{row.get('kvshm_get_io_us', 0):.0f}" for row in rem["rows"]))
         print("  (target: kvshm >= 1.0x Redis at every N; server CPU per request)")
@@ -606,7 +607,10 @@ def main(argv: list[str] | None = None) -> int:
                         "echo_vs_match_prefix": echo / q["match_prefix_64"]["p50_us"]}
                     res["local"] = loc
                 if "remote" in only:
+                    with kvshm.Client(srv.address, transport="tcp", timeout=60) as c:
+                        kind = c.stats().get("listener", {}).get("kind", "libzmq")
                     res["remote"] = {
+                        "listener": kind,
                         "redis_parser": _common.redis_parser() if r is not None else "-",
                         "zmq_echo_tcp": bench_zmq_echo("tcp://127.0.0.1:0", args.iters),
                         "rows": small_remote.bench_remote_single(
