@@ -65,3 +65,44 @@ def test_a_pipelining_peer_does_not_make_a_bystander_wait_behind_its_backlog(pum
     assert [g for g in got if g.startswith(b"A:")] == [b"A:%d" % i for i in range(n)]
     a.close()
     b.close()
+
+
+class _StuckTracker:
+    """A zero-copy reply's tracker that never completes (its peer does not read)."""
+
+    def __init__(self, waits: list[float]) -> None:
+        self.done = False
+        self._waits = waits
+
+    def wait(self, timeout: float) -> None:
+        import zmq
+
+        self._waits.append(timeout)     # (no sleep: the count is what is checked)
+        raise zmq.NotDone()
+
+
+def test_a_peer_that_never_reads_holds_the_loop_in_one_settle_not_one_a_request():
+    """A session whose earlier GET replies are unread sends request after request (it
+    pipelines and never reads): each of its requests waited up to 0.1 s for those
+    replies (_settle_own_sends), the loop held and every other client behind it (a
+    bystander's round trip ~0.1 s under libzmq, seconds under native). Once such a wait
+    ran out, the next requests wait no more while that reply is still unsent."""
+    import types
+
+    from kvshm.zmq_ctrl.sends import SendsMixin
+
+    waits: list[float] = []
+    sess = types.SimpleNamespace(sending=1)
+    loop = SendsMixin.__new__(SendsMixin)
+    loop.store = types.SimpleNamespace(config=types.SimpleNamespace(lease_timeout=60.0),
+                                       sent=lambda *a: None)
+    t = _StuckTracker(waits)
+    loop._sending = [(t, [], 1, sess, b"id", time.monotonic(), None)]
+    for _ in range(50):
+        loop._settle_own_sends(sess)
+    assert len(waits) == 1, f"{len(waits)} waits for one unread reply"
+    # a reply it does read lets the next settle wait again for a newer one
+    t.done = True
+    loop._sending.append((_StuckTracker(waits), [], 1, sess, b"id", time.monotonic(), None))
+    loop._settle_own_sends(sess)
+    assert len(waits) == 2
