@@ -9,6 +9,7 @@ from typing_extensions import Buffer, final
 BIG: int
 READY_MAX: int
 CMDS_MAX: int
+MSGS_TURN: int
 FRAME_COST: int
 READ_BYTES: int
 GREETING: int

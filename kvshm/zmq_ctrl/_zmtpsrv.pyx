@@ -18,7 +18,8 @@ the READY and PING commands, routing ids, closing, epoll); what runs per request
   ``untrusted_message_bytes`` on a connection the listener's ``trust`` does not vouch
   for or past ``max_message_bytes`` on any closes the connection; a frame counts its
   bytes plus :data:`FRAME_COST`; past :data:`READY_MAX` messages waiting for the loop,
-  or :data:`CMDS_MAX` commands in one go, the rest stays unparsed (the connection in
+  or :data:`MSGS_TURN` messages or :data:`CMDS_MAX` commands of one connection in one
+  go, the rest stays unparsed (the connection in
   the listener's backlog, not read) until the loop takes messages;
 - :meth:`Conn.send`: a reply framed (flags, 1- or 8-byte size) and written with one
   ``sendmsg(2)`` of the headers and the parts' own buffers (no join); what the kernel
@@ -80,6 +81,11 @@ BIG = 65536
 READY_MAX = 1024
 #: Commands parsed at most in one go of a connection.
 CMDS_MAX = 64
+#: Messages parsed at most in one go of a connection (a read or a backlog parse): the
+#: rest waits in its backlog while the others are read, so that a pipelining peer's
+#: requests are taken in turns with other connections' (libzmq's ROUTER fair-queues
+#: its pipes), not all before them.
+MSGS_TURN = 16
 #: Bytes a frame counts against the message bounds beside its own.
 FRAME_COST = 32
 #: Bytes one ``recv(2)`` into the scratch buffer asks for.
@@ -88,6 +94,7 @@ READ_BYTES = 262144
 DEF _BIG = 65536
 DEF _READY_MAX = 1024
 DEF _CMDS_MAX = 64
+DEF _MSGS_TURN = 16
 DEF _FRAME_COST = 32
 DEF _READ = 262144
 DEF _MAX_CMD = 65536
@@ -237,6 +244,7 @@ cdef class Conn:
     cdef public object owner, sock, ident, frames, big, out, peer, stype
     cdef public int fd, state
     cdef public long long held, big_at, out_bytes, out_msgs
+    cdef int turn_msgs      # messages delivered in this go (read or parse)
     cdef public bint big_more, trusted, writing
     cdef public double deadline
     cdef Wire wire
@@ -303,6 +311,7 @@ cdef class Conn:
         cdef Py_ssize_t n, want
         cdef int e, fd = self.fd
         cdef char *p
+        self.turn_msgs = 0
         for _ in range(4):
             if fd in w.backlog:
                 return          # its bytes read wait for the loop to take messages
@@ -357,6 +366,7 @@ cdef class Conn:
 
     def parse(self):
         """Parse the bytes read and left unparsed (the listener's backlog)."""
+        self.turn_msgs = 0
         self._parse_rbuf()
 
     cdef int _append(self, const unsigned char *data, Py_ssize_t n) except -1:
@@ -414,7 +424,8 @@ cdef class Conn:
         ready = w.ready
         why = None
         while self.state != _CLOSED:
-            if at < n and (len(ready) >= _READY_MAX or cmds >= _CMDS_MAX):
+            if at < n and (len(ready) >= _READY_MAX or cmds >= _CMDS_MAX
+                           or self.turn_msgs >= _MSGS_TURN):
                 w.backlog[self.fd] = self       # parsed later (recv_message)
                 break
             if self.state == _GREETING:
@@ -545,6 +556,7 @@ cdef class Conn:
         frames[0] = h
         frames.insert(0, self.ident)
         self.wire.ready.append(frames)
+        self.turn_msgs += 1
         return 0
 
     # ------------------------------------------------------------------ sending

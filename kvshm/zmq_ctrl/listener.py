@@ -320,15 +320,18 @@ class NativeListener(Endpoints, Handshake):
                 if m is not None:
                     return m
             return ready.popleft()
+        # the connections the last wait found readable are read before the backlog is
+        # parsed on: a connection with more parsed than its turn's share (MSGS_TURN)
+        # waits for the others, as a ROUTER's fair queue
+        if self._events_due:
+            self._events_due = False
+            self._events()
+            if ready:
+                return ready.popleft()
         if self._backlog:
             for c in list(self._backlog.values()):
                 del self._backlog[c.fd]
                 c.parse()
-            if ready:
-                return ready.popleft()
-        if self._events_due:
-            self._events_due = False
-            self._events()
             if ready:
                 return ready.popleft()
         if self._inner_more and self._inner is not None:
