@@ -92,8 +92,12 @@ def test_a_peer_that_never_reads_holds_the_loop_in_one_settle_not_one_a_request(
     from kvshm.zmq_ctrl.sends import SendsMixin
 
     waits: list[float] = []
-    sess = types.SimpleNamespace(sending=1)
+    class _Sess:
+        sending = 1
+
+    sess = _Sess()
     loop = SendsMixin.__new__(SendsMixin)
+    loop._unsettled = {}
     loop.store = types.SimpleNamespace(config=types.SimpleNamespace(lease_timeout=60.0),
                                        sent=lambda *a: None)
     t = _StuckTracker(waits)

@@ -237,10 +237,19 @@ class SendsMixin(LoopState):
         """This peer's earlier GET replies leave before the reply to its new request
         (one pipe, in order) and it is reading: let their zero-copy pins go first, so
         that what it has already received is not counted against it. Bounded: only
-        replies queued within the last second, 0.1 s in all; a peer that does not read
-        gains no more than that."""
+        replies queued within the last second, 0.1 s in all; and once such a wait ran
+        out, none more for this session while the reply it waited for is unsent: a
+        peer that pipelines requests and does not read holds the loop (every other
+        client) 0.1 s once, not 0.1 s a request."""
         if not session.sending:
             return
+        unsettled = self._unsettled
+        stuck = unsettled.get(session)
+        if stuck is not None:
+            if not stuck.done:
+                self._reap_sends(time.monotonic())
+                return
+            del unsettled[session]
         now = time.monotonic()
         deadline = now + 0.1
         for tracker, _, _, sess, _, since, _ in self._sending:
@@ -251,5 +260,10 @@ class SendsMixin(LoopState):
                 try:
                     tracker.wait(left)
                 except zmq.NotDone:
+                    if len(unsettled) >= 64:
+                        # (sessions gone since: their trackers are done by now)
+                        for k in [k for k, t in unsettled.items() if t.done]:
+                            del unsettled[k]
+                    unsettled[session] = tracker
                     break
         self._reap_sends(time.monotonic())
