@@ -67,7 +67,7 @@ class LoopState:
     _handlers: dict[int, Callable[..., Reply]]
     _stateful: set[int]
     _sending: list[tuple[Any, list[Any], int, Session, bytes, float, Any]]
-    _unsettled: dict[Session, Any]
+    _unsettled: dict[int, tuple[Session, Any]]
     latency: dict[int, list[int]]
     latency_sum: dict[int, float]
     errors: dict[str, int]

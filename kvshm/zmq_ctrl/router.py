@@ -294,8 +294,8 @@ class ServiceLoop(DispatchMixin, SessionsMixin, AdmissionMixin, ParkedMixin, Sli
         # peer's connection: sends.conn_of of the request's frame, (fd, dev, inode))
         self._sending: list[tuple[zmq.MessageTracker, list[Any], int, Session, bytes,
                                   float, Any]] = []
-        # a session whose settle wait ran out -> the tracker it waited for (sends.py)
-        self._unsettled: dict[Session, Any] = {}
+        # id of a session whose settle wait ran out -> (it, the tracker it waited for)
+        self._unsettled: dict[int, tuple[Session, Any]] = {}
         self._parked_by: dict[tuple[int, int], _Parked] = {}
         self.latency: dict[int, list[int]] = {op: [0] * len(LATENCY_BUCKETS) for op in Op}
         self.latency_sum: dict[int, float] = {op: 0.0 for op in Op}

@@ -243,13 +243,15 @@ class SendsMixin(LoopState):
         client) 0.1 s once, not 0.1 s a request."""
         if not session.sending:
             return
-        unsettled = self._unsettled
-        stuck = unsettled.get(session)
+        unsettled = getattr(self, "_unsettled", None)
+        if unsettled is None:       # (a loop made without ServiceLoop.__init__)
+            unsettled = self._unsettled = {}
+        stuck = unsettled.get(id(session))
         if stuck is not None:
-            if not stuck.done:
+            if stuck[0] is session and not stuck[1].done:
                 self._reap_sends(time.monotonic())
                 return
-            del unsettled[session]
+            del unsettled[id(session)]
         now = time.monotonic()
         deadline = now + 0.1
         for tracker, _, _, sess, _, since, _ in self._sending:
@@ -262,8 +264,8 @@ class SendsMixin(LoopState):
                 except zmq.NotDone:
                     if len(unsettled) >= 64:
                         # (sessions gone since: their trackers are done by now)
-                        for k in [k for k, t in unsettled.items() if t.done]:
+                        for k in [k for k, v in unsettled.items() if v[1].done]:
                             del unsettled[k]
-                    unsettled[session] = tracker
+                    unsettled[id(session)] = (session, tracker)
                     break
         self._reap_sends(time.monotonic())
