@@ -150,8 +150,11 @@ ZMTP = _zmtp is not None and os.environ.get("KVSHM_ZMTP", "1").strip() != "0"
 #: buffers on the ZMTP transport (the environment's ``KVSHM_ZMTP_INTO``, read at import:
 #: ``0`` turns it off); read at each request.
 INTO = os.environ.get("KVSHM_ZMTP_INTO", "1").strip() != "0"
-#: a connection idle this long (ms) is polled for the server's close before a send
-ALIVE_IDLE_MS = 1
+#: a connection idle this long (ms) is polled for the server's close before a send:
+#: 0, every send (one poll(2) of ~1 us beside a round trip of ~100 us): a close that came
+#: just after the last reply (a relay cutting the link) is seen before the request goes
+#: out on a dead connection, and the request goes on a new one instead
+ALIVE_IDLE_MS = 0
 # os.getpid() is a system call; this is the pid, kept right across fork()
 _pid = [os.getpid()]
 
@@ -846,10 +849,13 @@ class Channel:
             self._zdrain(1 << 62)
             self._sock = None           # (a bad one among them: ProtocolError, reset)
             self.reconnects += 1
+            # a new routing id: the old connection's may still be held by the server
+            # (libzmq's ROUTER lets it go only once its I/O thread saw the close;
+            # ROUTER_HANDOVER off), and a connection claiming it meanwhile is not served
+            self._zlive = False
         if not self._zlive:
-            # a routing id of its own for each "socket" (as _socket: the server does not
-            # hand a connected id over, and the client says HELLO on every new one);
-            # kept across reconnects, as libzmq keeps a socket's
+            # a routing id of its own for each connection (as _socket: the server does
+            # not hand a connected id over, and the client says HELLO on every new one)
             self.routing_id = os.urandom(16)
             self._zlive = True
         self._watch_at = time.monotonic() + POLL_S
@@ -958,10 +964,13 @@ class Channel:
     def _zlost(self, watch: ServerWatch | None, exc: BaseException, deadline: float,
                wait: float) -> None:
         """The server closed the connection (or broke ZMTP) while a reply was awaited.
-        A close: the wait goes on to its deadline as libzmq's does (the reply cannot come,
-        a new connection is made by the next call), the watch looked at every slice
-        (ServerGone); then ServerUnavailable as a timeout. A protocol violation:
-        ProtocolError at once; the server's ERROR command: ServerUnavailable at once."""
+        A close (or reset: the server's end, or a relay between cutting the link): the
+        reply cannot come, so the wait ends at once: the watch looked at (ServerGone,
+        ``sent`` True), else ServerUnavailable. The request may have been applied (the
+        server had it and its reply was lost): it is not sent again, as libzmq never
+        sends a request twice; the caller's next call makes a new connection (and says
+        HELLO). A protocol violation: ProtocolError at once; the server's ERROR command:
+        ServerUnavailable at once."""
         where = self._where()
         if not isinstance(exc, _zmtp.PeerClosed) and isinstance(exc, _zmtp.ZmtpError):
             self.reset()
@@ -969,11 +978,12 @@ class Channel:
                 raise ServerUnavailable(f"kvshm server at {where} ended the connection: "
                                         f"{exc.reason}") from None
             raise ProtocolError(f"bad reply from {where}: {exc}") from None
-        self._sock = None               # (closed; the routing id stays, as libzmq's)
-        while True:
-            self._watch_at = 0.0        # the watch each slice: the close says "look"
-            ms = self._zwaited(watch, deadline, wait)
-            time.sleep(ms / 1000)
+        self.reset()                    # (closed: the next call connects again)
+        if watch is not None:
+            self._check(watch, sent=True)   # the close says "look": gone or replaced?
+        raise ServerUnavailable(f"kvshm server at {where} closed the connection before "
+                                f"the reply came ({exc}); the request may have been "
+                                "applied and is not sent again") from None
 
     def _zsend(self, zt: Any, header: bytes, frames: Sequence[Any], deadline: float
                ) -> None:
