@@ -85,14 +85,15 @@ def test_a_routing_id_claimed_after_its_connection_ended_names_no_session(listen
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("listener", LISTENERS)
-def test_a_client_whose_connection_was_cut_goes_on_with_a_hello(listener, monkeypatch):
+@pytest.mark.parametrize("zmtp", [True, False], ids=["zmtp", "libzmq"])
+def test_a_client_whose_connection_was_cut_goes_on_with_a_hello(listener, zmtp,
+                                                                 monkeypatch):
     """The client's own connection cut (a relay in between drops it): libzmq's DEALER
     connects again under the same routing id, which is not its session's connection,
     so its next request is told "say HELLO"; it says it (same nonce: its session's
-    grants move over) and goes on. (The ZMTP client, ``channel.ZMTP``, is left out: cut
-    this way, its next call waits out its timeout before and after sessions were bound;
-    tests/test_break24.py covers it after an idle pause.)"""
-    zmtp = False
+    grants move over) and goes on. The ZMTP client (``channel.ZMTP``) sees the close
+    before its next send and connects again under a new routing id, told "say HELLO"
+    the same way (tests/test_zmtp_cut.py covers a cut while a call waits)."""
     import kvshm.zmq_ctrl.channel as channel
     from kvshm.security import find_token
     from kvshm.zmq_ctrl.channel import endpoint_of

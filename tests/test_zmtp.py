@@ -471,13 +471,15 @@ def test_closed_mid_frame_and_before_the_reply():
         _read_message(s)
         s.sendall(b"\x00\x40" + b"half")
         s.close()
-    t = _expect(mid, ServerUnavailable, "within 1 s", timeout=1.0)
+    # the close ends the wait at once (tests/test_zmtp_cut.py), not at the deadline
+    t = _expect(mid, ServerUnavailable, "closed the connection before the reply", timeout=1.0)
     assert t < 10
 
     def before(s: socket.socket) -> None:
         _accept(s)
         s.close()
-    _expect(before, ServerUnavailable, "within 1 s|cannot send", timeout=1.0)
+    _expect(before, ServerUnavailable, "within 1 s|cannot send|closed the connection",
+            timeout=1.0)
 
 
 def test_a_send_respects_the_deadline():

@@ -150,6 +150,10 @@ ZMTP = _zmtp is not None and os.environ.get("KVSHM_ZMTP", "1").strip() != "0"
 #: buffers on the ZMTP transport (the environment's ``KVSHM_ZMTP_INTO``, read at import:
 #: ``0`` turns it off); read at each request.
 INTO = os.environ.get("KVSHM_ZMTP_INTO", "1").strip() != "0"
+#: a close of a same-host server's connection while a reply is awaited: the server
+#: watch is looked at (each slice) this long (s) for a proof that it is gone (ServerGone)
+#: before ServerUnavailable (the close of a live server's connection, or a relay's cut)
+CLOSE_WATCH_S = 1.0
 #: a connection idle this long (ms) is polled for the server's close before a send:
 #: 0, every send (one poll(2) of ~1 us beside a round trip of ~100 us): a close that came
 #: just after the last reply (a relay cutting the link) is seen before the request goes
@@ -980,7 +984,15 @@ class Channel:
             raise ProtocolError(f"bad reply from {where}: {exc}") from None
         self.reset()                    # (closed: the next call connects again)
         if watch is not None:
-            self._check(watch, sent=True)   # the close says "look": gone or replaced?
+            # the close says "look": gone or replaced? A killed server's sockets close
+            # a moment before its lock does: looked at each slice for CLOSE_WATCH_S
+            end = min(deadline, time.monotonic() + CLOSE_WATCH_S)
+            while True:
+                self._check(watch, sent=True)
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                time.sleep(min(self._slice_ms / 1000, left))
         raise ServerUnavailable(f"kvshm server at {where} closed the connection before "
                                 f"the reply came ({exc}); the request may have been "
                                 "applied and is not sent again") from None
