@@ -265,8 +265,8 @@ class _Proxy:
 def test_a_client_reconnected_under_its_id_and_idle_past_the_limit_is_answered(
         zmtp, monkeypatch):
     # a client HELLOs, its link drops (the relay cuts it), its connection is made again
-    # under the same routing id (libzmq reconnects at once; the ZMTP client when it next
-    # sends) and stays idle past --hello-timeout: its next request is answered, well
+    # (libzmq at once, under the same routing id; the ZMTP client when it next sends,
+    # under a new one) and stays idle past --hello-timeout: its next request is answered, well
     # within its own timeout (a cut connection would leave the request unanswered)
     import time
 
