@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import os
 import select
 import time
 from typing import Any, Callable, Sequence
@@ -247,6 +248,23 @@ class NativeListener(Endpoints, Handshake):
     def connections(self) -> int:
         """Connections open now (handshaking or open)."""
         return len(self._conns)
+
+    def connection(self, fd: int, dev: int, ino: int) -> Any | None:
+        """The open connection (a :attr:`Header.conn`) that a connection taken earlier as
+        ``(fd, st_dev, st_ino)`` (:func:`~kvshm.zmq_ctrl.sends.conn_of`: a request
+        decoded over turns, or held behind one) still is, or None where it has ended:
+        the fd closed, or its number another connection's now (fstat gives another
+        inode). One fstat; raises nothing."""
+        c = self._conns.get(fd)
+        if c is None or not c.is_open:
+            return None
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            return None
+        if st.st_dev != dev or st.st_ino != ino:
+            return None
+        return c
 
     # ------------------------------------------------------------------- the loop's calls
 

@@ -62,7 +62,7 @@ def conn_of(frame: Any) -> tuple[int, int, int] | None:
 DEAD: tuple[int, int, int, Any] = (-1, -1, -1, None)
 
 
-def conn_key(src: Any) -> tuple[int, int, int, Any] | None:
+def conn_key(src: Any, native: Any = None) -> tuple[int, int, int, Any] | None:
     """The connection a HELLO came on, as its session is bound to it
     (:attr:`Session.bound`): ``(fd, st_dev, st_ino, conn)``, ``conn`` the native
     listener's own connection object (:class:`~kvshm.zmq_ctrl.listener.Header`'s, one
@@ -70,7 +70,10 @@ def conn_key(src: Any) -> tuple[int, int, int, Any] | None:
     the fd and the inode fstat gives are the connection (:func:`conn_of`). ``src``: the
     request's header frame, or a connection :func:`conn_of` took when it came (a tuple).
     Returns None where there is no connection to bind to (inproc: no fd), :data:`DEAD`
-    where it has ended already."""
+    where it has ended already. ``native``: the native listener, when it is the loop's;
+    a tuple is then bound to the connection object it still names
+    (:meth:`~kvshm.zmq_ctrl.listener.NativeListener.connection`), as its requests'
+    headers carry it, or is :data:`DEAD`."""
     if type(src) is Header:
         c = src.conn
         if not c.is_open:
@@ -81,6 +84,9 @@ def conn_key(src: Any) -> tuple[int, int, int, Any] | None:
             return DEAD
         return c.fd, st.st_dev, st.st_ino, c
     if type(src) is tuple:
+        if native is not None:
+            c = native.connection(src[0], src[1], src[2])
+            return DEAD if c is None else (src[0], src[1], src[2], c)
         return src[0], src[1], src[2], None
     try:
         fd = src.get(zmq.SRCFD)

@@ -180,7 +180,7 @@ class SessionsMixin(LoopState):
             label = f"{principal[0]}:{principal[-1].hex()[:12]}"
         sess = self._open(ident, principal, nonce, proof, label)
         sess.operator = self._is_operator(principal, proof, body)
-        sess.bound = conn_key(frame if src is None else src)
+        sess.bound = conn_key(frame if src is None else src, self._native)
         reply = dict(self.hello)
         reply["epoch"] = self.epoch
         reply["session"] = sess.id
