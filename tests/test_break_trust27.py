@@ -53,7 +53,7 @@ def _replies(s, within: float = 0.0) -> list[tuple[int, int, dict]]:
     return out
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("listener", LISTENERS)
 def test_a_deferred_reply_does_not_go_to_a_later_holder_of_the_routing_id(listener):
     """A reply served turns after its request came (a GET read in slices,
@@ -72,7 +72,7 @@ def test_a_deferred_reply_does_not_go_to_a_later_holder_of_the_routing_id(listen
             st, hello = _call(victim, Op.HELLO, {"nonce": os.urandom(16), "token": door},
                               1, 0)
             assert st == Status.OK, hello
-            keys = [b"secret"] + [b"m%d" % i for i in range(60000)]
+            keys = [b"secret"] + [b"m%d" % i for i in range(8000)]
             victim.send(msgpack.packb([PROTOCOL_VERSION, Op.GET, 77, hello["epoch"],
                                        {"keys": keys}], use_bin_type=True))
             victim.close()                       # gone while its GET is sliced

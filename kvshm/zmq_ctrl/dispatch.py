@@ -33,7 +33,7 @@ from kvshm.zmq_ctrl.protocol import (
     encode_reply,
 )
 from kvshm.zmq_ctrl.slices import STREAM_HEADER_BYTES, STREAM_REPLY_ITEMS, _Decoding, _Encoding
-from kvshm.zmq_ctrl.sends import CONN_NOW, conn_of
+from kvshm.zmq_ctrl.sends import CONN_NOW, conn_of, conn_still
 
 #: the loop's one logger: its records keep the name they had before the loop was
 #: split into modules (as kvshm.store's modules share "kvshm.store")
@@ -209,6 +209,18 @@ class DispatchMixin(LoopState):
                status: int, rbody: dict[str, Any], frames: list[Any],
                reply_extra: dict[str, Any], on_sent: list[Any], t0: float,
                src: Any = None) -> None:
+        if type(src) is tuple and not conn_still(self._native, src):
+            # served turns after it came, and its connection ended since: the routing id
+            # may be another connection's now (a thief's); the reply is dropped and
+            # what it pinned settled (as a reply its peer never read)
+            self._count_error("reply_conn_gone")
+            if type(frames) is list:
+                frames.clear()
+            if on_sent and session is not None:
+                self.store.sent(session, sum(e for e in on_sent if isinstance(e, int)),
+                                [e for e in on_sent if not isinstance(e, int)])
+                on_sent.clear()
+            return
         if reply_extra:
             rbody.update(reply_extra)
         if not on_sent and not frames and len(rbody) < 8:
@@ -217,7 +229,7 @@ class DispatchMixin(LoopState):
                     # a large reply: encoded a chunk a turn, then sent (nothing pinned)
                     self._encodes.append(_Encoding(ident, op, ReplyEncoder(status, req_id,
                                                                            rbody), t0,
-                                                  req_id))
+                                                  req_id, conn_of(src)))
                     return
         track = bool(on_sent) and session is not None
         try:

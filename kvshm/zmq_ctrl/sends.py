@@ -129,6 +129,26 @@ def bound_ok(bound: tuple[int, int, int, Any], src: Any) -> bool:
     return st.st_ino == bound[2] and st.st_dev == bound[1]
 
 
+def conn_still(native: Any, conn: Any) -> bool:
+    """Whether the connection ``conn`` (a :func:`conn_of` tuple taken when a request
+    came, or None: no fd, inproc) is still that socket, so a reply served turns later
+    (read in slices, parked, encoded over turns) goes to the peer that asked, not to a
+    later connection holding its routing id (a client reconnected, or a peer that
+    claimed the id once the asker's connection ended). ``native``: the native listener
+    (its connection object still open on that fd), or None: libzmq (fstat of the fd
+    gives the same ``st_dev``/``st_ino``). A non-tuple (a header frame: the request was
+    received just now) is the connection. One fstat; raises nothing."""
+    if type(conn) is not tuple:
+        return True
+    if native is not None:
+        return native.connection(conn[0], conn[1], conn[2]) is not None
+    try:
+        st = os.fstat(conn[0])
+    except OSError:
+        return False
+    return st.st_ino == conn[2] and st.st_dev == conn[1]
+
+
 #: what :func:`shut_conn` answers: the socket was shut down
 SHUT = "shut"
 #: ... the fd is closed, or names another socket, a file or a pipe now (or no

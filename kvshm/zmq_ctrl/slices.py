@@ -40,7 +40,7 @@ from kvshm.zmq_ctrl.protocol import (
     Status,
     encode_reply,
 )
-from kvshm.zmq_ctrl.sends import CONN_NOW, conn_of
+from kvshm.zmq_ctrl.sends import CONN_NOW, conn_of, conn_still
 
 #: the loop's one logger: its records keep the name they had before the loop was
 #: split into modules (as kvshm.store's modules share "kvshm.store")
@@ -81,11 +81,13 @@ class _Decoding:
 class _Encoding:
     """A large reply being encoded (:meth:`ServiceLoop._run_encodes`)."""
 
-    __slots__ = ("ident", "op", "encoder", "t0", "req_id")
+    __slots__ = ("ident", "op", "encoder", "t0", "req_id", "conn")
 
     def __init__(self, ident: bytes, op: int, encoder: ReplyEncoder, t0: float,
-                 req_id: int = 0) -> None:
+                 req_id: int = 0, conn: Any = None) -> None:
         self.ident = ident
+        #: the connection its request came on (sends.conn_of): sent only while it lasts
+        self.conn = conn
         self.op = op
         self.encoder = encoder
         self.t0 = t0
@@ -133,6 +135,9 @@ class SlicesMixin(LoopState):
                 continue
             self._parked_by.pop((p.session.id, p.req_id), None)
             if type(r) is bytes:            # a reply made whole in C (_sliced_c)
+                if not conn_still(self._native, p.src):
+                    self._count_error("reply_conn_gone")    # (see _reply)
+                    continue
                 self._send(p.ident, r)
                 self._record_latency(p.op, p.t0)
                 continue
@@ -307,6 +312,9 @@ class SlicesMixin(LoopState):
                 continue
             if header is None:
                 self._encodes.append(job)
+                continue
+            if not conn_still(self._native, job.conn):
+                self._count_error("reply_conn_gone")        # (see _reply)
                 continue
             self._send(job.ident, header)
             self._record_latency(job.op, job.t0)
