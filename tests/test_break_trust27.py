@@ -72,9 +72,12 @@ def test_a_deferred_reply_does_not_go_to_a_later_holder_of_the_routing_id(listen
             st, hello = _call(victim, Op.HELLO, {"nonce": os.urandom(16), "token": door},
                               1, 0)
             assert st == Status.OK, hello
-            keys = [b"secret"] + [b"m%d" % i for i in range(8000)]
+            keys = [b"secret"] + [b"m%d" % i for i in range(30000)]
             victim.send(msgpack.packb([PROTOCOL_VERSION, Op.GET, 77, hello["epoch"],
                                        {"keys": keys}], use_bin_type=True))
+            while admin.stats()["slices"]["sliced_requests"] < 1:
+                pass                             # the server has it (LINGER 0 drops
+            assert not victim.poll(0)            # unsent messages at close)
             victim.close()                       # gone while its GET is sliced
             thief = _dealer(srv.address, ident)
             got = []
