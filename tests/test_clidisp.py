@@ -359,7 +359,10 @@ def test_killed_server_gives_server_unavailable_in_time():
             th.join(10)
             assert not th.is_alive()
             elapsed, msg = result[0]
-            assert 0.9 < elapsed < 3.0 and "within 1 s" in msg
+            # the kill closes the connection: the client sees it at once (ZMTP: since
+            # tests/test_zmtp_cut.py's fix, "closed the connection before the reply"),
+            # or its 1 s timeout runs out (libzmq's DEALER reconnects silently)
+            assert elapsed < 3.0 and ("within 1 s" in msg or "closed the connection" in msg), msg
             assert c._chan.fast == f0 and c._session.need_hello
     finally:
         srv.kill()
