@@ -69,7 +69,7 @@ from kvshm.errors import (
     ProtocolError,
     ServerUnavailable,
 )
-from kvshm.zmq_ctrl.channel import check_resolvable, dealer_options, endpoint_of
+from kvshm.zmq_ctrl.channel import check_resolvable, dealer_options, endpoint_of, ipc_denied
 from kvshm.zmq_ctrl.protocol import DecodeError, Op, Status, decode_reply, encode_request
 from kvshm.zmq_ctrl.serverwatch import IDLE_S, POLL_S, ServerGone
 
@@ -114,6 +114,10 @@ class _Conn:
         self.watch: Any = None
         self.last = 0.0             # time.monotonic() of the last reply
         self._tick: asyncio.TimerHandle | None = None
+        why = ipc_denied(endpoint)      # (libzmq retries EACCES silently: said at once)
+        if why is not None:
+            raise ServerUnavailable(f"cannot connect to kvshm server at "
+                                    f"{client._where(endpoint)}: {why}")
         s = client._ctx.socket(zmq.DEALER)
         self.monitor: Any = None
         try:

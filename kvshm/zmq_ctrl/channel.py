@@ -184,6 +184,31 @@ def _encode(op: int, req_id: int, epoch: int, body: Any) -> bytes:
     return encode_request(op, req_id, epoch, body)
 
 
+def ipc_denied(endpoint: str) -> str | None:
+    """Why this process may not connect to an ``ipc://`` endpoint's socket, or None.
+
+    connect(2) on a Unix socket needs search permission on each directory of its path and
+    write permission on the socket file (unix(7)); a refusal there (EACCES) lasts, unlike
+    a path not made yet (a starting server: None here, the wait goes on). Checked with the
+    process's effective ids (``os.stat`` and ``os.access``: two system calls, no
+    connection made). None too for other endpoints and abstract (``@``) sockets, which
+    have no permissions.
+    """
+    if not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):
+        return None
+    path = endpoint[len("ipc://"):]
+    try:
+        os.stat(path)
+    except PermissionError as exc:
+        return f"permission denied: a directory of {path} is not searchable ({exc.strerror})"
+    except OSError:
+        return None
+    eff = os.access in os.supports_effective_ids
+    if not os.access(path, os.W_OK, effective_ids=eff):
+        return f"permission denied: {path} is not writable by uid {os.geteuid()}"
+    return None
+
+
 def endpoint_of(address: str) -> str:
     """ZeroMQ endpoint for an address: ``host:port``, ``tcp://...`` or ``ipc://...``.
 
@@ -274,6 +299,7 @@ class Channel:
         self._rcvtimeo = self._slice_ms     # the socket's RCVTIMEO now (ms)
         self._hs_failed = 0         # handshakes the peer closed (see _handshake_failed)
         self._watch_at = 0.0        # a wait checks the server watch from then on
+        self._perm_at = 0.0 if endpoint.startswith("ipc://") else float("inf")
         self.lock = threading.Lock()
         self._pid = os.getpid()
         #: ``fn(req_id, status, body)`` for a reply no call waits for (a request sent
@@ -448,6 +474,7 @@ class Channel:
         if endpoint is not None:
             self.endpoint = endpoint
             self.zmtp = self._zmtp_for(endpoint)
+            self._perm_at = 0.0 if endpoint.startswith("ipc://") else float("inf")
 
     def close(self) -> None:
         self.reset()
@@ -564,6 +591,14 @@ class Channel:
             mon = self._monitor
         now = time.monotonic()
         self._note_look(now)
+        if now >= self._perm_at:
+            # libzmq retries a refused connect(2) silently, EACCES too: looked at here
+            self._perm_at = now + POLL_S
+            why = ipc_denied(self.endpoint)
+            if why is not None:
+                self.reset()
+                raise ServerUnavailable(f"cannot connect to kvshm server at "
+                                        f"{self._where()}: {why}")
         if watch is not None and now >= self._watch_at:
             self._watch_at = now + POLL_S
             self._check(watch, sent=True)
@@ -898,6 +933,12 @@ class Channel:
                 where = self._where()
                 self.reset()
                 raise ProtocolError(f"bad ZMTP handshake from {where}: {exc}") from None
+            except PermissionError as exc:
+                # (EACCES lasts: said at once, not as the timeout's "no reply")
+                where = self._where()
+                self.reset()
+                raise ServerUnavailable(f"cannot connect to kvshm server at {where}: "
+                                        f"permission denied ({exc.strerror})") from None
             except OSError:
                 pass                    # refused, no such ipc path yet: as libzmq, retry
             else:
