@@ -2011,6 +2011,9 @@ class Client:
                     s.requeue(body, failed=True)
                 raise
             s.apply_hello(_Reply(rid, st, rbody, frames), self.address)
+            # replies are bounded by what this server's pool can hold (a larger one:
+            # ProtocolError, nothing allocated for it)
+            self._chan.bound_replies(s.limits.reply_bound(s.capacity))
             # a same-host client proves its liveness file; transport="auto" with RDMA on
             # both sides offers a QP (docs/RDMA.md): each is one more HELLO
             if not s.hello_again():
@@ -2908,7 +2911,7 @@ class Client:
         out: list[bytes] = []
         while limit is None or len(out) < limit:
             n = page if limit is None else min(page, limit - len(out))
-            n = max(1, min(n, self._session.limits.max_batch))
+            n = self._session.limits.list_page(n)     # (its reply within the bound)
             body = self._run(self._session.op_simple(
                 Op.LIST, {"prefix": p, "start": len(out), "limit": n}, "list"))
             out.extend(body["keys"])

@@ -434,21 +434,29 @@ def test_an_unknown_command_and_bad_flags():
 
 
 def test_a_huge_frame_length_allocates_only_what_arrives():
-    """A frame declared 2**62 bytes long, 10 bytes sent, then the peer hangs: the wait
-    ends at the deadline (no hang); memory for at most FIRST_ALLOC bytes. 2**63: a
-    ProtocolError at once."""
+    """A frame declared 1 MiB - 1 bytes long (within the bound of a channel before
+    HELLO), 10 bytes sent, then the peer hangs: the wait ends at the deadline (no hang);
+    memory for at most FIRST_ALLOC bytes. 2**62: past the bound, a ProtocolError at once
+    (tests/test_clibound.py); 2**63: a ProtocolError at once."""
     import resource
 
     def huge(s: socket.socket) -> None:
         _accept(s)
         _read_message(s)
-        s.sendall(b"\x02" + struct.pack(">Q", 1 << 62) + b"0123456789")
+        s.sendall(b"\x02" + struct.pack(">Q", (1 << 20) - 1) + b"0123456789")
         time.sleep(1.5)
 
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     _expect(huge, ServerUnavailable, "within 1 s", timeout=1.0)
     grew_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
     assert grew_kib < 64 * 1024
+
+    def past(s: socket.socket) -> None:
+        _accept(s)
+        _read_message(s)
+        s.sendall(b"\x02" + struct.pack(">Q", 1 << 62) + b"0123456789")
+        time.sleep(1.5)
+    _expect(past, ProtocolError, "past this connection's bound")
 
     def too_huge(s: socket.socket) -> None:
         _accept(s)

@@ -13,6 +13,11 @@ class PeerError(ZmtpError):
     reason: str
     def __init__(self, reason: str) -> None: ...
 
+class FrameTooLarge(ZmtpError):
+    size: int
+    bound: int
+    def __init__(self, size: int, bound: int) -> None: ...
+
 class MechanismMismatch(ZmtpError):
     mechanism: str
     def __init__(self, mechanism: str) -> None: ...
@@ -36,6 +41,7 @@ class Conn:
 
     pid: int
     peer: dict[bytes, bytes] | None
+    max_message: int
     def __init__(self, fd: int) -> None: ...
     @property
     def closed(self) -> bool: ...

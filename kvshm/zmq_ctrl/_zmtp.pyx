@@ -182,6 +182,18 @@ class PeerError(ZmtpError):
         self.reason = reason
 
 
+class FrameTooLarge(ZmtpError):
+    """A message from the peer would pass the connection's bound
+    (:attr:`Conn.max_message`, bytes): the connection is closed at its frame's header,
+    before its bytes are received or anything is allocated for them."""
+
+    def __init__(self, size, bound):
+        super().__init__(f"the peer sent a ZMTP message of {size} bytes or more, past "
+                         f"this connection's bound of {bound} bytes")
+        self.size = size
+        self.bound = bound
+
+
 class MechanismMismatch(ZmtpError):
     """The peer's greeting names another security mechanism than NULL (``mechanism``)."""
 
@@ -276,6 +288,10 @@ cdef class Conn:
     cdef Py_ssize_t dgot, di, doff, dleft, dtotal, dnf
     cdef long long *dend_at
     cdef object into                # recv's ``into`` during one call, else None
+    #: the most bytes one received message may hold, its frames together (default
+    #: 2**62: none); a frame header past it raises FrameTooLarge and closes
+    cdef public long long max_message
+    cdef long long msg_got          # bytes of the message being received, so far
 
     def __cinit__(self, int fd):
         self.fd = -1
@@ -288,6 +304,8 @@ cdef class Conn:
         self.pid = _os.getpid()
         self.parts = []
         self.last_us = kz_now_us()
+        self.max_message = 1LL << 62
+        self.msg_got = 0
 
     def __dealloc__(self):
         if self.fd >= 0:
@@ -316,6 +334,7 @@ cdef class Conn:
         self.fr = NULL
         self._dend()
         self.parts = []
+        self.msg_got = 0
 
     def end_into(self):
         """Called when a call that passed ``into`` to :meth:`recv` is done with it: when
@@ -775,6 +794,7 @@ cdef class Conn:
                 if not self.fr_more:
                     msg = self.parts
                     self.parts = []
+                    self.msg_got = 0
                     self._dend()
                     return msg
                 continue
@@ -797,6 +817,7 @@ cdef class Conn:
                 if not self.fr_more:
                     msg = self.parts
                     self.parts = []
+                    self.msg_got = 0
                     if self.dmsg:
                         self._dend()
                     return msg
@@ -832,6 +853,10 @@ cdef class Conn:
                 self.rs += hl + size
                 self._command(self.rbuf + self.rs - size, size)
                 continue
+            if size > <unsigned long long>(self.max_message - self.msg_got):
+                self.rs = self.re = 0       # (the rest of it: never parsed)
+                self._fail(FrameTooLarge(self.msg_got + size, self.max_message))
+            self.msg_got += size
             self.rs += hl
             self.fr_size = size
             self.fr_got = 0
@@ -1144,7 +1169,7 @@ cdef class Conn:
             n2 = p[1]
             p += 2
             avail -= 2
-        if n2 != v or (p - self.rbuf) + n2 > _RBUF:
+        if n2 != v or (p - self.rbuf) + n2 > _RBUF or n1 + n2 > self.max_message:
             return None                 # (larger than the buffer: general path)
         if avail < n2:
             st[0] = 0

@@ -48,6 +48,7 @@ from typing import Any, Callable, Sequence
 import zmq
 
 from kvshm.errors import AuthenticationFailed, ProtocolError, ServerUnavailable
+from kvshm.limits import HELLO_REPLY_BOUND
 from kvshm.zmq_ctrl.protocol import DecodeError, decode_reply, encode_request
 from kvshm.zmq_ctrl.serverwatch import IDLE_S, POLL_S, ServerGone, ServerWatch
 
@@ -294,6 +295,9 @@ class Channel:
         self._setup = socket_setup
         self._sock: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None
+        #: the most bytes one reply may hold (see :meth:`bound_replies`)
+        self.reply_bound = HELLO_REPLY_BOUND
+        self._bounded = False           # set by a HELLO's bound_replies
         self._next_id = 1
         self._slice_ms = max(1, int(min(WAIT_SLICE_S, POLL_S) * 1000))
         self._rcvtimeo = self._slice_ms     # the socket's RCVTIMEO now (ms)
@@ -341,6 +345,10 @@ class Channel:
             self.routing_id = dealer_options(s)
             s.setsockopt(zmq.RCVTIMEO, self._slice_ms)
             self._rcvtimeo = self._slice_ms
+            if self._bounded:
+                # (libzmq bounds each frame, from the next connection on: it drops one
+                # that sends more; the wait then ends at the timeout)
+                s.setsockopt(zmq.MAXMSGSIZE, self.reply_bound)
             if self._setup is not None:
                 self._setup(s)
             if not self.endpoint.startswith("inproc://"):
@@ -974,8 +982,23 @@ class Channel:
                                          timeout=min(left, CONNECT_TIMEOUT_MS / 1000))
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         zt = _zmtp.Conn(s.detach())
+        zt.max_message = self.reply_bound
         zt.handshake(self.routing_id, max(1, int(min(left, 1.0) * 1000)))
         return zt
+
+    def bound_replies(self, nbytes: int) -> None:
+        """Accept at most ``nbytes`` bytes in one reply from now on (a server's HELLO
+        reply says how large its pool is: :meth:`kvshm.limits.Limits.reply_bound`).
+        Before it the bound is :data:`kvshm.limits.HELLO_REPLY_BOUND` (1 MiB). On the
+        ZMTP transport a larger reply (its frames together) is a ProtocolError at its
+        first frame header past the bound, the connection closed and nothing allocated
+        for the rest; on libzmq each frame is bounded (ZMQ_MAXMSGSIZE) on the
+        connections made after this call, and a connection that passes it is dropped
+        by libzmq (the wait ends as ServerUnavailable at the timeout)."""
+        self.reply_bound = max(1, int(nbytes))
+        self._bounded = True
+        if self.zmtp and self._sock is not None:
+            self._sock.max_message = self.reply_bound
 
     def _zwaited(self, watch: ServerWatch | None, deadline: float, wait: float,
                  sent: bool = True, look: bool = False) -> int:
