@@ -173,7 +173,7 @@ PACKED_PUT = os.environ.get("KVSHM_PACKED_PUT", "1").strip() not in ("", "0")
 #: served in slices, round robin with the others, and answered last). PUT and GET are
 #: not pipelined: measured (100 k keys of 64 bytes, parts of 1,024-8,192 keys) the
 #: server's CPU is most of their time and grew with parts (1.07 -> 1.12-1.45 us a key).
-PIPE_KEYS = {Op.EXISTS: 8192}
+PIPE_KEYS: dict[int, int] = {Op.EXISTS: 8192}
 #: A batch is pipelined from this many parts on (fewer: one request).
 PIPE_MIN_PARTS = 2
 
@@ -506,7 +506,7 @@ class _WriteBehind:
             it is used and the reservation is forgotten (``gen`` 0: the next RESERVE
             resets it on the server, so blocks it may have granted go back).
         """
-        gen = body.get("gen")
+        gen: Any = body.get("gen")
         runs = body.get("runs")
         if runs is None:
             runs = []
@@ -519,7 +519,7 @@ class _WriteBehind:
                 raise ProtocolError(f"bad RESERVE reply: {why}; the reservation is "
                                     "dropped (the next put asks for a new one)")
             if drop:
-                self.gen = gen
+                self.gen = gen          # (an int: _bad_reserve said so)
                 self.runs, self.free = [], 0
             for r in runs:
                 self.runs.append([r[0], r[1]])
@@ -1547,7 +1547,7 @@ class _Session:
                                 "exceed this client's pin limit on the server; read in "
                                 "smaller batches")
         hits = [i for i, s in enumerate(sizes) if s >= 0]
-        data = [None] * len(sizes)
+        data: list[Any] = [None] * len(sizes)
         if not hits:
             return sizes, data
         try:
@@ -2311,7 +2311,7 @@ class Client:
         # no value is larger than the server's pool: a reply saying so is refused
         # (sizes_of, below), never copied or returned (0: not known, as sizes_of)
         cap = s.capacity if s.capacity > 0 else _MAX_SIZE
-        r = _NOT_SENT
+        r: Any = _NOT_SENT
         if _CALL1 and not verify:
             if views is None:
                 r = self._fast1(s, _GET1, _OP_GET, bkey, None, None, None)
@@ -2364,7 +2364,7 @@ class Client:
         bkey = _key1(s, key)
         if bkey is None:
             return None
-        r = self._fast1(s, _EXISTS1, _OP_EXISTS, bkey, None, None, None) if _CALL1 \
+        r: Any = self._fast1(s, _EXISTS1, _OP_EXISTS, bkey, None, None, None) if _CALL1 \
             else _NOT_SENT
         if type(r) is bool:
             return r
@@ -2404,6 +2404,7 @@ class Client:
             gen.close()
             raise
         drive = _Drive(s, gen)
+        reply: _Reply | list[_Reply]
         try:
             done, val = drive.start()
             while not done:

@@ -1,7 +1,7 @@
 """mypy passes on the typed core, and the stubs of the compiled modules say what they do.
 
-For now mypy checks the stubs, kvshm/errors.py, kvshm/__init__.py, kvshm/store/ and every
-perf/ script:
+For now mypy checks the stubs, kvshm/errors.py, kvshm/__init__.py, kvshm/store/, the clients
+(kvshm/client.py, kvshm/aio.py, kvshm/zmq_ctrl/channel.py) and every perf/ script:
 modules these import are analysed but their own errors are not reported
 (``--follow-imports=silent``), so that modules in the middle of an edit do not fail this
 test.
@@ -27,7 +27,9 @@ CHECKED = ["kvshm/_bitmap.pyi", "kvshm/_pool.pyi", "kvshm/_shmindex.pyi", "kvshm
            "kvshm/_batch.pyi",
            "kvshm/errors.py", "kvshm/__init__.py",
            # the store's parts share their state through kvshm/store/parts.py
-           "kvshm/store/"]
+           "kvshm/store/",
+           # the clients and their control channel (session 28)
+           "kvshm/client.py", "kvshm/aio.py", "kvshm/zmq_ctrl/channel.py"]
 
 Mypy = Callable[..., "tuple[str, int]"]
 

@@ -43,7 +43,7 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import zmq
 
@@ -119,7 +119,8 @@ def _send_zmqc(sock: zmq.Socket, header: bytes, frames: Sequence[Any]) -> None:
 
 
 def _recv_zmqc(sock: zmq.Socket) -> list[Any]:
-    return _zmqc.recv_multipart(sock, 0, ZERO_COPY_BYTES)  # type: ignore[no-any-return]
+    # (blocking: a message, never None)
+    return cast("list[Any]", _zmqc.recv_multipart(sock, 0, ZERO_COPY_BYTES))
 
 
 #: Whether :meth:`Channel.call1` is there (the one-key path in C, _zmqc built)
@@ -293,7 +294,8 @@ class Channel:
         self.routing_id = os.urandom(16)
         self._ctx = context or zmq.Context.instance()
         self._setup = socket_setup
-        self._sock: zmq.Socket | None = None
+        # a zmq.Socket, or on the ZMTP transport a kvshm.zmq_ctrl._zmtp.Conn
+        self._sock: Any = None
         self._monitor: zmq.Socket | None = None
         #: the most bytes one reply may hold (see :meth:`bound_replies`)
         self.reply_bound = HELLO_REPLY_BOUND
@@ -594,7 +596,7 @@ class Channel:
         its last look, :meth:`_expired`); else True, the next slice set up (shorter when
         the deadline is nearer)."""
         mon = self._monitor
-        while mon is not None and mon.get(zmq.EVENTS) & zmq.POLLIN:
+        while mon is not None and cast(int, mon.get(zmq.EVENTS)) & zmq.POLLIN:
             self._handshake_failed()        # raises, or the wait goes on
             mon = self._monitor
         now = time.monotonic()
@@ -818,8 +820,8 @@ class Channel:
             except zmq.ZMQError:
                 return
             try:
-                status, rid, rbody = decode_reply(msg[0] if type(msg[0]) is bytes
-                                                  else msg[0].buffer)
+                m0 = msg[0]
+                status, rid, rbody = decode_reply(m0 if isinstance(m0, bytes) else m0.buffer)
             except DecodeError as exc:
                 self.reset()
                 raise ProtocolError(f"bad reply from {self._where()}: {exc}") from None
