@@ -170,10 +170,14 @@ PACKED_PUT = os.environ.get("KVSHM_PACKED_PUT", "1").strip() not in ("", "0")
 #: Keys per request of a pipelined batch, by op. EXISTS: the server's C batch path
 #: serves up to ``SLICE_MULT * slice_keys`` (8,192 at the default 2,048) keys in one
 #: turn, so a part of that size is answered as it comes, in order (a larger one would be
-#: served in slices, round robin with the others, and answered last). PUT and GET are
-#: not pipelined: measured (100 k keys of 64 bytes, parts of 1,024-8,192 keys) the
-#: server's CPU is most of their time and grew with parts (1.07 -> 1.12-1.45 us a key).
-PIPE_KEYS: dict[int, int] = {Op.EXISTS: 8192}
+#: served in slices, round robin with the others, and answered last). PUT: a TCP
+#: put_batch (no checksum, not written behind), parts packed before the first is sent
+#: (:meth:`_Session.op_put_parts`); measured in stop 16 the server's CPU grew with parts
+#: (1.07 -> 1.12-1.45 us a key); in stop 28 (100 k keys of 64 bytes, beside a CI run,
+#: load ~3) 0.55-0.57 -> 0.54-0.83 M keys/s in two runs of parts of 2,048-32,768 keys,
+#: 0.45 -> 0.34 in ``perf/bench_small.py`` (server 0.80 -> 1.10 us a key), which times
+#: both in turns. Off by default, as EXISTS's. GET is not pipelined.
+PIPE_KEYS: dict[int, int] = {Op.EXISTS: 8192, Op.PUT: 8192}
 #: A batch is pipelined from this many parts on (fewer: one request).
 PIPE_MIN_PARTS = 2
 
@@ -1702,6 +1706,36 @@ class _Session:
             found += found_of(r.body, min(k, len(bkeys) - j * k))
         return found
 
+    def op_put_parts(self, keys: Sequence[Key], values: Sequence[Any], k: int
+                     ) -> Generator[Any, Any, Any]:
+        """put_batch over TCP (no mover, no checksum, not written behind) as PUTs of
+        ``k`` keys, pipelined (a :class:`_Many`: :class:`Client` only). Each part packed
+        as the one request's (``_batch.pack_values``: its checks and errors, raised
+        before anything is sent); the statuses put together in key order; a refused
+        part raises what the one request would have (the first refused part's), and
+        the keys of the parts before it are stored, as the keys of a batch that fails
+        part-way are."""
+        self.raise_lost_commits()
+        self.raise_wb_errors()
+        bkeys = self.keys(keys)
+        if len(values) != len(bkeys):
+            raise ValueError(f"{len(bkeys)} keys but {len(values)} values")
+        reqs = []
+        for i in range(0, len(bkeys), k):
+            part = bkeys[i:i + k]
+            sizes, frames, counts = _batch.pack_values(
+                part, values[i:i + k], self.capacity, self.limits.max_value_bytes or 0,
+                byte_view, ValueTooLarge)
+            reqs.append(_Req(Op.PUT, {"keys": part, "sizes": sizes, "counts": counts},
+                             frames))
+        rs = yield _Many(reqs)
+        st: list[int] = []
+        for r in rs:
+            _check(r, "put")
+            st += r.body["st"]
+        self.raise_failures(bkeys, st, "put")
+        return None
+
     def op_simple(self, op: int, body: dict[str, Any], what: str) -> OpGen:
         r = yield _Req(op, body)
         _check(r, what)
@@ -2705,7 +2739,12 @@ class Client:
 
             return self._run(handoff.op_put_pinned(self._session, keys, values, checksum,
                                                    pin_ttl, self.address))
-        self._run(self._session.op_put_batch(keys, values, checksum))
+        s = self._session
+        k = _parts(len(keys), Op.PUT)
+        if k and s.mover is None and s.wb is None and not checksum and _batch is not None:
+            self._run(s.op_put_parts(keys, values, k))
+            return None
+        self._run(s.op_put_batch(keys, values, checksum))
         return None
 
     # ---------------------------------------------------------------- handoff pins

@@ -28,7 +28,7 @@ remote (TCP transport, i.e. what a client on another host gets)
 batch (TCP, a server with 4 KiB blocks)
     ``put_batch`` / ``get_batch`` (fresh bytes) / ``exists_batch`` of --batch keys of
     64-byte values, keys/s, beside Redis pipelined SET / MGET (fresh bytes) of the same;
-    ``exists_batch`` as one request (the default) and pipelined (``KVSHM_PIPELINE=1``),
+    ``exists_batch`` and ``put_batch`` as one request (the default) and pipelined (``KVSHM_PIPELINE=1``),
     taking turns in this run, with the client thread's and the server process's CPU per
     key.
 bystander (TCP)
@@ -505,6 +505,10 @@ def report(res: dict[str, Any]) -> None:
                   f"   pipelined (KVSHM_PIPELINE=1) {bat['exists_pipe'] / 1e6:.2f} M/s "
                   f"(client {bat['exists_cpu_pipe'] * 1e6:.3f} us, server "
                   f"{bat['exists_srv_pipe'] * 1e6:.3f} us), same run, taking turns")
+        if "put_pipe" in bat:
+            print(f"  put_batch as one PUT {bat['put'] / 1e6:.2f} M/s   pipelined "
+                  f"(KVSHM_PIPELINE=1) {bat['put_pipe'] / 1e6:.2f} M/s (server "
+                  f"{bat['put_cpu_pipe'] * 1e6:.2f} us CPU/key), same run, taking turns")
         if "rset" in bat:
             print(f"  redis pipelined SET {bat['rset'] / 1e6:.2f} M/s   MGET (fresh bytes) "
                   f"{bat['rmget'] / 1e6:.2f} M/s   put/redis {bat['put_vs_redis']:.2f}  "

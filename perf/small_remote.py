@@ -193,6 +193,7 @@ def bench_batches(address: str, server_pid: int, r: Any, redis_pid: int | None,
     n = len(keys)
     res: dict[str, list[float]] = {k: [] for k in (
         "put", "get", "exists", "rset", "rmget", "put_cpu", "get_cpu", "exists_pipe",
+        "put_pipe", "put_cpu_pipe",
         "exists_cpu", "exists_cpu_pipe", "exists_srv", "exists_srv_pipe")}
     pipe0 = kvshm.client.PIPELINE
     with kvshm.Client(address, transport="tcp", timeout=120) as c:
@@ -200,11 +201,17 @@ def bench_batches(address: str, server_pid: int, r: Any, redis_pid: int | None,
             raise RuntimeError(f"asked for tcp, got {c.transport}")
         c.put_batch(keys, vals)
         for _ in range(reps):
-            cpu0, t = cpu_seconds(server_pid), _now()
-            c.put_batch(keys, vals)
-            dt, cpu = _now() - t, cpu_seconds(server_pid) - cpu0
-            res["put"].append(n / dt)
-            res["put_cpu"].append(cpu / n)
+            # put_batch as one PUT (the default) and pipelined (KVSHM_PIPELINE=1), taking
+            # turns; the values of the last one are read back below
+            for pipe in ((True, False) if len(res["put"]) % 2 == 0 else (False, True)):
+                kvshm.client.PIPELINE = pipe
+                cpu0, t = cpu_seconds(server_pid), _now()
+                c.put_batch(keys, vals)
+                dt, cpu = _now() - t, cpu_seconds(server_pid) - cpu0
+                sfx = "_pipe" if pipe else ""
+                res["put" + sfx].append(n / dt)
+                res["put_cpu" + sfx].append(cpu / n)
+            kvshm.client.PIPELINE = pipe0
             cpu0, t = cpu_seconds(server_pid), _now()
             got = c.get_batch(keys)
             dt, cpu = _now() - t, cpu_seconds(server_pid) - cpu0

@@ -59,6 +59,9 @@ def test_bench_small_quick(tmp_path):
             io = r[f"kvshm_{op}_io_us"]
             assert (0 < io if kind == "libzmq" else 0 <= io) and io <= r[f"kvshm_{op}_cpu_us"], r
     assert {s["bytes"] for s in res["local"]["single"]} == {64 << 10, 1 << 20}
+    # put_batch one PUT and pipelined, in turns
+    assert "put_batch as one PUT" in out
+    assert res["batch"]["put_pipe"] > 0 and res["batch"]["put_cpu_pipe"] >= 0
     if "redis" not in " ".join(res["unavailable"]):
         assert "redis set" in out and "redis pipelined SET" in out
         assert all("redis_get_rps" in r for r in res["remote"]["rows"])

@@ -1,4 +1,4 @@
-"""Pipelined batch EXISTS (kvshm.client: PIPELINE / PIPE_KEYS; Channel.request_many)
+"""Pipelined batch EXISTS and TCP PUT (kvshm.client: PIPELINE / PIPE_KEYS; Channel.request_many)
 against the one request it replaces (``PIPELINE`` off, the default): the same answers in
 key order, the same errors at the same keys, replies taken in any order, a refused part
 raising the one request's error, and a server that stops answering mid-pipeline ending
@@ -240,3 +240,38 @@ def test_exists_batch_after_a_server_restart(monkeypatch, tmp_path):
             assert c.exists_batch(keys) == [True] * 10 + [False] * 990
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("n", [1, 99, 100, 199, 200, 201, 1003])
+def test_put_batch_same_results_on_and_off(server, monkeypatch, n):
+    """A TCP put_batch pipelined as PUTs of 100 keys stores what the one PUT stores:
+    every value read back is the last one written, in as many requests as parts."""
+    monkeypatch.setitem(client_mod.PIPE_KEYS, Op.PUT, 100)
+    with Client(server.address, transport="tcp", timeout=30) as c:
+        keys = [f"pput-{n}-{i}".encode() for i in range(n)]
+        for on in (False, True):
+            monkeypatch.setattr(client_mod, "PIPELINE", on)
+            vals = [os.urandom(1 + i % 300) + bytes([on]) for i in range(n)]
+            sent = c._chan.sent
+            assert c.put_batch(keys, vals) is None
+            assert c._chan.sent - sent == (1 if not on or n < 200 else -(-n // 100))
+            monkeypatch.setattr(client_mod, "PIPELINE", False)
+            assert c.get_batch(keys) == vals
+
+
+def test_put_batch_same_errors_at_the_same_keys(server, monkeypatch):
+    """Bad keys, a value past the pool, a count mismatch: the one PUT's error (type
+    and message), raised before any part is sent."""
+    monkeypatch.setitem(client_mod.PIPE_KEYS, Op.PUT, 100)
+    with Client(server.address, transport="tcp", timeout=30) as c:
+        keys: list = [f"perr-{i}".encode() for i in range(1000)]
+        vals: list = [b"v"] * 1000
+        for bad_key, bad_val, extra in [(b"", b"v", 0), (17, b"v", 0),
+                                        (b"ok", b"x" * (c.session.capacity + 1), 0),
+                                        (b"ok", b"v", 1)]:
+            ks, vs = list(keys), list(vals)
+            ks[950], vs[950] = bad_key, bad_val
+            vs += [b"v"] * extra
+            (off, s_off), (on, s_on) = _both(monkeypatch, c, lambda: c.put_batch(ks, vs))
+            assert type(off) is tuple and off == on, (off, on)
+            assert s_off == s_on == 0          # refused before anything was sent
