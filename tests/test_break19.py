@@ -303,6 +303,7 @@ def test_a_call_given_up_mid_frame_then_the_same_channel_serves_the_next_call(mo
 
     fake = FakeServer(script)
     ch = _channel(fake, timeout=0.5)
+    ch.bound_replies(64 << 20)      # (as after a HELLO: the 1 MiB value is within it)
     try:
         out1 = bytearray(len(v1))
         with pytest.raises(ServerUnavailable):
@@ -325,15 +326,18 @@ def test_a_call_given_up_mid_frame_then_the_same_channel_serves_the_next_call(mo
         fake.close()
 
 
-def test_a_frame_claiming_a_huge_length_allocates_nothing_near_it(monkeypatch):
+@pytest.mark.parametrize("bound", [None, 1 << 41], ids=["default-bound", "2TiB-bound"])
+def test_a_frame_claiming_a_huge_length_allocates_nothing_near_it(monkeypatch, bound):
     """Held: an OK reply whose sizes fit the buffer, then a payload frame whose ZMTP
-    length claims 2**40 bytes (more than the room: not placed, received as usual, which
-    allocates at most FIRST_ALLOC until bytes come), then the server closes: the call
-    raises ServerUnavailable, the buffer untouched and released."""
+    length claims 2**40 bytes. Within the channel's reply bound (a server of a 2 TiB
+    pool): more than the room, not placed, received as usual, which allocates at most
+    FIRST_ALLOC until bytes come, then the server closes: the call raises
+    ServerUnavailable. Past it (the 1 MiB before HELLO; since session 28): a
+    ProtocolError at the frame's header. Either way the buffer untouched and released."""
     import resource
 
     import kvshm.zmq_ctrl.channel as chmod
-    from kvshm.errors import ServerUnavailable
+    from kvshm.errors import ProtocolError, ServerUnavailable
     from kvshm.zmq_ctrl import frames as F
     from kvshm.zmq_ctrl.protocol import decode_request, encode_reply
     from test_zmtp import FakeServer, _accept, _channel, _read_message
@@ -352,9 +356,11 @@ def test_a_frame_claiming_a_huge_length_allocates_nothing_near_it(monkeypatch):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     fake = FakeServer(script)
     ch = _channel(fake, timeout=2)
+    if bound is not None:
+        ch.bound_replies(bound)
     try:
         out = bytearray(8)
-        with pytest.raises(ServerUnavailable):
+        with pytest.raises(ServerUnavailable if bound else ProtocolError):
             ch.request(Op.GET, {"keys": [b"a"]}, into=F.into([out]))
         assert out == bytearray(8)
         out.extend(b"x")

@@ -249,6 +249,7 @@ def test_a_server_that_dies_mid_reply(monkeypatch):
 
     fake = FakeServer(script)
     ch = _channel(fake, timeout=1.0)
+    ch.bound_replies(64 << 20)      # (as after a HELLO: a 1 MiB value is within it)
     outs = [bytearray(len(v)), bytearray(len(v))]
     try:
         t = time.monotonic()
@@ -290,6 +291,7 @@ def test_a_reply_that_stalls_past_the_deadline_lands_nothing_later(monkeypatch):
 
     fake = FakeServer(script)
     ch = _channel(fake, timeout=0.5)
+    ch.bound_replies(64 << 20)      # (as after a HELLO: a 1 MiB value is within it)
     out = bytearray(len(v))
     try:
         with pytest.raises(ServerUnavailable):
