@@ -1462,8 +1462,15 @@ class _Session:
                 return
             with wb.placed.lock:
                 wb.outstanding[rid] = bkeys
+            if wb.gen != gen:
+                # a HELLO voided the reservation since the blocks were taken: a reset
+                # may give them to other keys before this PLACE's reply (refused, or
+                # done) is read, so it is not read back from them (see _put_behind)
+                return
             wb.placed.add(rid, bkeys, sizes, extents, sums)
 
+        if wb.gen != gen:       # (voided already: the general path, as _put_behind)
+            return (yield from self.op_put_batch(bkeys, views, checksum, lazy=False))
         yield _Req(Op.PLACE, body, stateful=True, noreply=sent)
         if wb.low() and wb.gen == gen and self.wb is wb:
             def asked(rid: int) -> None:
@@ -2577,6 +2584,14 @@ class Client:
                 # since the blocks were taken: the copy went into a reservation of a
                 # pool that is no longer this client's. Put again the general way (not
                 # read back from the new pool at these offsets, nor lost unreported).
+                return False
+            if wb.gen != gen:
+                # another thread's HELLO voided the reservation since the blocks were
+                # taken (same server): the next RESERVE resets it, which gives these
+                # blocks to other keys while this PLACE would still be listed in
+                # ``placed`` (read back as another key's bytes: tests/test_break10.py
+                # with-ping saw it), and the PLACE would be refused. Put again the
+                # general way.
                 return False
             if wb.held_rid and wb.held_gen != gen:
                 self._send_held_locked()        # another reservation's: not mixed
